@@ -1,0 +1,145 @@
+"""kvtier configuration: one validated model, three sources.
+
+Precedence, highest first:
+1. explicit values (vLLM's ``kv_connector_extra_config``, CLI flags),
+2. ``KVTIER_<FIELD>`` environment variables (e.g. ``KVTIER_CPU_CAPACITY=4GiB``),
+3. a TOML or JSON file named by ``config_file`` / ``KVTIER_CONFIG_FILE``,
+4. the defaults below.
+
+Unknown keys are refused in every source, including unknown ``KVTIER_*``
+environment variables, so a misspelt setting never silently does nothing.
+Byte sizes accept integers (bytes) or strings such as ``"512MiB"``/``"4GB"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Mapping
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+
+from kvtier.tiers.policies import POLICIES
+
+ENV_PREFIX = "KVTIER_"
+
+
+class ConfigError(ValueError):
+    """A configuration value or source is invalid; the message names the key and the source."""
+
+
+class KVTierConfig(BaseModel):
+    """Every kvtier setting, with its default and unit."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    enabled: bool = Field(True, description="Master switch; False makes the connector a no-op (every lookup a miss).")
+    chunk_size: int = Field(
+        256, ge=16, le=65536, description="Tokens per chunk; must be a multiple of the engine block size."
+    )
+    cpu_capacity: ByteSize = Field(
+        ByteSize(1 << 30),
+        description="Bytes of pre-allocated, pre-touched CPU DRAM for the hot tier (per process).",
+    )
+    cpu_eviction: str = Field("lru", description="CPU tier eviction policy.")
+    disk_path: Path | None = Field(None, description="Directory of the local disk tier; unset disables the tier.")
+    disk_capacity: ByteSize = Field(ByteSize(16 << 30), description="Byte bound of the disk tier (headers included).")
+    disk_eviction: str = Field("lru", description="Disk tier eviction policy.")
+    disk_fsync: bool = Field(False, description="fsync each chunk file before publishing it (power-loss safety).")
+    disk_write_queue: int = Field(
+        256, ge=1, description="Chunks waiting for write-behind to disk; more are dropped (counted)."
+    )
+    lease_ttl_s: float = Field(
+        300.0, gt=0, description="Seconds a lookup's lease pins its chunks if no load/finish ends it."
+    )
+    model_id: str | None = Field(
+        None,
+        description="Model identity in the key namespace; default: model name plus a fingerprint of its weights.",
+    )
+    save: bool = Field(True, description="Store newly computed full prompt chunks.")
+    load: bool = Field(True, description="Report hits and load cached chunks.")
+    config_file: Path | None = Field(None, description="TOML or JSON file with any of these keys.")
+
+    @field_validator("cpu_eviction", "disk_eviction")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"unknown eviction policy {v!r}; choose one of {sorted(POLICIES)}")
+        return v
+
+    def describe(self) -> str:
+        """One line with the effective settings, for the start-up log."""
+        return " ".join(f"{k}={v}" for k, v in self.model_dump().items())
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read kvtier config file {path}: {exc}") from None
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"kvtier config file {path} is not valid {path.suffix or 'TOML'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"kvtier config file {path} must hold a table/object of settings")
+    data = dict(data.get("kvtier", data))  # allow a [kvtier] table
+    data.pop("config_file", None)
+    return data
+
+
+def _env_values(environ: Mapping[str, str]) -> dict[str, str]:
+    fields = set(KVTierConfig.model_fields)
+    out: dict[str, str] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key not in fields:
+            raise ConfigError(
+                f"unknown environment variable {name}; kvtier settings are "
+                + ", ".join(ENV_PREFIX + f.upper() for f in sorted(fields))
+            )
+        out[key] = value
+    return out
+
+
+def load_config(
+    overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> KVTierConfig:
+    """Build the effective config from explicit values, environment and file.
+
+    Args:
+        overrides: explicit settings (highest precedence), e.g. vLLM's
+            ``kv_connector_extra_config``.
+        environ: environment to read ``KVTIER_*`` from (default ``os.environ``).
+
+    Raises:
+        ConfigError: unknown key, bad value or unreadable file; the message names
+            the offending key and where it came from.
+    """
+    overrides = dict(overrides or {})
+    env = _env_values(os.environ if environ is None else environ)
+    file_path = overrides.get("config_file") or env.get("config_file")
+    file_vals = _read_file(Path(file_path)) if file_path else {}
+    merged: dict[str, Any] = {**file_vals, **env, **overrides}
+    origin = {k: f"config file {file_path}" for k in file_vals}
+    origin.update({k: f"environment variable {ENV_PREFIX}{k.upper()}" for k in env})
+    origin.update({k: "explicit setting" for k in overrides})
+    try:
+        return KVTierConfig(**merged)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            key = str(err["loc"][0]) if err["loc"] else "?"
+            where = origin.get(key, "default")
+            if err["type"] == "extra_forbidden":
+                problems.append(f"unknown setting {key!r} (from {where})")
+            else:
+                problems.append(f"{key} (from {where}): {err['msg']}")
+        raise ConfigError("invalid kvtier config: " + "; ".join(problems)) from None

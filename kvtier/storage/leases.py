@@ -1,0 +1,93 @@
+"""Leases: a lookup that will be followed by a load pins its chunks until then.
+
+Invariants (kept under ``self._lock``):
+- ``_pins[key]`` equals the number of live leases that list ``key``; a key with
+  a positive count is never evicted from any tier.
+- A lease ends exactly once: on ``release`` (load done, request finished or
+  aborted), when replaced by a new lease with the same id (the scheduler asked
+  again), or when its TTL expires (``reap``). Ending a lease decrements the pin
+  of each of its keys, so no pin outlives its lease.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+
+@dataclass(slots=True)
+class Lease:
+    keys: tuple[bytes, ...]
+    expires_at: float
+
+
+class LeaseTable:
+    """Leases by owner id (a request id) with a TTL in seconds.
+
+    Args:
+        ttl_s: seconds after which an unreleased lease expires.
+        clock: monotonic clock (injectable for tests).
+    """
+
+    def __init__(self, ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic):
+        if ttl_s <= 0:
+            raise ValueError(f"lease TTL must be positive, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._leases: dict[str, Lease] = {}
+        self._pins: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+        self.expired = 0
+
+    def grant(self, owner: str, keys: Sequence[bytes]) -> None:
+        """Lease ``keys`` for ``owner``, replacing any lease it held."""
+        with self._lock:
+            self._end_locked(owner)
+            if not keys:
+                return
+            lease = Lease(tuple(keys), self._clock() + self.ttl_s)
+            self._leases[owner] = lease
+            for k in lease.keys:
+                self._pins[k] = self._pins.get(k, 0) + 1
+
+    def release(self, owner: str) -> bool:
+        """End ``owner``'s lease; False if it had none."""
+        with self._lock:
+            return self._end_locked(owner)
+
+    def reap(self) -> int:
+        """End expired leases; returns how many ended."""
+        now = self._clock()
+        with self._lock:
+            dead = [o for o, lease in self._leases.items() if lease.expires_at <= now]
+            for o in dead:
+                self._end_locked(o)
+            self.expired += len(dead)
+            return len(dead)
+
+    def is_pinned(self, key: bytes) -> bool:
+        return self._pins.get(key, 0) > 0
+
+    def holds(self, owner: str) -> bool:
+        return owner in self._leases
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    @property
+    def pinned_keys(self) -> int:
+        return len(self._pins)
+
+    def _end_locked(self, owner: str) -> bool:
+        lease = self._leases.pop(owner, None)
+        if lease is None:
+            return False
+        for k in lease.keys:
+            n = self._pins[k] - 1
+            if n:
+                self._pins[k] = n
+            else:
+                del self._pins[k]
+        return True

@@ -1,0 +1,191 @@
+"""CPU DRAM tier: chunk payloads in slots of a pre-touched :class:`ChunkPool`.
+
+Invariants (kept under ``self._lock``):
+- A key is in ``_entries`` iff it owns exactly one pool slot.
+- A ``WRITING`` entry is invisible to ``contains``/``acquire`` until ``commit``;
+  ``abort`` frees it. Its writer holds one reference.
+- ``refs`` counts readers and writers currently copying the slot. An entry with
+  ``refs > 0``, or whose key is pinned (leased by a lookup), is never evicted:
+  eviction skips it and tries the next candidate of the policy.
+- Bytes in use never exceed the pool, which is the tier's byte bound.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from kvtier.memory.pool import ChunkPool, PoolExhausted
+from kvtier.tiers.policies import EvictionPolicy, LRUPolicy
+
+WRITING = 0
+READY = 1
+
+
+@dataclass(slots=True)
+class CpuEntry:
+    slot: int
+    state: int
+    refs: int
+
+
+class CpuTier:
+    """Bounded CPU tier of fixed-size chunks.
+
+    Args:
+        chunk_bytes: payload bytes per chunk (slot size).
+        capacity_bytes: byte bound; the pool holds ``capacity_bytes // chunk_bytes`` slots.
+        policy: eviction order (default LRU).
+        is_pinned: returns True for keys that must not be evicted (leases).
+
+    Raises:
+        ValueError: capacity below one chunk.
+    """
+
+    name = "cpu"
+
+    def __init__(
+        self,
+        chunk_bytes: int,
+        capacity_bytes: int,
+        policy: EvictionPolicy | None = None,
+        is_pinned: Callable[[bytes], bool] = lambda key: False,
+    ):
+        num_slots = capacity_bytes // chunk_bytes
+        if num_slots < 1:
+            raise ValueError(
+                f"CPU tier capacity {capacity_bytes} B is below one chunk ({chunk_bytes} B)"
+            )
+        self.chunk_bytes = chunk_bytes
+        self.pool = ChunkPool(chunk_bytes, num_slots)
+        self.policy = policy or LRUPolicy()
+        self._is_pinned = is_pinned
+        self._entries: dict[bytes, CpuEntry] = {}
+        self._lock = threading.Lock()
+        self.evicted_chunks = 0
+        self.evicted_bytes = 0
+
+    # -- queries -----------------------------------------------------------
+    def contains(self, key: bytes) -> bool:
+        e = self._entries.get(key)
+        return e is not None and e.state == READY
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self._entries) * self.chunk_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.pool.capacity_bytes
+
+    def touch(self, key: bytes) -> None:
+        with self._lock:
+            if key in self._entries:
+                self.policy.touch(key)
+
+    def referenced_chunks(self) -> int:
+        """Entries with readers or writers (should be 0 when idle)."""
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.refs)
+
+    # -- write path --------------------------------------------------------
+    def reserve(self, key: bytes) -> np.ndarray | None:
+        """Reserve a slot for ``key`` and return it for the caller to fill.
+
+        Returns ``None`` if the key is already present (or being written) or no
+        slot can be freed (everything pinned or referenced). The caller must
+        follow with :meth:`commit` or :meth:`abort`.
+        """
+        with self._lock:
+            if key in self._entries:
+                return None
+            slot = self._alloc_locked()
+            if slot is None:
+                return None
+            self._entries[key] = CpuEntry(slot, WRITING, 1)
+            return self.pool.view(slot)
+
+    def commit(self, key: bytes) -> None:
+        """Publish a reserved chunk; it becomes visible to readers."""
+        with self._lock:
+            e = self._entries[key]
+            if e.state != WRITING:
+                raise RuntimeError("commit of a chunk that is not being written")
+            e.state = READY
+            e.refs -= 1
+            self.policy.insert(key)
+
+    def abort(self, key: bytes) -> None:
+        """Drop a reserved chunk (the copy failed)."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or e.state != WRITING:
+                return
+            del self._entries[key]
+            self.pool.free(e.slot)
+
+    # -- read path ---------------------------------------------------------
+    def acquire(self, key: bytes) -> np.ndarray | None:
+        """Take a read reference; returns the slot view or ``None`` on a miss."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or e.state != READY:
+                return None
+            e.refs += 1
+            self.policy.touch(key)
+            return self.pool.view(e.slot)
+
+    def release(self, key: bytes) -> None:
+        """Drop a read reference taken by :meth:`acquire`."""
+        with self._lock:
+            e = self._entries[key]
+            if e.refs <= 0:
+                raise RuntimeError("release without acquire")
+            e.refs -= 1
+
+    # -- removal -----------------------------------------------------------
+    def delete(self, key: bytes) -> bool:
+        """Remove an unreferenced chunk; returns False if absent or in use."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or e.refs or e.state != READY:
+                return False
+            self._drop_locked(key, e)
+            return True
+
+    def clear(self) -> int:
+        """Remove every unreferenced chunk; returns how many were removed."""
+        with self._lock:
+            victims = [k for k, e in self._entries.items() if not e.refs and e.state == READY]
+            for k in victims:
+                self._drop_locked(k, self._entries[k])
+            return len(victims)
+
+    def _drop_locked(self, key: bytes, e: CpuEntry) -> None:
+        del self._entries[key]
+        self.policy.remove(key)
+        self.pool.free(e.slot)
+
+    def _alloc_locked(self) -> int | None:
+        try:
+            return self.pool.alloc()
+        except PoolExhausted:
+            pass
+        victim = None
+        for key in self.policy.candidates():
+            e = self._entries[key]
+            if e.refs == 0 and not self._is_pinned(key):
+                victim = key
+                break
+        if victim is None:
+            return None
+        self._drop_locked(victim, self._entries[victim])
+        self.evicted_chunks += 1
+        self.evicted_bytes += self.chunk_bytes
+        return self.pool.alloc()

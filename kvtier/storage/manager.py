@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -65,6 +66,25 @@ class Counters:
     promoted_chunks: int = 0
 
 
+@dataclass
+class RequestRecord:
+    """Where one request's prompt tokens came from.
+
+    ``engine_hit_tokens`` were already in the engine's own prefix cache,
+    ``kvtier_hit_tokens`` were loaded by kvtier (split by tier in ``tiers``), the
+    rest were computed.
+    """
+
+    prompt_tokens: int
+    engine_hit_tokens: int = 0
+    kvtier_hit_tokens: int = 0
+    tiers: dict[str, int] = field(default_factory=dict)
+
+
+#: Recent request records kept for inspection (oldest dropped first).
+MAX_REQUEST_RECORDS = 10_000
+
+
 class ReadHandle:
     """A chunk held for reading: ``buffer`` stays valid until ``close()``."""
 
@@ -109,6 +129,7 @@ class StorageManager:
         self.hasher = ChunkHasher(namespace)
         self.leases = LeaseTable(config.lease_ttl_s)
         self.counters = Counters()
+        self.requests: OrderedDict[str, RequestRecord] = OrderedDict()
         self._lock = threading.Lock()
         self.cpu = CpuTier(
             self.chunk_bytes,
@@ -190,15 +211,26 @@ class StorageManager:
             c.lookup_tokens += len(tokens)
         return LookupResult(len(hit_keys) * cs, hit_keys, tiers)
 
-    def record_hit(self, result: LookupResult, from_chunk: int = 0) -> None:
-        """Count the hit tokens actually supplied to the engine, by tier."""
-        cs = self.namespace.chunk_size
+    def record_request(self, request_id: str, record: RequestRecord) -> None:
+        """Remember where ``request_id``'s prompt tokens came from (bounded log)."""
         with self._lock:
-            for tier in result.tiers[from_chunk:]:
-                if tier == "cpu":
-                    self.counters.hit_tokens_cpu += cs
-                else:
-                    self.counters.hit_tokens_disk += cs
+            self.requests[request_id] = record
+            self.requests.move_to_end(request_id)
+            while len(self.requests) > MAX_REQUEST_RECORDS:
+                self.requests.popitem(last=False)
+
+    def record_load(self, request_id: str, tier: str, num_tokens: int) -> None:
+        """Count ``num_tokens`` supplied to ``request_id`` from ``tier``."""
+        with self._lock:
+            if tier == "cpu":
+                self.counters.hit_tokens_cpu += num_tokens
+            else:
+                self.counters.hit_tokens_disk += num_tokens
+            self.counters.loaded_chunks += 1
+            rec = self.requests.get(request_id)
+            if rec is not None:
+                rec.kvtier_hit_tokens += num_tokens
+                rec.tiers[tier] = rec.tiers.get(tier, 0) + num_tokens
 
     def release(self, lease_owner: str) -> None:
         """End ``lease_owner``'s lease (load done, request finished or aborted)."""

@@ -10,6 +10,7 @@ kvtier. The last ``release`` closes the manager (flushes write-behind).
 
 from __future__ import annotations
 
+import atexit
 import threading
 
 from kvtier.config import KVTierConfig
@@ -45,3 +46,22 @@ def release(manager: StorageManager) -> None:
                     del _managers[k]
                     manager.close()
                 return
+
+
+def active_managers() -> list[StorageManager]:
+    """Managers alive in this process (for inspection: demo, stats)."""
+    with _lock:
+        return [slot[0] for slot in _managers.values()]
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    """Flush write-behind of managers the engine never shut down."""
+    with _lock:
+        slots = list(_managers.values())
+        _managers.clear()
+    for slot in slots:
+        try:
+            slot[0].close()
+        except Exception:  # pragma: no cover - best effort at interpreter exit
+            pass

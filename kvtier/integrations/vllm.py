@@ -1,0 +1,395 @@
+"""vLLM v1 KV connector: ``KVTierConnector``.
+
+Load it with::
+
+    LLM(model, kv_transfer_config={
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_capacity": "4GiB", "disk_path": "/var/cache/kvtier"},
+    })
+
+Scheduler side (``get_num_new_matched_tokens`` ... ``request_finished``): looks up
+the longest cached prefix of each new prompt beyond what vLLM's own prefix cache
+holds, leases those chunks, and after block allocation plans, per step, which
+chunks to load into which blocks and which newly computed full prompt chunks to
+save. Worker side: loads planned chunks synchronously before the forward pass
+(vLLM calls ``start_load_kv`` before the model when a step has sync loads) and
+saves planned chunks after it (``wait_for_save``), copying whole paged blocks.
+
+Invariants:
+- Loads start at the first block past the engine's (block-aligned) local
+  prefix hit: kvtier never writes into blocks vLLM already holds.
+- A load either fills every planned block or reports the unfilled ones through
+  ``get_block_ids_with_load_errors`` so vLLM recomputes them: never a short or
+  silent wrong load.
+- Every lease taken by a lookup ends: on load, when the engine needs nothing
+  from us, on request finish/abort, on a repeated lookup, or at its TTL.
+- Embedded mode (this module) keeps the tiers in the engine-core process; the
+  scheduler and worker sides share them through ``kvtier.storage.registry``,
+  which requires a single worker (tensor-parallel size 1).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvtier.config import KVTierConfig, load_config
+from kvtier.integrations.vllm_layout import namespace_from_vllm, paged_views
+from kvtier.storage import registry
+from kvtier.storage.manager import LookupResult, RequestRecord, StorageManager
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvtier.vllm")
+
+
+# -- metadata: scheduler -> worker, one per step ------------------------------------
+@dataclass
+class ChunkCopy:
+    """One chunk to move between a kvtier slot and engine blocks.
+
+    ``block_ids`` are the engine blocks for the chunk's blocks ``offset ..
+    blocks_per_chunk - 1`` (``offset > 0`` when vLLM already holds the first
+    blocks of the chunk in its own prefix cache).
+    """
+
+    key: bytes
+    block_ids: tuple[int, ...]
+    offset: int = 0
+
+
+@dataclass
+class TransferSpec:
+    """All chunk copies of one request in one step, in prompt order."""
+
+    req_id: str
+    chunks: list[ChunkCopy]
+    chain: list[bytes] = field(default_factory=list)  # saves: the prompt's keys up to the last chunk
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    loads: list[TransferSpec] = field(default_factory=list)
+    saves: list[TransferSpec] = field(default_factory=list)
+
+
+# -- scheduler-side per-request state ----------------------------------------------
+@dataclass
+class _Tracker:
+    req_id: str
+    tokens: list[int]
+    cache_salt: str | None
+    keys: list[bytes]
+    block_ids: list[int] = field(default_factory=list)
+    saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or known cached
+    lookup: LookupResult | None = None
+    pending_load: TransferSpec | None = None
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """kvtier's vLLM v1 KV connector (embedded CPU + disk tiers)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.config: KVTierConfig = load_config(extra)
+        if vllm_config.parallel_config.world_size > 1:
+            raise ValueError(
+                "kvtier embedded mode runs the tiers inside the engine-core process and needs "
+                "tensor_parallel_size=1 (one worker in that process)"
+            )
+        self.namespace = namespace_from_vllm(vllm_config, self.config.chunk_size, self.config.model_id)
+        self.block_size = self.namespace.layout.block_size
+        self.chunk_size = self.namespace.chunk_size
+        self.blocks_per_chunk = self.namespace.blocks_per_chunk
+        self.manager: StorageManager | None = (
+            registry.acquire(self.config, self.namespace) if self.config.enabled else None
+        )
+        # scheduler side
+        self._trackers: dict[str, _Tracker] = {}
+        # worker side
+        self._layers: list[np.ndarray] = []
+        self._load_errors: set[int] = set()
+        log.info(
+            "kvtier connector (%s) ready: model=%s layout=%s chunk=%d tokens (%d bytes)",
+            role.name,
+            self.namespace.model,
+            self.namespace.layout,
+            self.chunk_size,
+            self.namespace.chunk_bytes,
+        )
+
+    # ================================ scheduler side ================================
+    def _tracker(self, request: "Request") -> _Tracker | None:
+        tr = self._trackers.get(request.request_id)
+        if tr is None:
+            tokens = request.prompt_token_ids
+            if tokens is None:  # prompt embeddings: nothing to key on
+                return None
+            tokens = list(tokens)
+            keys = self.manager.keys(tokens, request.cache_salt) if self.manager else []
+            tr = _Tracker(request.request_id, tokens, request.cache_salt, keys)
+            self._trackers[request.request_id] = tr
+        return tr
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.manager is None:
+            return 0, False
+        try:
+            tr = self._tracker(request)
+            if tr is None:
+                return 0, False
+            self.manager.record_request(
+                request.request_id, RequestRecord(len(tr.tokens), engine_hit_tokens=num_computed_tokens)
+            )
+            if not self.config.load:
+                return 0, False
+            res = self.manager.lookup(tr.tokens, tr.cache_salt, lease_owner=request.request_id, keys=tr.keys)
+            tr.lookup = res
+            if res.num_tokens <= num_computed_tokens:
+                self.manager.release(request.request_id)
+                return 0, False
+            return res.num_tokens - num_computed_tokens, False
+        except Exception:  # kvtier must never take the engine down: a failure is a miss
+            log.exception("kvtier lookup failed; treating as a miss")
+            self.manager.release(request.request_id)
+            return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        if self.manager is None:
+            return
+        tr = self._trackers.get(request.request_id)
+        if tr is None:
+            return
+        if num_external_tokens <= 0 or tr.lookup is None:
+            self.manager.release(request.request_id)
+            return
+        block_ids = blocks.get_block_ids()[0]
+        hit = tr.lookup.num_tokens
+        start = hit - num_external_tokens  # block-aligned local hit
+        bpc, bs = self.blocks_per_chunk, self.block_size
+        chunks = []
+        for ci in range(start // self.chunk_size, hit // self.chunk_size):
+            first = ci * bpc
+            offset = max(0, start // bs - first)
+            chunks.append(ChunkCopy(tr.keys[ci], tuple(block_ids[first + offset : first + bpc]), offset))
+        tr.pending_load = TransferSpec(request.request_id, chunks)
+        tr.saved_chunks = max(tr.saved_chunks, hit // self.chunk_size)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KVTierMetadata()
+        if self.manager is None:
+            return meta
+        for preempted in scheduler_output.preempted_req_ids or ():
+            tr = self._trackers.get(preempted)
+            if tr is not None:
+                tr.block_ids = []
+                tr.pending_load = None
+        for new in scheduler_output.scheduled_new_reqs:
+            tr = self._trackers.get(new.req_id)
+            if tr is None:
+                continue
+            tr.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            self._emit(tr, new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tr = self._trackers.get(req_id)
+            if tr is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tr.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                tr.block_ids.extend(new_blocks[0])
+            self._emit(
+                tr, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0), meta
+            )
+        self.manager.leases.reap()
+        return meta
+
+    def _emit(self, tr: _Tracker, computed_after_step: int, meta: KVTierMetadata) -> None:
+        """Add this step's load and save work for one request to ``meta``."""
+        if tr.pending_load is not None:
+            meta.loads.append(tr.pending_load)
+            tr.pending_load = None
+        if not self.config.save:
+            return
+        full = min(computed_after_step, len(tr.tokens)) // self.chunk_size
+        full = min(full, len(tr.keys), len(tr.block_ids) // self.blocks_per_chunk)
+        if full <= tr.saved_chunks:
+            return
+        bpc = self.blocks_per_chunk
+        chunks = [
+            ChunkCopy(tr.keys[ci], tuple(tr.block_ids[ci * bpc : (ci + 1) * bpc]))
+            for ci in range(tr.saved_chunks, full)
+        ]
+        meta.saves.append(TransferSpec(tr.req_id, chunks, chain=tr.keys[:full]))
+        tr.saved_chunks = full
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._trackers.pop(request.request_id, None)
+        if self.manager is not None:
+            self.manager.release(request.request_id)
+        return False, None
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        tr = self._trackers.get(request.request_id)
+        if not num_external_tokens or tr is None or tr.lookup is None:
+            return {}
+        cs = self.chunk_size
+        start = tr.lookup.num_tokens - num_external_tokens
+        out: dict[CacheHitSource, int] = {}
+        for ci, tier in enumerate(tr.lookup.tiers):
+            n = max(0, min((ci + 1) * cs, tr.lookup.num_tokens) - max(ci * cs, start))
+            if n:
+                src = CacheHitSource.HOST if tier == "cpu" else CacheHitSource.DISK
+                out[src] = out.get(src, 0) + n
+        return out
+
+    # ================================= worker side ==================================
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        if self.manager is None:
+            return
+        try:
+            self._layers = paged_views(kv_caches, self.namespace.layout)
+        except ValueError as exc:
+            log.error("kvtier disabled: the engine's KV cache does not match the expected layout: %s", exc)
+            registry.release(self.manager)
+            self.manager = None
+
+    def _chunk_view(self, buf: np.ndarray) -> np.ndarray:
+        """A slot as ``uint8 [num_layers, blocks_per_chunk, block_bytes]``."""
+        return buf.reshape(len(self._layers), self.blocks_per_chunk, -1)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self.manager is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVTierMetadata):
+            return
+        for spec in meta.loads:
+            try:
+                self._load_request(spec)
+            finally:
+                self.manager.release(spec.req_id)
+
+    def _load_request(self, spec: TransferSpec) -> None:
+        for i, ch in enumerate(spec.chunks):
+            ok = False
+            try:
+                handle = self.manager.open_read(ch.key)
+                if handle is not None:
+                    with handle:
+                        src = self._chunk_view(handle.buffer)
+                        idx = np.asarray(ch.block_ids, dtype=np.int64)
+                        n = len(ch.block_ids)
+                        for layer, dst in zip(src, self._layers):
+                            dst[idx] = layer[ch.offset : ch.offset + n]
+                        self.manager.record_load(spec.req_id, handle.source, n * self.block_size)
+                    ok = True
+            except Exception:
+                log.exception("kvtier: loading chunk %s failed", ch.key.hex()[:16])
+            if not ok:
+                # Everything from this chunk on is unfilled: vLLM recomputes it.
+                for later in spec.chunks[i:]:
+                    self._load_errors.update(later.block_ids)
+                self.manager.counters.load_failures += 1
+                log.warning(
+                    "kvtier: request %s: chunk %d of %d unavailable, %d blocks reported for recompute",
+                    spec.req_id,
+                    i,
+                    len(spec.chunks),
+                    sum(len(c.block_ids) for c in spec.chunks[i:]),
+                )
+                return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the first layer runs
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole chunks are saved after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.manager is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVTierMetadata):
+            return
+        for spec in meta.saves:
+            for ch in spec.chunks:
+                buf = self.manager.open_write(ch.key)
+                if buf is None:
+                    continue
+                try:
+                    dst = self._chunk_view(buf)
+                    idx = np.asarray(ch.block_ids, dtype=np.int64)
+                    for layer, out in zip(self._layers, dst):
+                        np.take(layer, idx, axis=0, out=out)
+                except Exception:
+                    log.exception("kvtier: saving chunk %s failed", ch.key.hex()[:16])
+                    self.manager.abort(ch.key)
+                    continue
+                self.manager.commit(ch.key)
+            self.manager.touch_chain(spec.chain)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.manager is not None:
+            registry.release(self.manager)
+            self.manager = None
+
+
+# -- inspection helpers for in-process engines (demo, tests) --------------------------
+def request_hits(request_id: str) -> dict[str, Any] | None:
+    """Where a finished request's prompt tokens came from, or None if unknown.
+
+    Returns ``{"prompt_tokens", "engine_hit_tokens", "kvtier_hit_tokens", "tiers":
+    {"cpu": tokens, "disk": tokens}}``. Only sees engines in this process.
+    ``request_id`` may be the id given to vLLM; vLLM's internal id appends
+    ``-<8 characters>`` to it, and the newest such record is returned.
+    """
+    for m in registry.active_managers():
+        rec = m.requests.get(request_id)
+        if rec is None:
+            prefix = request_id + "-"
+            for rid in reversed(m.requests):
+                if rid.startswith(prefix) and len(rid) == len(prefix) + 8:
+                    rec = m.requests[rid]
+                    break
+        if rec is not None:
+            return {
+                "prompt_tokens": rec.prompt_tokens,
+                "engine_hit_tokens": rec.engine_hit_tokens,
+                "kvtier_hit_tokens": rec.kvtier_hit_tokens,
+                "tiers": dict(rec.tiers),
+            }
+    return None
+
+
+def flush_all(timeout_s: float | None = 60.0) -> bool:
+    """Wait for write-behind of every kvtier manager in this process."""
+    return all(m.flush(timeout_s) for m in registry.active_managers())
+
+
+def stats_all() -> list[dict[str, int | float]]:
+    """``StorageManager.stats()`` of every manager in this process."""
+    return [m.stats() for m in registry.active_managers()]

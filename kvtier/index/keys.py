@@ -190,7 +190,7 @@ class ChunkHasher:
             ``len(tokens) // chunk_size`` keys (or fewer with ``max_chunks``), 32 bytes each.
 
         Raises:
-            ValueError: a token id is negative or does not fit in 32 bits.
+            ValueError: a token id is not an integer, is negative or does not fit in 32 bits.
         """
         n = len(tokens) // self.chunk_size
         if max_chunks is not None:
@@ -199,8 +199,9 @@ class ChunkHasher:
             return []
         arr = np.asarray(tokens[: n * self.chunk_size])
         if arr.dtype != np.dtype("<u4"):
-            if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
-                raise ValueError("token ids must be in [0, 2**32)")
+            # Non-integer ids (floats, strings) are refused: astype would truncate 0.5 to 0.
+            if arr.dtype.kind not in "iu" or (arr.size and (arr.min() < 0 or arr.max() >= 2**32)):
+                raise ValueError("token ids must be integers in [0, 2**32)")
             arr = arr.astype("<u4")
         buf = memoryview(arr.tobytes())
         step = self.chunk_size * 4

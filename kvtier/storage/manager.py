@@ -317,9 +317,10 @@ class StorageManager:
 
     def clear(self) -> dict[str, int]:
         """Remove every unreferenced chunk from every tier."""
+        # Flush first: queued write-behind holds CPU references that would keep chunks alive.
+        self.flush(30)
         out = {"cpu": self.cpu.clear()}
         if self.disk is not None:
-            self.flush(30)
             out["disk"] = self.disk.clear()
         return out
 

@@ -27,6 +27,34 @@ def demo(
     raise typer.Exit(run_demo(json_path=json_path, cache_dir=cache_dir, quick=quick))
 
 
+@app.command()
+def simulate(
+    trace: str = typer.Option("mixed", help="Synthetic trace: multi-turn, long-doc, mixed, or all."),
+    capacities: Optional[str] = typer.Option(
+        None, help="Comma-separated tier capacities in chunks (default: 2,5,10,25,50% of the trace's distinct chunks)."
+    ),
+    policies: Optional[str] = typer.Option(None, help="Comma-separated eviction policies (default: all)."),
+    requests: int = typer.Option(2000, min=1, help="Prompts in the trace."),
+    seed: int = typer.Option(0, help="Trace seed (same seed, same trace)."),
+    chunk_size: int = typer.Option(256, help="Tokens per chunk."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here."),
+) -> None:
+    """Token hit rate of each eviction policy at several tier capacities, on a seeded synthetic trace."""
+    from kvtier.sim.run import run_simulate
+
+    raise typer.Exit(
+        run_simulate(
+            trace=trace,
+            capacities=capacities,
+            policies=policies,
+            seed=seed,
+            num_requests=requests,
+            chunk_size=chunk_size,
+            json_path=json_path,
+        )
+    )
+
+
 def main() -> None:
     app()
 

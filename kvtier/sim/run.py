@@ -1,0 +1,196 @@
+"""``kvtier simulate``: token hit rate of each eviction policy at several capacities.
+
+Generates a seeded synthetic trace (:mod:`kvtier.sim.trace`), computes every
+prompt's chunk keys once with the real :class:`~kvtier.index.keys.ChunkHasher`,
+replays the keys through each policy and capacity (:mod:`kvtier.sim.replay`)
+and prints a table of token hit rates, with the unbounded tier as the ceiling.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from kvtier.index.keys import ChunkHasher, KeyNamespace, LayoutSignature
+from kvtier.sim.replay import SimStats, replay
+from kvtier.sim.trace import TRACES, TraceParams, generate
+from kvtier.tiers.policies import POLICIES
+
+#: Default capacities, as fractions of the trace's distinct chunks.
+DEFAULT_FRACTIONS = (0.02, 0.05, 0.10, 0.25, 0.50)
+
+# The demo model's KV layout (SmolLM2-135M, bf16), so capacities convert to bytes.
+_SIM_LAYOUT = LayoutSignature(
+    engine="sim",
+    attn_backend="none",
+    kv_layout="none",
+    block_size=16,
+    num_layers=30,
+    num_kv_heads=3,
+    head_dim=64,
+    dtype="bfloat16",
+)
+
+
+@dataclass
+class SimReport:
+    """Everything one ``simulate`` run measured (JSON-ready via :meth:`as_dict`)."""
+
+    trace: str
+    seed: int
+    chunk_size: int
+    chunk_bytes: int
+    requests: int
+    prompt_tokens: int
+    distinct_chunks: int
+    capacities: list[int]
+    ceiling: SimStats
+    results: dict[str, dict[int, SimStats]]
+    elapsed_s: float
+
+    def as_dict(self) -> dict:
+        return {
+            "trace": self.trace,
+            "seed": self.seed,
+            "chunk_size": self.chunk_size,
+            "chunk_bytes": self.chunk_bytes,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "distinct_chunks": self.distinct_chunks,
+            "capacities_chunks": self.capacities,
+            "ceiling": self.ceiling.as_dict(),
+            "results": {
+                pol: {str(cap): st.as_dict() for cap, st in by_cap.items()} for pol, by_cap in self.results.items()
+            },
+            "elapsed_s": self.elapsed_s,
+        }
+
+
+def simulate(
+    trace: str = "mixed",
+    capacities: Sequence[int] | None = None,
+    policies: Sequence[str] | None = None,
+    seed: int = 0,
+    num_requests: int = 2000,
+    chunk_size: int = 256,
+) -> SimReport:
+    """Replay one synthetic trace through each policy at each capacity.
+
+    Args:
+        trace: one of ``multi-turn``, ``long-doc``, ``mixed``.
+        capacities: tier capacities in chunks (default: :data:`DEFAULT_FRACTIONS`
+            of the trace's distinct chunks).
+        policies: policy names (default: all of ``POLICIES``).
+        seed: trace seed.
+        num_requests: prompts in the trace.
+        chunk_size: tokens per chunk (a multiple of 16).
+
+    Raises:
+        ValueError: unknown trace or policy, capacity below 1, bad chunk size.
+    """
+    start = time.perf_counter()
+    policies = list(policies or POLICIES)
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown eviction policy {unknown[0]!r}; choose from {', '.join(POLICIES)}")
+    namespace = KeyNamespace(model="kvtier-sim", layout=_SIM_LAYOUT, chunk_size=chunk_size)
+    hasher = ChunkHasher(namespace)
+    requests = generate(trace, seed, TraceParams(num_requests=num_requests))
+    prompts = [(len(r.tokens), hasher.keys(r.tokens)) for r in requests]
+    distinct = len({k for _, keys in prompts for k in keys})
+    if capacities is None:
+        capacities = sorted({max(1, round(f * distinct)) for f in DEFAULT_FRACTIONS})
+    capacities = list(capacities)
+    bad = [c for c in capacities if c < 1]
+    if bad:
+        raise ValueError(f"capacities must be at least 1 chunk, got {bad[0]}")
+    ceiling = replay(prompts, chunk_size, policies[0], None)
+    results = {pol: {cap: replay(prompts, chunk_size, pol, cap) for cap in capacities} for pol in policies}
+    return SimReport(
+        trace=trace,
+        seed=seed,
+        chunk_size=chunk_size,
+        chunk_bytes=namespace.chunk_bytes,
+        requests=len(requests),
+        prompt_tokens=sum(n for n, _ in prompts),
+        distinct_chunks=distinct,
+        capacities=capacities,
+        ceiling=ceiling,
+        results=results,
+        elapsed_s=time.perf_counter() - start,
+    )
+
+
+def _parse_list(text: str | None, what: str) -> list[str] | None:
+    if text is None:
+        return None
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"{what}: empty list")
+    return items
+
+
+def run_simulate(
+    trace: str = "mixed",
+    capacities: str | None = None,
+    policies: str | None = None,
+    seed: int = 0,
+    num_requests: int = 2000,
+    chunk_size: int = 256,
+    json_path: Path | None = None,
+) -> int:
+    """CLI entry: run :func:`simulate` and print a table; returns the exit status.
+
+    ``capacities`` and ``policies`` are comma-separated lists ("64,256,1024").
+    Bad arguments print one error line and return 2.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    traces = list(TRACES) if trace == "all" else [trace]
+    try:
+        caps = _parse_list(capacities, "--capacities")
+        try:
+            cap_ints = [int(c) for c in caps] if caps else None
+        except ValueError:
+            raise ValueError(f"--capacities must be whole numbers of chunks, got {capacities!r}") from None
+        pols = _parse_list(policies, "--policies")
+        reports = [simulate(t, cap_ints, pols, seed, num_requests, chunk_size) for t in traces]
+    except ValueError as exc:
+        console.print(f"[red]kvtier simulate: {exc}[/red]")
+        return 2
+    for rep in reports:
+        gib = rep.chunk_bytes / 2**30
+        table = Table(
+            title=(
+                f"Token hit rate, trace {rep.trace} (seed {rep.seed}): {rep.requests} prompts, "
+                f"{rep.prompt_tokens:,} tokens, {rep.distinct_chunks:,} distinct {rep.chunk_size}-token chunks"
+            )
+        )
+        table.add_column("policy")
+        for cap in rep.capacities:
+            table.add_column(f"{cap:,} chunks\n({cap * gib:.1f} GiB)", justify="right")
+        for pol, by_cap in rep.results.items():
+            cells = []
+            best = {c: max(r[c].hit_rate for r in rep.results.values()) for c in rep.capacities}
+            for cap in rep.capacities:
+                rate = by_cap[cap].hit_rate
+                text = f"{100 * rate:.1f}%"
+                cells.append(f"[bold]{text}[/bold]" if rate == best[cap] else text)
+            table.add_row(pol, *cells)
+        table.add_row("unbounded", *[f"{100 * rep.ceiling.hit_rate:.1f}%"] * len(rep.capacities), style="dim")
+        console.print(table)
+        violations = sum(s.chain_violations for by_cap in rep.results.values() for s in by_cap.values())
+        console.print(
+            f"GiB at SmolLM2-135M bf16 ({rep.chunk_bytes:,} B per chunk); chain violations: {violations}; "
+            f"{rep.elapsed_s:.1f} s"
+        )
+    if json_path is not None:
+        data = [r.as_dict() for r in reports]
+        json_path.write_text(json.dumps(data[0] if len(data) == 1 else data, indent=2))
+        console.print(f"wrote {json_path}")
+    return 0

@@ -54,6 +54,9 @@ class KVTierConfig(BaseModel):
     lease_ttl_s: float = Field(
         300.0, gt=0, description="Seconds a lookup's lease pins its chunks if no load/finish ends it."
     )
+    lookup_timeout_s: float = Field(
+        0.5, gt=0, description="Bound on a scheduler-to-worker lookup call; a timeout is a miss."
+    )
     model_id: str | None = Field(
         None,
         description="Model identity in the key namespace; default: model name plus a fingerprint of its weights.",

@@ -25,9 +25,10 @@ Invariants:
   silent wrong load.
 - Every lease taken by a lookup ends: on load, when the engine needs nothing
   from us, on request finish/abort, on a repeated lookup, or at its TTL.
-- Embedded mode (this module) keeps the tiers in the engine-core process; the
-  scheduler and worker sides share them through ``kvtier.storage.registry``,
-  which requires a single worker (tensor-parallel size 1).
+- Embedded mode (this module) keeps the tiers in the worker process, which owns
+  them. The scheduler side calls the worker's manager directly when both share
+  a process (``kvtier.storage.registry``), else over the lookup RPC
+  (``kvtier.integrations.lookup_rpc``). One worker (tensor-parallel size 1).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.config import KVTierConfig, load_config
+from kvtier.index.keys import ChunkHasher
+from kvtier.integrations.lookup_rpc import LookupClient, LookupServer, socket_path
 from kvtier.integrations.vllm_layout import namespace_from_vllm, paged_views
 from kvtier.storage import registry
 from kvtier.storage.manager import LookupResult, RequestRecord, StorageManager
@@ -116,14 +119,21 @@ class KVTierConnector(KVConnectorBase_V1):
         self.block_size = self.namespace.layout.block_size
         self.chunk_size = self.namespace.chunk_size
         self.blocks_per_chunk = self.namespace.blocks_per_chunk
-        self.manager: StorageManager | None = (
-            registry.acquire(self.config, self.namespace) if self.config.enabled else None
-        )
-        # scheduler side
-        self._trackers: dict[str, _Tracker] = {}
-        # worker side
+        self._engine_id = str(self._kv_transfer_config.engine_id or "default")
+        self._hasher = ChunkHasher(self.namespace)
+        # worker side: owns the tiers and serves lookups to a scheduler elsewhere
+        self.manager: StorageManager | None = None
+        self._server: LookupServer | None = None
         self._layers: list[np.ndarray] = []
         self._load_errors: set[int] = set()
+        # scheduler side: the worker's manager (same process) or an RPC stub
+        self._index: StorageManager | LookupClient | None = None
+        self._trackers: dict[str, _Tracker] = {}
+        if self.config.enabled and role == KVConnectorRole.WORKER:
+            self.manager = registry.acquire(
+                self._engine_id, lambda: StorageManager(self.config, self.namespace)
+            )
+            self._server = LookupServer(self.manager, socket_path(self._engine_id))
         log.info(
             "kvtier connector (%s) ready: model=%s layout=%s chunk=%d tokens (%d bytes)",
             role.name,
@@ -134,6 +144,20 @@ class KVTierConnector(KVConnectorBase_V1):
         )
 
     # ================================ scheduler side ================================
+    def _lookup_index(self) -> StorageManager | LookupClient | None:
+        """The worker's manager in this process, else an RPC stub (resolved once)."""
+        if self._index is None and self.config.enabled:
+            local = registry.get(self._engine_id)
+            self._index = local or LookupClient(
+                socket_path(self._engine_id), self.chunk_size, timeout_s=self.config.lookup_timeout_s
+            )
+        return self._index
+
+    def _release(self, req_id: str) -> None:
+        index = self._lookup_index()
+        if index is not None:
+            index.release(req_id)
+
     def _tracker(self, request: "Request") -> _Tracker | None:
         tr = self._trackers.get(request.request_id)
         if tr is None:
@@ -141,42 +165,44 @@ class KVTierConnector(KVConnectorBase_V1):
             if tokens is None:  # prompt embeddings: nothing to key on
                 return None
             tokens = list(tokens)
-            keys = self.manager.keys(tokens, request.cache_salt) if self.manager else []
+            keys = self._hasher.keys(tokens, request.cache_salt)
             tr = _Tracker(request.request_id, tokens, request.cache_salt, keys)
             self._trackers[request.request_id] = tr
         return tr
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.manager is None:
+        index = self._lookup_index()
+        if index is None:
             return 0, False
         try:
             tr = self._tracker(request)
-            if tr is None:
+            if tr is None or not self.config.load:
                 return 0, False
-            self.manager.record_request(
-                request.request_id, RequestRecord(len(tr.tokens), engine_hit_tokens=num_computed_tokens)
-            )
-            if not self.config.load:
-                return 0, False
-            res = self.manager.lookup(tr.tokens, tr.cache_salt, lease_owner=request.request_id, keys=tr.keys)
+            # Never the whole prompt: the chunk holding the last token is left out.
+            candidates = tr.keys[: max(0, (len(tr.tokens) - 1) // self.chunk_size)]
+            if isinstance(index, StorageManager):
+                index.record_request(
+                    request.request_id, RequestRecord(len(tr.tokens), engine_hit_tokens=num_computed_tokens)
+                )
+                res = index.lookup_keys(candidates, lease_owner=request.request_id)
+            else:
+                res = index.lookup_keys(candidates, request.request_id, len(tr.tokens), num_computed_tokens)
             tr.lookup = res
             if res.num_tokens <= num_computed_tokens:
-                self.manager.release(request.request_id)
+                self._release(request.request_id)
                 return 0, False
             return res.num_tokens - num_computed_tokens, False
         except Exception:  # kvtier must never take the engine down: a failure is a miss
             log.exception("kvtier lookup failed; treating as a miss")
-            self.manager.release(request.request_id)
+            self._release(request.request_id)
             return 0, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        if self.manager is None:
-            return
         tr = self._trackers.get(request.request_id)
         if tr is None:
             return
         if num_external_tokens <= 0 or tr.lookup is None:
-            self.manager.release(request.request_id)
+            self._release(request.request_id)
             return
         block_ids = blocks.get_block_ids()[0]
         hit = tr.lookup.num_tokens
@@ -192,7 +218,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KVTierMetadata()
-        if self.manager is None:
+        if not self.config.enabled:
             return meta
         for preempted in scheduler_output.preempted_req_ids or ():
             tr = self._trackers.get(preempted)
@@ -218,7 +244,6 @@ class KVTierConnector(KVConnectorBase_V1):
             self._emit(
                 tr, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0), meta
             )
-        self.manager.leases.reap()
         return meta
 
     def _emit(self, tr: _Tracker, computed_after_step: int, meta: KVTierMetadata) -> None:
@@ -241,9 +266,9 @@ class KVTierConnector(KVConnectorBase_V1):
         tr.saved_chunks = full
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._trackers.pop(request.request_id, None)
-        if self.manager is not None:
-            self.manager.release(request.request_id)
+        tr = self._trackers.pop(request.request_id, None)
+        if tr is not None and tr.lookup is not None and tr.lookup.keys:
+            self._release(request.request_id)
         return False, None
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
@@ -270,8 +295,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._layers = paged_views(kv_caches, self.namespace.layout)
         except ValueError as exc:
             log.error("kvtier disabled: the engine's KV cache does not match the expected layout: %s", exc)
-            registry.release(self.manager)
-            self.manager = None
+            self.shutdown()
 
     def _chunk_view(self, buf: np.ndarray) -> np.ndarray:
         """A slot as ``uint8 [num_layers, blocks_per_chunk, block_bytes]``."""
@@ -353,9 +377,15 @@ class KVTierConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         if self.manager is not None:
             registry.release(self.manager)
             self.manager = None
+        if isinstance(self._index, LookupClient):
+            self._index.close()
+        self._index = None
 
 
 # -- inspection helpers for in-process engines (demo, tests) --------------------------

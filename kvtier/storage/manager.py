@@ -189,14 +189,27 @@ class StorageManager:
             A :class:`LookupResult`; ``num_tokens`` is a multiple of chunk_size and
             at most ``len(tokens) - 1`` rounded down to a chunk.
         """
-        self.leases.reap()
         cs = self.namespace.chunk_size
         max_chunks = max(0, (len(tokens) - 1) // cs)
         if keys is None:
             keys = self.hasher.keys(tokens, cache_salt, max_chunks=max_chunks)
+        with self._lock:
+            self.counters.lookup_tokens += len(tokens)
+        return self.lookup_keys(list(keys[:max_chunks]), lease_owner)
+
+    def lookup_keys(self, keys: Sequence[bytes], lease_owner: str | None = None) -> LookupResult:
+        """Longest prefix of ``keys`` held by any tier (see :meth:`lookup`).
+
+        The caller has already left out the chunk holding the prompt's last token.
+        """
+        self.leases.reap()
+        if lease_owner is not None:
+            # Pin first, then check: a chunk seen present cannot be evicted before
+            # the lease covers it. The lease is narrowed to the hits below.
+            self.leases.grant(lease_owner, keys)
         hit_keys: list[bytes] = []
         tiers: list[str] = []
-        for key in keys[:max_chunks]:
+        for key in keys:
             tier = self.where(key)
             if tier is None:
                 break
@@ -206,10 +219,8 @@ class StorageManager:
             self.leases.grant(lease_owner, hit_keys)
         self._touch_chain(hit_keys)
         with self._lock:
-            c = self.counters
-            c.lookups += 1
-            c.lookup_tokens += len(tokens)
-        return LookupResult(len(hit_keys) * cs, hit_keys, tiers)
+            self.counters.lookups += 1
+        return LookupResult(len(hit_keys) * self.namespace.chunk_size, hit_keys, tiers)
 
     def record_request(self, request_id: str, record: RequestRecord) -> None:
         """Remember where ``request_id``'s prompt tokens came from (bounded log)."""

@@ -1,39 +1,40 @@
-"""Process-local sharing of storage managers.
+"""Process-local directory of storage managers, by engine id.
 
-vLLM builds two connector objects per engine: one on the scheduler side (lookup,
-leases) and one on the worker side (copies). With one worker (TP=1) both live in
-the engine-core process and must use the *same* tiers, or the scheduler would
-promise chunks the worker cannot load. They meet here: a reference-counted map
-from (namespace digest, config) to manager, the only process-wide state in
-kvtier. The last ``release`` closes the manager (flushes write-behind).
+vLLM builds two connector objects per engine: the scheduler side (lookup,
+leases) and the worker side (copies, owner of the tiers). When both live in one
+process (in-process engine core) the scheduler side finds the worker's manager
+here and calls it directly; otherwise it reaches it over the lookup RPC
+(``kvtier.integrations.lookup_rpc``). This map is the only process-wide state
+in kvtier. The last ``release`` of a manager closes it (flushes write-behind).
 """
 
 from __future__ import annotations
 
 import atexit
 import threading
+from typing import Callable
 
-from kvtier.config import KVTierConfig
-from kvtier.index.keys import KeyNamespace
 from kvtier.storage.manager import StorageManager
 
 _lock = threading.Lock()
-_managers: dict[tuple[bytes, str], list] = {}  # key -> [manager, refcount]
+_managers: dict[str, list] = {}  # engine id -> [manager, refcount]
 
 
-def _key(config: KVTierConfig, namespace: KeyNamespace) -> tuple[bytes, str]:
-    return namespace.digest(), config.model_dump_json()
-
-
-def acquire(config: KVTierConfig, namespace: KeyNamespace) -> StorageManager:
-    """The process's manager for ``(config, namespace)``, created on first use."""
-    k = _key(config, namespace)
+def acquire(name: str, factory: Callable[[], StorageManager]) -> StorageManager:
+    """The process's manager registered as ``name``, created by ``factory`` on first use."""
     with _lock:
-        slot = _managers.get(k)
+        slot = _managers.get(name)
         if slot is None:
-            slot = _managers[k] = [StorageManager(config, namespace), 0]
+            slot = _managers[name] = [factory(), 0]
         slot[1] += 1
         return slot[0]
+
+
+def get(name: str) -> StorageManager | None:
+    """The manager registered as ``name`` in this process, if any (no reference taken)."""
+    with _lock:
+        slot = _managers.get(name)
+        return None if slot is None else slot[0]
 
 
 def release(manager: StorageManager) -> None:

@@ -65,6 +65,12 @@ class KVTierConfig(BaseModel):
     load: bool = Field(True, description="Report hits and load cached chunks.")
     config_file: Path | None = Field(None, description="TOML or JSON file with any of these keys.")
 
+    @field_validator("disk_path", "config_file", "model_id", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v: Any) -> Any:
+        # KVTIER_DISK_PATH="" must not mean "the current directory".
+        return None if isinstance(v, str) and not v.strip() else v
+
     @field_validator("cpu_eviction", "disk_eviction")
     @classmethod
     def _known_policy(cls, v: str) -> str:
@@ -91,7 +97,10 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"kvtier config file {path} is not valid {path.suffix or 'TOML'}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"kvtier config file {path} must hold a table/object of settings")
-    data = dict(data.get("kvtier", data))  # allow a [kvtier] table
+    data = data.get("kvtier", data)  # allow a [kvtier] table
+    if not isinstance(data, dict):
+        raise ConfigError(f"kvtier config file {path}: 'kvtier' must be a table of settings")
+    data = dict(data)
     data.pop("config_file", None)
     return data
 

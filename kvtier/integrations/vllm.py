@@ -73,6 +73,7 @@ class ChunkCopy:
     key: bytes
     block_ids: tuple[int, ...]
     offset: int = 0
+    parent: bytes | None = None  # key of the previous chunk of the prompt
 
 
 @dataclass
@@ -81,7 +82,6 @@ class TransferSpec:
 
     req_id: str
     chunks: list[ChunkCopy]
-    chain: list[bytes] = field(default_factory=list)  # saves: the prompt's keys up to the last chunk
 
 
 @dataclass
@@ -212,7 +212,8 @@ class KVTierConnector(KVConnectorBase_V1):
         for ci in range(start // self.chunk_size, hit // self.chunk_size):
             first = ci * bpc
             offset = max(0, start // bs - first)
-            chunks.append(ChunkCopy(tr.keys[ci], tuple(block_ids[first + offset : first + bpc]), offset))
+            parent = tr.keys[ci - 1] if ci else None
+            chunks.append(ChunkCopy(tr.keys[ci], tuple(block_ids[first + offset : first + bpc]), offset, parent))
         tr.pending_load = TransferSpec(request.request_id, chunks)
         tr.saved_chunks = max(tr.saved_chunks, hit // self.chunk_size)
 
@@ -259,10 +260,12 @@ class KVTierConnector(KVConnectorBase_V1):
             return
         bpc = self.blocks_per_chunk
         chunks = [
-            ChunkCopy(tr.keys[ci], tuple(tr.block_ids[ci * bpc : (ci + 1) * bpc]))
+            ChunkCopy(
+                tr.keys[ci], tuple(tr.block_ids[ci * bpc : (ci + 1) * bpc]), parent=tr.keys[ci - 1] if ci else None
+            )
             for ci in range(tr.saved_chunks, full)
         ]
-        meta.saves.append(TransferSpec(tr.req_id, chunks, chain=tr.keys[:full]))
+        meta.saves.append(TransferSpec(tr.req_id, chunks))
         tr.saved_chunks = full
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -317,7 +320,7 @@ class KVTierConnector(KVConnectorBase_V1):
         for i, ch in enumerate(spec.chunks):
             ok = False
             try:
-                handle = self.manager.open_read(ch.key)
+                handle = self.manager.open_read(ch.key, ch.parent)
                 if handle is not None:
                     with handle:
                         src = self._chunk_view(handle.buffer)
@@ -359,7 +362,9 @@ class KVTierConnector(KVConnectorBase_V1):
             for ch in spec.chunks:
                 buf = self.manager.open_write(ch.key)
                 if buf is None:
-                    continue
+                    if self.manager.contains(ch.key):
+                        continue  # already stored (another request, or a tier below)
+                    break  # no room: later chunks of this prompt would be unreachable
                 try:
                     dst = self._chunk_view(buf)
                     idx = np.asarray(ch.block_ids, dtype=np.int64)
@@ -368,9 +373,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 except Exception:
                     log.exception("kvtier: saving chunk %s failed", ch.key.hex()[:16])
                     self.manager.abort(ch.key)
-                    continue
-                self.manager.commit(ch.key)
-            self.manager.touch_chain(spec.chain)
+                    break
+                self.manager.commit(ch.key, ch.parent)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

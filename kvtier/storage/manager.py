@@ -271,9 +271,12 @@ class StorageManager:
                 self.counters.store_skipped += 1
         return buf
 
-    def commit(self, key: bytes) -> None:
-        """Publish a filled chunk and queue it for the disk tier (write-behind)."""
-        self.cpu.commit(key)
+    def commit(self, key: bytes, parent: bytes | None = None) -> None:
+        """Publish a filled chunk and queue it for the disk tier (write-behind).
+
+        ``parent``: key of the previous chunk of the prompt (None for the first).
+        """
+        self.cpu.commit(key, parent)
         with self._lock:
             self.counters.stored_chunks += 1
             self.counters.stored_bytes += self.chunk_bytes
@@ -290,7 +293,7 @@ class StorageManager:
         self._touch_chain(keys)
 
     # -- read path -------------------------------------------------------------------
-    def open_read(self, key: bytes) -> ReadHandle | None:
+    def open_read(self, key: bytes, parent: bytes | None = None) -> ReadHandle | None:
         """Hold ``key`` for reading from the fastest tier; None on a miss or failure.
 
         A disk hit is read into a fresh CPU slot (promotion) and served from there.
@@ -315,7 +318,7 @@ class StorageManager:
         if not ok:
             self.cpu.abort(key)
             return None
-        self.cpu.commit(key)
+        self.cpu.commit(key, parent)
         with self._lock:
             self.counters.promoted_chunks += 1
         buf = self.cpu.acquire(key)

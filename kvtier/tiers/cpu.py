@@ -111,15 +111,19 @@ class CpuTier:
             self._entries[key] = CpuEntry(slot, WRITING, 1)
             return self.pool.view(slot)
 
-    def commit(self, key: bytes) -> None:
-        """Publish a reserved chunk; it becomes visible to readers."""
+    def commit(self, key: bytes, parent: bytes | None = None) -> None:
+        """Publish a reserved chunk; it becomes visible to readers.
+
+        ``parent`` is the key of the previous chunk of the same prompt (None for
+        the first): chain-aware policies evict a chain's tail before its head.
+        """
         with self._lock:
             e = self._entries[key]
             if e.state != WRITING:
                 raise RuntimeError("commit of a chunk that is not being written")
             e.state = READY
             e.refs -= 1
-            self.policy.insert(key)
+            self.policy.insert(key, parent)
 
     def abort(self, key: bytes) -> None:
         """Drop a reserved chunk (the copy failed)."""

@@ -1,0 +1,185 @@
+"""The interface of remote and third-party tiers (Redis, shared filesystem, plugins).
+
+A remote tier stores opaque chunk payloads (bytes; ~5.9 MB per 256-token chunk of
+the reference model) under chunk keys, in a store other processes or machines
+share. Implementations are found through the ``kvtier.tiers`` entry-point group
+(see :mod:`kvtier.tiers.registry`) and prove conformance with the contract kit
+:mod:`kvtier.testing`.
+
+Semantics every implementation keeps:
+
+- **Failures never raise to the engine.** A down, slow, full or corrupt backing
+  store turns into misses (``False``) and counted failures. Only programming
+  errors (wrong argument types, non-contiguous or read-only buffers) raise
+  ``TypeError``/``ValueError``, at once, before any I/O.
+- **Bounded time.** Every call returns within the tier's configured timeout plus
+  a small slack, whatever the backing store does (where the platform allows:
+  see each tier's notes).
+- **Batched.** ``contains_many`` answers all keys of a prompt in one round trip
+  where the store allows; ``put_many``/``get_many_into`` move many chunks in as
+  few round trips as possible. Results are in the order of the arguments.
+- **Misses are honest.** ``True`` from a get means ``out`` holds exactly the
+  stored payload (checksummed). A value that vanished, is corrupt, belongs to
+  another key or uses a codec the reader lacks is a miss. After ``False`` the
+  contents of ``out`` are unspecified. ``contains`` is a hint: a later get may
+  still miss (the caller must then recompute).
+- **Thread-safe.** Any method may be called from several threads at once.
+- After ``close()`` every call is a miss / no-op.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Sequence
+
+from kvtier.serde.base import Buffer
+
+
+@dataclass
+class TierCounters:
+    """Monotonic counters of a remote tier (chunks, bytes, calls).
+
+    Attributes:
+        contains_keys: keys asked about; ``contains_hits`` of them existed.
+        gets: chunks asked for; ``get_hits`` returned data, ``get_misses`` were
+            absent (never stored, evicted, expired, or the store restarted empty),
+            ``get_corrupt`` were unusable (checksum, foreign key, unknown codec).
+        puts: chunks offered; ``put_ok`` stored, ``put_failed`` dropped (store
+            error, refusal such as out-of-memory, or the tier unavailable).
+        bytes_read / bytes_written: stored bytes moved (envelope included).
+        deletes: chunks removed by ``delete_many``/``clear``.
+        errors: failed round trips (timeout, connection, I/O errors).
+        skipped_calls: calls answered with misses without touching the store
+            (circuit breaker open, tier closed).
+    """
+
+    contains_keys: int = 0
+    contains_hits: int = 0
+    gets: int = 0
+    get_hits: int = 0
+    get_misses: int = 0
+    get_corrupt: int = 0
+    puts: int = 0
+    put_ok: int = 0
+    put_failed: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    deletes: int = 0
+    errors: int = 0
+    skipped_calls: int = 0
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def add(self, **deltas: int) -> None:
+        """Add ``deltas`` atomically (counters are shared by caller threads)."""
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class RemoteTier(ABC):
+    """A shared store of chunk payloads with batched, failure-tolerant operations.
+
+    Keys are chunk keys (``bytes``, 1..255 bytes; kvtier uses 32-byte blake3
+    digests that already commit to the model/layout namespace). Values are
+    C-contiguous buffers (``bytes``, ``memoryview``, uint8 ``numpy`` arrays).
+    """
+
+    #: Short tier name for logs and stats, e.g. ``"redis"``.
+    name: ClassVar[str] = ""
+    #: URL schemes this class opens (see :mod:`kvtier.tiers.registry`).
+    schemes: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> "RemoteTier":
+        """Open a tier from a URL (e.g. ``redis://host:6379/0``) plus keyword options.
+
+        Raises:
+            ValueError: malformed URL or options.
+        """
+        raise NotImplementedError(f"{cls.__name__} cannot be opened from a URL")
+
+    # -- batched operations --------------------------------------------------
+    @abstractmethod
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Existence of each key (one round trip where the store allows). Failure: all False."""
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+        """Store each ``(key, payload)``; True where stored. Failed writes are dropped and counted.
+
+        The payload buffers are only read during the call (the caller may reuse them after).
+        """
+
+    @abstractmethod
+    def get_many_into(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+        """Read each ``(key, out)``: True where ``out`` now holds the payload; False is a miss.
+
+        ``out`` must be writable and exactly the payload size; a stored payload of
+        another size is a miss. No write into any ``out`` happens after the call returns.
+        """
+
+    @abstractmethod
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Remove keys; returns how many existed (0 on failure)."""
+
+    @abstractmethod
+    def clear(self) -> int:
+        """Remove every chunk this tier's configuration can see (its key prefix or
+        directory), nothing else; returns how many were removed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections/files; idempotent. Later calls are misses."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters (:class:`TierCounters` fields) plus tier-specific state, e.g. breaker state."""
+
+    # -- single-key conveniences -----------------------------------------------
+    def contains(self, key: bytes) -> bool:
+        return self.contains_many([key])[0]
+
+    def put(self, key: bytes, payload: Buffer) -> bool:
+        return self.put_many([(key, payload)])[0]
+
+    def get_into(self, key: bytes, out: Buffer) -> bool:
+        return self.get_many_into([(key, out)])[0]
+
+    def delete(self, key: bytes) -> bool:
+        return self.delete_many([key]) > 0
+
+    def __enter__(self) -> "RemoteTier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_key(key: bytes) -> None:
+    """Raise for keys the envelope cannot carry (a programming error, not a miss)."""
+    if not isinstance(key, (bytes, bytearray)):
+        raise TypeError(f"chunk keys are bytes, got {type(key).__name__}")
+    if not 0 < len(key) <= 255:
+        raise ValueError(f"chunk keys must be 1..255 bytes, got {len(key)}")
+
+
+def writable_view(out: Buffer) -> memoryview:
+    """A flat writable uint8 view of ``out`` (no copy).
+
+    Raises:
+        ValueError: ``out`` is read-only or not C-contiguous.
+    """
+    mv = memoryview(out)
+    if mv.readonly:
+        raise ValueError("get destination buffer is read-only")
+    if not mv.c_contiguous:
+        raise ValueError("get destination buffer must be C-contiguous")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv

@@ -1,0 +1,107 @@
+"""The tier contract (kvtier.testing) run against every built-in remote tier.
+
+Redis classes use the CI servers started by ``.ci/redis.sh start`` (standalone on
+127.0.0.1:6399, cluster on 127.0.0.1:7100-7102) and skip when they are not
+reachable. The throwaway class starts its own redis-server on a free port so it
+can kill it (the destructive failure tests).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kvtier.testing import TierContract, TierHarness
+from kvtier.testing.redis_server import RedisServerProcess, ping, redis_server_binary
+from kvtier.tiers.fs_tier import SUFFIX, FsTier
+from kvtier.tiers.redis_tier import RedisTier
+
+redis = pytest.importorskip("redis")
+
+STANDALONE = ("127.0.0.1", 6399)
+CLUSTER = ("127.0.0.1", 7100)
+_SKIP_HINT = "start the CI servers with `.ci/redis.sh start`"
+
+
+class TestFsContract(TierContract):
+    @pytest.fixture
+    def harness(self, tmp_path: Path) -> TierHarness:
+        root = tmp_path / "share"
+        away = tmp_path / "share.unmounted"
+        root.mkdir()
+
+        def path(key: bytes) -> Path:
+            return root / key.hex()[:2] / (key.hex() + SUFFIX)
+
+        def read_raw(key: bytes) -> bytes | None:
+            p = path(key)
+            return p.read_bytes() if p.exists() else None
+
+        def write_raw(key: bytes, data: bytes) -> None:
+            path(key).parent.mkdir(exist_ok=True)
+            path(key).write_bytes(data)
+
+        return TierHarness(
+            # create=False: a missing root is an unmounted share, not something to recreate.
+            make=lambda **kw: FsTier(root, create=False, **kw),
+            read_raw=read_raw,
+            write_raw=write_raw,
+            break_store=lambda: os.rename(root, away),
+            restore_store=lambda: os.rename(away, root),
+            recovery_s=2.0,
+        )
+
+
+def _redis_harness(url: str, raw_client, **extra) -> TierHarness:
+    prefix = f"kvtier-test:{uuid.uuid4().hex[:12]}:"
+
+    def rkey(key: bytes) -> str:
+        return prefix + key.hex()
+
+    return TierHarness(
+        make=lambda **kw: RedisTier.from_url(url, key_prefix=prefix, timeout_s=2.0, breaker_backoff_s=0.1, **kw),
+        read_raw=lambda key: raw_client.get(rkey(key)),
+        write_raw=lambda key, data: raw_client.set(rkey(key), data),
+        **extra,
+    )
+
+
+class TestRedisStandaloneContract(TierContract):
+    @pytest.fixture
+    def harness(self) -> TierHarness:
+        if not ping(*STANDALONE):
+            pytest.skip(f"no Redis on {STANDALONE[0]}:{STANDALONE[1]}; {_SKIP_HINT}")
+        client = redis.Redis(*STANDALONE, protocol=2)
+        yield _redis_harness(f"redis://{STANDALONE[0]}:{STANDALONE[1]}/0", client)
+        client.close()
+
+
+class TestRedisClusterContract(TierContract):
+    @pytest.fixture
+    def harness(self) -> TierHarness:
+        if not ping(*CLUSTER):
+            pytest.skip(f"no Redis Cluster on {CLUSTER[0]}:{CLUSTER[1]}; {_SKIP_HINT}")
+        from redis.cluster import RedisCluster
+
+        client = RedisCluster(*CLUSTER, protocol=2)
+        yield _redis_harness(f"redis+cluster://{CLUSTER[0]}:{CLUSTER[1]}", client)
+        client.close()
+
+
+class TestRedisThrowawayContract(TierContract):
+    """Standalone Redis this test owns, so the failure tests may kill and restart it."""
+
+    @pytest.fixture
+    def harness(self) -> TierHarness:
+        if redis_server_binary() is None:
+            pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+        server = RedisServerProcess()
+        client = redis.Redis("127.0.0.1", server.port, protocol=2)
+        try:
+            yield _redis_harness(server.url, client, break_store=server.kill, restore_store=server.start)
+        finally:
+            client.close()
+            server.stop()

@@ -336,7 +336,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 # Everything from this chunk on is unfilled: vLLM recomputes it.
                 for later in spec.chunks[i:]:
                     self._load_errors.update(later.block_ids)
-                self.manager.counters.load_failures += 1
+                self.manager.record_load_failure()
                 log.warning(
                     "kvtier: request %s: chunk %d of %d unavailable, %d blocks reported for recompute",
                     spec.req_id,

@@ -243,6 +243,11 @@ class StorageManager:
                 rec.kvtier_hit_tokens += num_tokens
                 rec.tiers[tier] = rec.tiers.get(tier, 0) + num_tokens
 
+    def record_load_failure(self) -> None:
+        """Count a planned load that could not be served (reported to the engine)."""
+        with self._lock:
+            self.counters.load_failures += 1
+
     def release(self, lease_owner: str) -> None:
         """End ``lease_owner``'s lease (load done, request finished or aborted)."""
         self.leases.release(lease_owner)

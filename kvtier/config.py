@@ -48,6 +48,9 @@ class KVTierConfig(BaseModel):
     disk_capacity: ByteSize = Field(ByteSize(16 << 30), description="Byte bound of the disk tier (headers included).")
     disk_eviction: str = Field("lru", description="Disk tier eviction policy.")
     disk_fsync: bool = Field(False, description="fsync each chunk file before publishing it (power-loss safety).")
+    disk_direct_io: bool = Field(
+        False, description="Read and write chunk files with O_DIRECT (bypass the page cache; falls back if refused)."
+    )
     disk_write_queue: int = Field(
         256, ge=1, description="Chunks waiting for write-behind to disk; more are dropped (counted)."
     )

@@ -342,7 +342,7 @@ def test_full_write_queue_drops_and_counts(tier: DiskTier, make_key: KeyFn) -> N
     started = threading.Event()
     real_write = tier._write
 
-    def slow_write(key: bytes, payload: np.ndarray) -> bool:
+    def slow_write(key: bytes, payload: np.ndarray, parent: bytes | None = None) -> bool:
         started.set()
         gate.wait(30)
         return real_write(key, payload)

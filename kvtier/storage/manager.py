@@ -147,6 +147,7 @@ class StorageManager:
                 self.leases.is_pinned,
                 write_queue=config.disk_write_queue,
                 fsync=config.disk_fsync,
+                direct_io=config.disk_direct_io,
             )
             log.info(
                 "kvtier disk tier %s: %d chunks indexed in %.3f s",
@@ -288,7 +289,7 @@ class StorageManager:
         if self.disk is not None and self.disk.writable:
             buf = self.cpu.acquire(key)
             if buf is not None:
-                self.disk.put_async(key, buf, lambda: self.cpu.release(key))
+                self.disk.put_async(key, buf, lambda: self.cpu.release(key), parent)
 
     def abort(self, key: bytes) -> None:
         self.cpu.abort(key)
@@ -369,6 +370,7 @@ class StorageManager:
                 disk_dropped_writes=d.dropped_writes,
                 disk_failed_writes=d.failed_writes,
                 disk_corrupt_reads=d.corrupt_reads,
+                disk_read_errors=d.read_errors,
                 disk_writable=int(d.writable),
             )
         return out

@@ -424,8 +424,12 @@ class DiskTier:
         return self._queue.qsize() + len(self._writing)
 
     # -- write path ------------------------------------------------------------
-    def put_async(self, key: bytes, payload: np.ndarray, on_done: Callable[[], None]) -> bool:
+    def put_async(
+        self, key: bytes, payload: np.ndarray, on_done: Callable[[], None], parent: bytes | None = None
+    ) -> bool:
         """Queue ``payload`` (uint8, C-contiguous, non-empty) to be written under ``key``.
+
+        ``parent`` is the previous chunk's key of the same prompt (chain-aware eviction).
 
         The caller keeps ``payload`` valid until ``on_done`` runs (it runs exactly
         once, also when the write is skipped or fails). Returns False (and calls
@@ -442,14 +446,14 @@ class DiskTier:
             on_done()
             return False
         try:
-            self._queue.put_nowait((key, payload, on_done))
+            self._queue.put_nowait((key, payload, on_done, parent))
         except queue.Full:
             self.dropped_writes += 1
             on_done()
             return False
         return True
 
-    def put(self, key: bytes, payload: np.ndarray) -> bool:
+    def put(self, key: bytes, payload: np.ndarray, parent: bytes | None = None) -> bool:
         """Write ``payload`` synchronously. Returns True if the chunk is on disk afterwards.
 
         Raises:
@@ -461,7 +465,7 @@ class DiskTier:
             return True
         if not self.writable or self._closed:
             return False
-        return self._write(key, payload)
+        return self._write(key, payload, parent)
 
     def _write_loop(self) -> None:
         while True:
@@ -469,10 +473,10 @@ class DiskTier:
             if item is None:
                 self._queue.task_done()
                 return
-            key, payload, on_done = item
+            key, payload, on_done, parent = item
             try:
                 if self.writable and not self._closed and key not in self._index:
-                    self._write(key, payload)
+                    self._write(key, payload, parent)
             except Exception:  # the writer thread must never die
                 log.exception("kvtier disk tier: write of chunk %s failed", key.hex()[:16])
             finally:
@@ -483,7 +487,7 @@ class DiskTier:
                 finally:
                     self._queue.task_done()
 
-    def _write(self, key: bytes, payload: np.ndarray) -> bool:
+    def _write(self, key: bytes, payload: np.ndarray, parent: bytes | None = None) -> bool:
         data = _bytes_view(payload)
         direct = self.direct_io
         size = HEADER_BYTES + (_align_up(len(data)) if direct else len(data))
@@ -528,7 +532,7 @@ class DiskTier:
             self._writing.discard(key)
             self.used_bytes += written - size  # a direct-I/O fallback writes no padding
             self._index[key] = written
-            self.policy.insert(key)
+            self.policy.insert(key, parent)
             self.written_chunks += 1
         return True
 

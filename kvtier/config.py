@@ -54,11 +54,33 @@ class KVTierConfig(BaseModel):
     disk_write_queue: int = Field(
         256, ge=1, description="Chunks waiting for write-behind to disk; more are dropped (counted)."
     )
+    remote_url: str | None = Field(
+        None,
+        description=(
+            "URL of the remote tier below CPU and disk (redis://, rediss://, unix://, redis+cluster://, "
+            "fs:///path, or a plug-in's scheme); unset disables it."
+        ),
+    )
+    remote_codec: str = Field("raw", description="Codec of chunks written to the remote tier.")
+    remote_ttl_s: float | None = Field(
+        None, gt=0, description="Expiry of remote chunks in seconds; unset keeps them until the store evicts."
+    )
+    remote_timeout_s: float = Field(
+        1.0, gt=0, description="Bound on one remote call (all its round trips); a timeout is a miss."
+    )
+    remote_write_queue: int = Field(
+        64, ge=1, description="Chunks waiting for write-behind to the remote tier; more are dropped (counted)."
+    )
     lease_ttl_s: float = Field(
         300.0, gt=0, description="Seconds a lookup's lease pins its chunks if no load/finish ends it."
     )
     lookup_timeout_s: float = Field(
         0.5, gt=0, description="Bound on a scheduler-to-worker lookup call; a timeout is a miss."
+    )
+    async_load: bool = Field(
+        True,
+        description="Load hits held only below the CPU tier (disk, remote) asynchronously, "
+        "so the engine keeps serving other requests meanwhile.",
     )
     model_id: str | None = Field(
         None,
@@ -68,7 +90,7 @@ class KVTierConfig(BaseModel):
     load: bool = Field(True, description="Report hits and load cached chunks.")
     config_file: Path | None = Field(None, description="TOML or JSON file with any of these keys.")
 
-    @field_validator("disk_path", "config_file", "model_id", mode="before")
+    @field_validator("disk_path", "config_file", "model_id", "remote_url", "remote_ttl_s", mode="before")
     @classmethod
     def _empty_is_unset(cls, v: Any) -> Any:
         # KVTIER_DISK_PATH="" must not mean "the current directory".
@@ -81,9 +103,49 @@ class KVTierConfig(BaseModel):
             raise ValueError(f"unknown eviction policy {v!r}; choose one of {sorted(POLICIES)}")
         return v
 
+    @field_validator("remote_url")
+    @classmethod
+    def _known_tier(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from kvtier.tiers.registry import available_tiers
+
+        scheme, sep, rest = v.partition("://")
+        if not sep or not scheme or not rest:
+            raise ValueError(f"remote_url {mask_url(v)!r} is not a URL (scheme://...)")
+        known = available_tiers()
+        if scheme.lower() not in known:
+            raise ValueError(f"no remote tier for scheme {scheme!r}; available: {', '.join(sorted(known))}")
+        return v
+
+    @field_validator("remote_codec")
+    @classmethod
+    def _known_codec(cls, v: str) -> str:
+        from kvtier.serde.registry import CODECS
+
+        if v not in CODECS:
+            raise ValueError(f"unknown codec {v!r}; choose one of {sorted(CODECS)}")
+        return v
+
     def describe(self) -> str:
-        """One line with the effective settings, for the start-up log."""
-        return " ".join(f"{k}={v}" for k, v in self.model_dump().items())
+        """One line with the effective settings, for the start-up log (passwords in URLs masked)."""
+        values = self.model_dump()
+        if values.get("remote_url"):
+            values["remote_url"] = mask_url(values["remote_url"])
+        return " ".join(f"{k}={v}" for k, v in values.items())
+
+
+def mask_url(url: str) -> str:
+    """``url`` with the password of its ``user:password@`` part replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, path = rest.partition("/")
+    if "@" not in netloc:
+        return url
+    cred, _, host = netloc.rpartition("@")
+    user, colon, _ = cred.partition(":")
+    return f"{scheme}://{user}{':***' if colon else ''}@{host}{slash}{path}"
 
 
 def _read_file(path: Path) -> dict[str, Any]:

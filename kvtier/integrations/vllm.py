@@ -13,9 +13,13 @@ Scheduler side (``get_num_new_matched_tokens`` ... ``request_finished``): looks 
 the longest cached prefix of each new prompt beyond what vLLM's own prefix cache
 holds, leases those chunks, and after block allocation plans, per step, which
 chunks to load into which blocks and which newly computed full prompt chunks to
-save. Worker side: loads planned chunks synchronously before the forward pass
-(vLLM calls ``start_load_kv`` before the model when a step has sync loads) and
-saves planned chunks after it (``wait_for_save``), copying whole paged blocks.
+save. Worker side: loads planned chunks before the forward pass and saves
+planned chunks after it (``wait_for_save``), copying whole paged blocks.
+
+Loads of chunks held only by a lower tier (disk, remote) are asynchronous
+(``async_load``): the request waits in vLLM's WAITING_FOR_REMOTE_KVS state while a
+worker thread promotes the chunks and fills its blocks, the engine keeps running
+other requests, and ``get_finished`` reports completion. CPU hits load inline.
 
 Invariants:
 - Loads start at the first block past the engine's (block-aligned) local
@@ -25,6 +29,9 @@ Invariants:
   silent wrong load.
 - Every lease taken by a lookup ends: on load, when the engine needs nothing
   from us, on request finish/abort, on a repeated lookup, or at its TTL.
+- Blocks being filled by an asynchronous load are never freed under it: a
+  request finished or aborted mid-load is held (``request_finished`` returns
+  True) until the worker reports it in ``finished_sending`` after the load ends.
 - Embedded mode (this module) keeps the tiers in the worker process, which owns
   them. The scheduler side calls the worker's manager directly when both share
   a process (``kvtier.storage.registry``), else over the lookup RPC
@@ -34,6 +41,8 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +91,7 @@ class TransferSpec:
 
     req_id: str
     chunks: list[ChunkCopy]
+    is_async: bool = False  # load on a worker thread, report through get_finished
 
 
 @dataclass
@@ -101,6 +111,8 @@ class _Tracker:
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or known cached
     lookup: LookupResult | None = None
     pending_load: TransferSpec | None = None
+    load_async: bool = False  # the last lookup asked vLLM for an asynchronous load
+    async_inflight: bool = False  # an async load was sent and its completion not yet seen
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -126,7 +138,13 @@ class KVTierConnector(KVConnectorBase_V1):
         self._server: LookupServer | None = None
         self._layers: list[np.ndarray] = []
         self._load_errors: set[int] = set()
+        self._worker_lock = threading.Lock()  # guards the async-load sets below
+        self._loader: ThreadPoolExecutor | None = None
+        self._async_active: set[str] = set()  # submitted, completion not yet reported
+        self._async_done: set[str] = set()  # finished, to report in get_finished
+        self._finished_while_loading: set[str] = set()  # vLLM finished them mid-load
         # scheduler side: the worker's manager (same process) or an RPC stub
+        self._async_to_send: list[TransferSpec] = []
         self._index: StorageManager | LookupClient | None = None
         self._trackers: dict[str, _Tracker] = {}
         if self.config.enabled and role == KVConnectorRole.WORKER:
@@ -191,7 +209,9 @@ class KVTierConnector(KVConnectorBase_V1):
             if res.num_tokens <= num_computed_tokens:
                 self._release(request.request_id)
                 return 0, False
-            return res.num_tokens - num_computed_tokens, False
+            first = num_computed_tokens // self.chunk_size
+            tr.load_async = self.config.async_load and any(t != "cpu" for t in res.tiers[first:])
+            return res.num_tokens - num_computed_tokens, tr.load_async
         except Exception:  # kvtier must never take the engine down: a failure is a miss
             log.exception("kvtier lookup failed; treating as a miss")
             self._release(request.request_id)
@@ -214,13 +234,21 @@ class KVTierConnector(KVConnectorBase_V1):
             offset = max(0, start // bs - first)
             parent = tr.keys[ci - 1] if ci else None
             chunks.append(ChunkCopy(tr.keys[ci], tuple(block_ids[first + offset : first + bpc]), offset, parent))
-        tr.pending_load = TransferSpec(request.request_id, chunks)
+        spec = TransferSpec(request.request_id, chunks, is_async=tr.load_async)
+        if tr.load_async:
+            # The request is not scheduled until the load completes: send it now.
+            self._async_to_send.append(spec)
+            tr.async_inflight = True
+        else:
+            tr.pending_load = spec
         tr.saved_chunks = max(tr.saved_chunks, hit // self.chunk_size)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KVTierMetadata()
         if not self.config.enabled:
             return meta
+        meta.loads.extend(self._async_to_send)
+        self._async_to_send = []
         for preempted in scheduler_output.preempted_req_ids or ():
             tr = self._trackers.get(preempted)
             if tr is not None:
@@ -268,11 +296,22 @@ class KVTierConnector(KVConnectorBase_V1):
         meta.saves.append(TransferSpec(tr.req_id, chunks))
         tr.saved_chunks = full
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        for req_id in connector_output.finished_recving or ():
+            tr = self._trackers.get(req_id)
+            if tr is not None:
+                tr.async_inflight = False
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tr = self._trackers.pop(request.request_id, None)
-        if tr is not None and tr.lookup is not None and tr.lookup.keys:
+        if tr is None:
+            return False, None
+        self._async_to_send = [s for s in self._async_to_send if s.req_id != request.request_id]
+        if tr.lookup is not None and tr.lookup.keys:
             self._release(request.request_id)
-        return False, None
+        # An async load may still be writing into this request's blocks: keep them
+        # until the worker reports the load over (as finished_sending).
+        return tr.async_inflight, None
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -311,10 +350,43 @@ class KVTierConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVTierMetadata):
             return
         for spec in meta.loads:
+            if spec.is_async:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+                with self._worker_lock:
+                    self._async_active.add(spec.req_id)
+                self._loader.submit(self._load_async, spec)
+                continue
             try:
                 self._load_request(spec)
             finally:
                 self.manager.release(spec.req_id)
+
+    def _load_async(self, spec: TransferSpec) -> None:
+        try:
+            self._load_request(spec)
+        except Exception:  # _load_request already reports failed blocks
+            log.exception("kvtier: async load for %s failed", spec.req_id)
+        finally:
+            if self.manager is not None:
+                self.manager.release(spec.req_id)
+            with self._worker_lock:
+                self._async_done.add(spec.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Async loads that ended: ``(freed-after-abort ids, loaded ids)``.
+
+        A request vLLM finished while its load ran is reported as "sending" (its
+        blocks may be freed now); the others as "recving" (ready to schedule).
+        """
+        with self._worker_lock:
+            self._finished_while_loading |= finished_req_ids & self._async_active
+            done, self._async_done = self._async_done, set()
+            self._async_active -= done
+            sending = done & self._finished_while_loading
+            self._finished_while_loading -= sending
+            recving = done - sending
+        return (sending or None), (recving or None)
 
     def _load_request(self, spec: TransferSpec) -> None:
         for i, ch in enumerate(spec.chunks):
@@ -334,8 +406,9 @@ class KVTierConnector(KVConnectorBase_V1):
                 log.exception("kvtier: loading chunk %s failed", ch.key.hex()[:16])
             if not ok:
                 # Everything from this chunk on is unfilled: vLLM recomputes it.
-                for later in spec.chunks[i:]:
-                    self._load_errors.update(later.block_ids)
+                with self._worker_lock:
+                    for later in spec.chunks[i:]:
+                        self._load_errors.update(later.block_ids)
                 self.manager.record_load_failure()
                 log.warning(
                     "kvtier: request %s: chunk %d of %d unavailable, %d blocks reported for recompute",
@@ -377,10 +450,16 @@ class KVTierConnector(KVConnectorBase_V1):
                 self.manager.commit(ch.key, ch.parent)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        # Errors of an async load are recorded before its id joins _async_done, so
+        # they are reported no later than the pass that reports it finished.
+        with self._worker_lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
         if self._server is not None:
             self._server.close()
             self._server = None

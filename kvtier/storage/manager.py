@@ -6,8 +6,15 @@
 - ``open_write``/``commit`` store into the CPU tier synchronously; committed
   chunks are queued for the disk tier (write-behind): the engine's step never
   waits for disk.
-- ``open_read`` serves a chunk from the fastest tier that has it; a disk hit is
-  promoted into the CPU tier first.
+- ``open_read`` serves a chunk from the fastest tier that has it; a disk or
+  remote hit is promoted into the CPU tier first (read straight into a reserved
+  CPU slot).
+- The remote tier (``remote_url``: Redis, Redis Cluster, shared filesystem or a
+  plug-in) is the lowest tier. ``lookup`` asks it about every chunk the local
+  tiers miss in one batched call (one round trip); committed chunks reach it by
+  write-behind on a background thread (batched ``put_many``), never on the
+  engine's step. A remote failure is a miss (bounded by ``remote_timeout_s``).
+- ``prefetch`` promotes a prompt's lower-tier chunks into CPU on a background thread.
 
 Chain order: when a prompt's chunks are touched (lookup hit or store), they are
 touched from the last chunk to the first, so under recency policies the tail
@@ -21,13 +28,16 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import ChunkHasher, KeyNamespace
+from kvtier.memory.pool import ChunkPool
+from kvtier.storage.batch_worker import BatchWorker
 from kvtier.storage.leases import LeaseTable
+from kvtier.storage.remote import open_remote_tier
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.policies import make_policy
@@ -42,7 +52,8 @@ class LookupResult:
     Attributes:
         num_tokens: tokens of the longest cached prefix (multiple of chunk_size).
         keys: keys of the hit chunks, in prompt order.
-        tiers: for each hit chunk, the tier that holds it ("cpu" or "disk").
+        tiers: for each hit chunk, the fastest tier that holds it ("cpu", "disk"
+            or "remote").
     """
 
     num_tokens: int
@@ -58,12 +69,21 @@ class Counters:
     lookup_tokens: int = 0
     hit_tokens_cpu: int = 0
     hit_tokens_disk: int = 0
+    hit_tokens_remote: int = 0
     loaded_chunks: int = 0
     load_failures: int = 0
     stored_chunks: int = 0
     stored_bytes: int = 0
     store_skipped: int = 0
     promoted_chunks: int = 0
+    promoted_chunks_remote: int = 0
+    remote_promote_failures: int = 0
+    remote_queued_chunks: int = 0
+    remote_dropped_writes: int = 0
+    prefetch_calls: int = 0
+    prefetch_queued_chunks: int = 0
+    prefetch_promoted_chunks: int = 0
+    prefetch_dropped_chunks: int = 0
 
 
 @dataclass
@@ -94,7 +114,7 @@ class ReadHandle:
         self._tier: CpuTier | None = tier
         self.key = key
         self.buffer = buffer  # uint8 [chunk_bytes]
-        self.source = source  # "cpu" or "disk"
+        self.source = source  # tier it came from: "cpu", "disk" or "remote"
 
     def close(self) -> None:
         if self._tier is not None:
@@ -114,13 +134,21 @@ class StorageManager:
     Args:
         config: effective kvtier config.
         namespace: key namespace (model, layout, chunk size, rank).
+        pool: optional CPU pool to use instead of allocating ``config.cpu_capacity``
+            (the cache service passes one over a shared-memory segment).
 
     Raises:
-        ValueError: capacities too small for one chunk.
+        ValueError: capacities too small for one chunk, or a remote tier URL/option
+            the tier refuses (an unreachable remote store is not an error).
         DiskTierLocked: the disk directory is owned by another process.
     """
 
-    def __init__(self, config: KVTierConfig, namespace: KeyNamespace):
+    #: Most chunks one remote ``put_many`` (write-behind) carries.
+    REMOTE_WRITE_BATCH = 8
+    #: Prompts waiting for prefetch; more are dropped (counted).
+    PREFETCH_QUEUE = 64
+
+    def __init__(self, config: KVTierConfig, namespace: KeyNamespace, pool: ChunkPool | None = None):
         if namespace.chunk_size != config.chunk_size:
             raise ValueError("namespace chunk_size differs from config.chunk_size")
         self.config = config
@@ -136,6 +164,7 @@ class StorageManager:
             int(config.cpu_capacity),
             make_policy(config.cpu_eviction),
             self.leases.is_pinned,
+            pool=pool,
         )
         self.disk: DiskTier | None = None
         if config.disk_path is not None:
@@ -155,6 +184,18 @@ class StorageManager:
                 len(self.disk),
                 self.disk.index_load_s,
             )
+        self.remote = open_remote_tier(config, namespace)
+        self._remote_writer: BatchWorker[tuple[bytes, np.ndarray]] | None = None
+        if self.remote is not None:
+            self._remote_writer = BatchWorker(
+                "kvtier-remote-write",
+                self._remote_write_batch,
+                config.remote_write_queue,
+                self.REMOTE_WRITE_BATCH,
+                on_discard=lambda item: self.cpu.release(item[0]),
+            )
+        self._prefetcher: BatchWorker[list[tuple[bytes, bytes | None]]] | None = None
+        self._closed = False
         log.info("kvtier storage: chunk_bytes=%d %s", self.chunk_bytes, config.describe())
 
     # -- index -----------------------------------------------------------------
@@ -163,7 +204,7 @@ class StorageManager:
         return self.hasher.keys(tokens, cache_salt)
 
     def where(self, key: bytes) -> str | None:
-        """Fastest tier holding ``key``, or None."""
+        """Fastest local tier (CPU, disk) holding ``key``, or None. Never asks the remote tier."""
         if self.cpu.contains(key):
             return "cpu"
         if self.disk is not None and self.disk.contains(key):
@@ -216,6 +257,21 @@ class StorageManager:
                 break
             hit_keys.append(key)
             tiers.append(tier)
+        if self.remote is not None and len(hit_keys) < len(keys):
+            # Everything the local tiers miss: one batched existence check (one round
+            # trip); a failing remote answers all False. A chunk also held locally
+            # (evicted and re-stored since) keeps its faster label.
+            rest = list(keys[len(hit_keys) :])
+            try:
+                found = self.remote.contains_many(rest)
+            except Exception:  # defensive: a failing tier is a miss
+                log.exception("kvtier: remote lookup failed")
+                found = [False] * len(rest)
+            for key, ok in zip(rest, found):
+                if not ok:
+                    break
+                hit_keys.append(key)
+                tiers.append(self.where(key) or "remote")
         if lease_owner is not None:
             self.leases.grant(lease_owner, hit_keys)
         self._touch_chain(hit_keys)
@@ -236,6 +292,8 @@ class StorageManager:
         with self._lock:
             if tier == "cpu":
                 self.counters.hit_tokens_cpu += num_tokens
+            elif tier == "remote":
+                self.counters.hit_tokens_remote += num_tokens
             else:
                 self.counters.hit_tokens_disk += num_tokens
             self.counters.loaded_chunks += 1
@@ -261,13 +319,16 @@ class StorageManager:
 
     # -- write path ------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
+        """True if a local tier (CPU, disk) holds ``key`` (no remote round trip)."""
         return self.where(key) is not None
 
     def open_write(self, key: bytes) -> np.ndarray | None:
         """Reserve a CPU slot for ``key``; returns the uint8 ``[chunk_bytes]`` buffer to fill.
 
-        Returns None when the chunk is already stored in any tier or no slot can be
-        freed; the caller skips the store. Follow with :meth:`commit` or :meth:`abort`.
+        Returns None when the chunk is already stored in a local tier or no slot can
+        be freed; the caller skips the store. Follow with :meth:`commit` or :meth:`abort`.
+        The remote tier is not asked (that would put a round trip on the engine's
+        step): a chunk held only remotely is stored again, an idempotent overwrite.
         """
         if self.where(key) is not None:
             return None
@@ -278,18 +339,44 @@ class StorageManager:
         return buf
 
     def commit(self, key: bytes, parent: bytes | None = None) -> None:
-        """Publish a filled chunk and queue it for the disk tier (write-behind).
+        """Publish a filled chunk and queue it for the disk and remote tiers (write-behind).
 
         ``parent``: key of the previous chunk of the prompt (None for the first).
+        Never waits for disk or remote I/O: each queue holds a CPU read reference
+        until its write is done; a full queue drops the write (counted).
         """
         self.cpu.commit(key, parent)
         with self._lock:
             self.counters.stored_chunks += 1
             self.counters.stored_bytes += self.chunk_bytes
+        self._queue_disk(key, parent)
+        if self._remote_writer is not None:
+            buf = self.cpu.acquire(key)
+            if buf is not None:
+                if self._remote_writer.submit((key, buf)):
+                    with self._lock:
+                        self.counters.remote_queued_chunks += 1
+                else:
+                    self.cpu.release(key)
+                    with self._lock:
+                        self.counters.remote_dropped_writes += 1
+
+    def _queue_disk(self, key: bytes, parent: bytes | None) -> None:
         if self.disk is not None and self.disk.writable:
             buf = self.cpu.acquire(key)
             if buf is not None:
                 self.disk.put_async(key, buf, lambda: self.cpu.release(key), parent)
+
+    def _remote_write_batch(self, items: list[tuple[bytes, np.ndarray]]) -> None:
+        """Write-behind thread: one batched put of queued chunks, then drop their references."""
+        try:
+            assert self.remote is not None
+            self.remote.put_many(items)  # failures are dropped and counted by the tier
+        except Exception:  # defensive: a failing tier loses the writes, nothing else
+            log.exception("kvtier: remote write-behind failed")
+        finally:
+            for key, _ in items:
+                self.cpu.release(key)
 
     def abort(self, key: bytes) -> None:
         self.cpu.abort(key)
@@ -302,14 +389,81 @@ class StorageManager:
     def open_read(self, key: bytes, parent: bytes | None = None) -> ReadHandle | None:
         """Hold ``key`` for reading from the fastest tier; None on a miss or failure.
 
-        A disk hit is read into a fresh CPU slot (promotion) and served from there.
-        Never raises for tier failures: a failing tier is a miss.
+        A disk or remote hit is read into a fresh CPU slot (promotion) and served
+        from there. Never raises for tier failures: a failing tier is a miss. Time:
+        a CPU hit is a dictionary look-up; a disk hit one file read; a remote hit
+        one remote call, at most ``remote_timeout_s`` (a timeout is a miss).
         """
+        return self.open_read_many([(key, parent)])[0]
+
+    def open_read_many(self, items: Sequence[tuple[bytes, bytes | None]]) -> list[ReadHandle | None]:
+        """:meth:`open_read` for many ``(key, parent)`` pairs; remote hits come in one batched call.
+
+        Returns one handle or None per item, in order (close every handle). Time:
+        at most one remote call (``remote_timeout_s``) plus the disk reads.
+        """
+        out: list[ReadHandle | None] = [None] * len(items)
+        remote_idx: list[int] = []
+        for i, (key, parent) in enumerate(items):
+            buf = self.cpu.acquire(key)
+            if buf is not None:
+                out[i] = ReadHandle(self.cpu, key, buf, "cpu")
+            else:
+                if self.disk is not None and self.disk.contains(key):
+                    out[i] = self._promote_disk(key, parent)
+                if out[i] is None and self.remote is not None:
+                    remote_idx.append(i)  # not on disk, or the disk read failed
+        if remote_idx:
+            got = self._promote_remote([items[i] for i in remote_idx])
+            for i, ok in zip(remote_idx, got):
+                if ok:
+                    out[i] = self._acquire_handle(items[i][0], "remote")
+                else:
+                    # Another thread may have promoted it meanwhile.
+                    out[i] = self._acquire_handle(items[i][0], "cpu")
+        return out
+
+    def _acquire_handle(self, key: bytes, source: str) -> ReadHandle | None:
         buf = self.cpu.acquire(key)
-        if buf is not None:
-            return ReadHandle(self.cpu, key, buf, "cpu")
-        if self.disk is None or not self.disk.contains(key):
-            return None
+        return ReadHandle(self.cpu, key, buf, source) if buf is not None else None
+
+    def _promote_remote(self, items: Sequence[tuple[bytes, bytes | None]]) -> list[bool]:
+        """Read remote chunks straight into reserved CPU slots (one batched get).
+
+        True where the chunk is now committed in CPU by this call. A failed get
+        (absent, corrupt, timeout) aborts its slot and counts a promote failure:
+        the tier keeps no stale existence, so the next lookup misses too.
+        """
+        assert self.remote is not None
+        slots: list[tuple[int, bytes, bytes | None, np.ndarray]] = []
+        for i, (key, parent) in enumerate(items):
+            dst = self.cpu.reserve(key)
+            if dst is not None:
+                slots.append((i, key, parent, dst))
+        out = [False] * len(items)
+        if not slots:
+            return out
+        try:
+            got = self.remote.get_many_into([(key, dst) for _, key, _, dst in slots])
+        except Exception:  # defensive: a failing tier is a miss
+            log.exception("kvtier: remote read failed")
+            got = [False] * len(slots)
+        failures = 0
+        for (i, key, parent, _), ok in zip(slots, got):
+            if ok:
+                self.cpu.commit(key, parent)
+                self._queue_disk(key, parent)
+                out[i] = True
+            else:
+                self.cpu.abort(key)
+                failures += 1
+        with self._lock:
+            self.counters.promoted_chunks_remote += len(slots) - failures
+            self.counters.remote_promote_failures += failures
+        return out
+
+    def _promote_disk(self, key: bytes, parent: bytes | None) -> ReadHandle | None:
+        assert self.disk is not None
         dst = self.cpu.reserve(key)
         if dst is None:
             # Either another thread is promoting it right now or CPU is full of
@@ -330,18 +484,102 @@ class StorageManager:
         buf = self.cpu.acquire(key)
         return ReadHandle(self.cpu, key, buf, "disk") if buf is not None else None
 
+    # -- prefetch --------------------------------------------------------------------
+    def prefetch(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
+        """Queue promotion of a prompt's lower-tier chunks into CPU; returns chunks queued.
+
+        Walks the chunk keys of ``tokens`` (as :meth:`lookup` would, leaving out the
+        chunk of the last token): chunks in CPU are skipped, chunks on disk are
+        queued, the rest are queued as remote candidates when a remote tier is
+        configured (a background thread asks the remote tier about them in one
+        round trip and promotes the leading run that exists); without a remote
+        tier the walk stops at the first chunk no tier holds. Never blocks on I/O:
+        the caller only hashes. A full prefetch queue drops the prompt (counted).
+        """
+        cs = self.namespace.chunk_size
+        max_chunks = max(0, (len(tokens) - 1) // cs)
+        keys = self.hasher.keys(tokens, cache_salt, max_chunks=max_chunks)[:max_chunks]
+        job: list[tuple[bytes, bytes | None]] = []
+        for i, key in enumerate(keys):
+            if self.cpu.contains(key):
+                continue
+            on_disk = self.disk is not None and self.disk.contains(key)
+            if not on_disk and self.remote is None:
+                break
+            job.append((key, keys[i - 1] if i else None))
+        with self._lock:
+            self.counters.prefetch_calls += 1
+            if not job or self._closed:
+                return 0
+            if self._prefetcher is None:
+                self._prefetcher = BatchWorker("kvtier-prefetch", self._prefetch_batch, self.PREFETCH_QUEUE, 1)
+            prefetcher = self._prefetcher
+        if not prefetcher.submit(job):
+            with self._lock:
+                self.counters.prefetch_dropped_chunks += len(job)
+            return 0
+        with self._lock:
+            self.counters.prefetch_queued_chunks += len(job)
+        return len(job)
+
+    def _prefetch_batch(self, jobs: list[list[tuple[bytes, bytes | None]]]) -> None:
+        """Prefetch thread: promote each job's chunks in prompt order, stopping at a gap."""
+        for job in jobs:
+            promoted = 0
+            remote: list[tuple[bytes, bytes | None]] = []
+            for n, (key, parent) in enumerate(job):
+                if self.cpu.contains(key):
+                    continue
+                handle = None
+                if self.disk is not None and self.disk.contains(key):
+                    handle = self._promote_disk(key, parent)
+                if handle is not None:
+                    promoted += handle.source == "disk"
+                    handle.close()
+                    continue
+                if self.remote is not None:
+                    # From the first chunk the local tiers cannot serve, ask the remote tier.
+                    remote = job[n:]
+                break
+            if remote and self.remote is not None:
+                try:
+                    found = self.remote.contains_many([k for k, _ in remote])
+                except Exception:  # defensive: a failing tier is a miss
+                    log.exception("kvtier: remote prefetch lookup failed")
+                    found = []
+                run = 0
+                while run < len(found) and found[run]:
+                    run += 1
+                if run:
+                    promoted += sum(self._promote_remote(remote[:run]))
+            with self._lock:
+                self.counters.prefetch_promoted_chunks += promoted
+
     # -- admin -----------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait for write-behind to reach the disk tier."""
-        return True if self.disk is None else self.disk.flush(timeout_s)
+        """Wait for write-behind to reach the disk and remote tiers (and queued prefetches)."""
+        ok = True
+        if self._prefetcher is not None:
+            ok = self._prefetcher.flush(timeout_s) and ok
+        if self._remote_writer is not None:
+            ok = self._remote_writer.flush(timeout_s) and ok
+        if self.disk is not None:
+            ok = self.disk.flush(timeout_s) and ok
+        return ok
 
     def clear(self) -> dict[str, int]:
-        """Remove every unreferenced chunk from every tier."""
+        """Remove every unreferenced chunk from every tier (remote: every chunk under its prefix/root)."""
         # Flush first: queued write-behind holds CPU references that would keep chunks alive.
         self.flush(30)
         out = {"cpu": self.cpu.clear()}
         if self.disk is not None:
             out["disk"] = self.disk.clear()
+        if self.remote is not None:
+            try:
+                out["remote"] = self.remote.clear()
+            except Exception:  # defensive: report nothing removed rather than raise
+                log.exception("kvtier: clearing the remote tier failed")
+                out["remote"] = 0
         return out
 
     def stats(self) -> dict[str, int | float]:
@@ -358,6 +596,10 @@ class StorageManager:
             pinned_chunks=self.leases.pinned_keys,
             referenced_chunks=self.cpu.referenced_chunks(),
         )
+        if self._remote_writer is not None:
+            out["remote_write_pending"] = self._remote_writer.pending
+        if self.remote is not None:
+            out.update(_remote_stats(self.remote))
         if self.disk is not None:
             d = self.disk
             out.update(
@@ -376,6 +618,43 @@ class StorageManager:
         return out
 
     def close(self) -> None:
-        """Flush write-behind and release the disk directory."""
+        """Drop queued prefetches, flush write-behind, close the remote tier, release the disk directory.
+
+        Idempotent. Bounded: remote write-behind drains within about
+        ``remote_write_queue / REMOTE_WRITE_BATCH`` remote calls (each at most
+        ``remote_timeout_s``; fewer once the tier's circuit breaker opens).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._prefetcher is not None:
+            self._prefetcher.close(drain=False)
+        if self._remote_writer is not None:
+            if not self._remote_writer.close(60.0):
+                log.warning("kvtier: remote write-behind did not finish within 60 s")
+        if self.remote is not None:
+            try:
+                self.remote.close()
+            except Exception:  # pragma: no cover - defensive
+                log.exception("kvtier: closing the remote tier failed")
         if self.disk is not None:
             self.disk.close()
+
+
+def _remote_stats(tier: Any) -> dict[str, int | float]:
+    """A remote tier's numeric stats as ``remote_<name>`` (breaker states folded into counts)."""
+    try:
+        raw = tier.stats()
+    except Exception:  # defensive: stats must not raise
+        log.exception("kvtier: remote tier stats failed")
+        return {}
+    out: dict[str, int | float] = {}
+    for name, value in raw.items():
+        if isinstance(value, bool):
+            out[f"remote_{name}"] = int(value)
+        elif isinstance(value, (int, float)):
+            out[f"remote_{name}"] = value
+        elif name == "breakers" and isinstance(value, dict):
+            out["remote_breakers_open"] = sum(1 for state in value.values() if state != "closed")
+    return out

@@ -1,0 +1,86 @@
+"""Opening the storage manager's remote tier from the config.
+
+The remote tier is found by URL scheme through :mod:`kvtier.tiers.registry`
+(built-ins and ``kvtier.tiers`` entry points) and given the chunk's dtype and
+shape (:func:`chunk_spec`), so codecs can exploit the KV structure.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+from kvtier.config import KVTierConfig, mask_url
+from kvtier.index.keys import KeyNamespace
+from kvtier.serde.base import DTYPE_ITEMSIZE, ValueSpec
+from kvtier.tiers.base import RemoteTier
+from kvtier.tiers.registry import load_tier_class
+
+log = logging.getLogger(__name__)
+
+
+def chunk_spec(namespace: KeyNamespace) -> ValueSpec:
+    """dtype and logical shape of one chunk payload of ``namespace``.
+
+    For the ``LBHNC`` layout (vLLM's CPU backend) the connector stores a chunk as
+    ``[num_layers, blocks_per_chunk, num_kv_heads, block_size, 2 * head_dim]``
+    elements (inside each head's block, K is stored transposed as ``[head_dim,
+    block_size]`` followed by V as ``[block_size, head_dim]``). Other layouts get
+    ``[num_layers, blocks_per_chunk, elements_per_block]``. A dtype codecs do not
+    know becomes ``uint8`` with no shape (lossy codecs then refuse the chunk and
+    the write is counted as failed; lossless ones still work).
+    """
+    lay = namespace.layout
+    nbytes = namespace.chunk_bytes
+    if lay.dtype not in DTYPE_ITEMSIZE:
+        return ValueSpec("uint8", None)
+    item = DTYPE_ITEMSIZE[lay.dtype]
+    bpc = namespace.blocks_per_chunk
+    if lay.kv_layout == "LBHNC":
+        shape: tuple[int, ...] = (lay.num_layers, bpc, lay.num_kv_heads, lay.block_size, 2 * lay.head_dim)
+    else:
+        shape = (lay.num_layers, bpc, nbytes // (lay.num_layers * bpc * item))
+    n = 1
+    for d in shape:
+        n *= d
+    if n * item != nbytes:
+        return ValueSpec(lay.dtype, None)
+    return ValueSpec(lay.dtype, shape)
+
+
+def _accepts(cls: type, name: str) -> bool:
+    """True if ``cls(...)`` takes keyword ``name`` (explicitly or through ``**options``)."""
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):  # pragma: no cover - builtins without signatures
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def open_remote_tier(config: KVTierConfig, namespace: KeyNamespace) -> RemoteTier | None:
+    """The remote tier named by ``config.remote_url`` (None when unset).
+
+    Passes ``codec``, ``spec``, ``ttl_s`` (if set) and ``timeout_s`` (to tiers that
+    take it; the fs tier's calls are bounded by the filesystem instead).
+
+    Raises:
+        ValueError: unknown scheme or options the tier refuses (a configuration
+            error). An unreachable store is not an error: its calls miss.
+    """
+    url = config.remote_url
+    if url is None:
+        return None
+    cls = load_tier_class(url.split("://", 1)[0])
+    options: dict[str, object] = {"codec": config.remote_codec, "spec": chunk_spec(namespace)}
+    if config.remote_ttl_s is not None:
+        options["ttl_s"] = config.remote_ttl_s
+    if _accepts(cls, "timeout_s"):
+        options["timeout_s"] = config.remote_timeout_s
+    else:
+        log.info("kvtier remote tier %s has no timeout option; its calls take as long as the store", cls.__name__)
+    try:
+        tier = cls.from_url(url, **options)
+    except TypeError as exc:
+        raise ValueError(f"remote tier {mask_url(url)!r} refused its options: {exc}") from None
+    log.info("kvtier remote tier %s (%s, codec %s)", mask_url(url), cls.__name__, config.remote_codec)
+    return tier

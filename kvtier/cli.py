@@ -13,6 +13,30 @@ bench_app = typer.Typer(help="Benchmarks that print ratios measured side by side
 app.add_typer(bench_app, name="bench")
 
 
+@bench_app.command("tiers")
+def bench_tiers(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here."),
+    quick: bool = typer.Option(False, help="One prompt size, fewer repetitions, 100,000 indexed chunks (seconds)."),
+) -> None:
+    """CPU and disk tier bandwidth vs plain copies/file I/O, lookup latency, index memory, hashing speed."""
+    from kvtier.bench.tiers import run_tiers
+
+    raise typer.Exit(run_tiers(json_path=json_path, quick=quick))
+
+
+@bench_app.command("miss-overhead")
+def bench_miss_overhead(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here."),
+    quick: bool = typer.Option(False, help="One round of two requests, connector with the CPU tier only."),
+    rounds: Optional[int] = typer.Option(None, min=1, help="Rounds (each runs every configuration once)."),
+    requests: Optional[int] = typer.Option(None, min=1, help="Timed prompts per engine run."),
+) -> None:
+    """Throughput through vLLM with and without kvtier on a workload with no reuse (every lookup misses)."""
+    from kvtier.bench.miss_overhead import run_miss_overhead
+
+    raise typer.Exit(run_miss_overhead(json_path=json_path, quick=quick, rounds=rounds, requests=requests))
+
+
 @app.command()
 def demo(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the per-request numbers and summary here."),

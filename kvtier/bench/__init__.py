@@ -1,0 +1,1 @@
+"""kvtier's benchmarks (``kvtier bench ...``): ratios of kvtier over plain baselines, measured side by side."""

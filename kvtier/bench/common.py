@@ -1,0 +1,206 @@
+"""Helpers shared by kvtier's benchmarks: the reference KV shape, an engine-like
+paged KV buffer, the connector's chunk copies, interleaved timing and the report.
+
+Benchmarks compare kvtier with a plain baseline measured side by side in the
+same process, repetitions interleaved (A, B, B, A, A, B, ...) and summarised by
+their medians, because absolute figures swing on a shared machine (see
+``/work/shared/notes/baselines.md``). Only ratios are judged.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from kvtier.index.keys import KeyNamespace, LayoutSignature
+
+#: vLLM's CPU backend block size (tokens).
+BLOCK_SIZE = 128
+#: kvtier's default chunk size (tokens).
+CHUNK_SIZE = 256
+
+
+def smollm2_layout() -> LayoutSignature:
+    """SmolLM2-135M's KV: 30 layers, 3 KV heads, head dim 64, bf16, 128-token blocks.
+
+    23,040 bytes per token; 98,304 bytes per layer-block; 5,898,240 bytes per 256-token chunk.
+    """
+    return LayoutSignature(
+        engine="bench",
+        attn_backend="numpy",
+        kv_layout="LBHNC",
+        block_size=BLOCK_SIZE,
+        num_layers=30,
+        num_kv_heads=3,
+        head_dim=64,
+        dtype="bfloat16",
+    )
+
+
+def smollm2_namespace(chunk_size: int = CHUNK_SIZE) -> KeyNamespace:
+    return KeyNamespace("bench/SmolLM2-135M", smollm2_layout(), chunk_size)
+
+
+class PagedKV:
+    """An engine-like paged KV cache: one storage, a ``uint8 [num_blocks, block_bytes]`` view per layer.
+
+    Mirrors what ``kvtier.integrations.vllm_layout.paged_views`` returns for
+    vLLM's CPU backend (all layers are views of one allocation). The storage is
+    written once (pre-touched), like an engine's KV cache after warm-up.
+
+    Args:
+        layout: KV layout (layers, heads, head dim, dtype, block size).
+        num_blocks: blocks per layer.
+        seed: seed of the random block contents.
+    """
+
+    def __init__(self, layout: LayoutSignature, num_blocks: int, seed: int = 0):
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_bytes = layout.num_kv_heads * layout.block_size * 2 * layout.head_dim * layout.itemsize
+        rng = np.random.default_rng(seed)
+        self.storage = rng.integers(0, 256, size=(layout.num_layers, num_blocks, self.block_bytes), dtype=np.uint8)
+        self.layers: list[np.ndarray] = [self.storage[i] for i in range(layout.num_layers)]
+
+    def random_blocks(self, n: int, seed: int) -> list[int]:
+        """``n`` distinct block ids in random order (an engine's block table is not sorted)."""
+        if n > self.num_blocks:
+            raise ValueError(f"{n} blocks requested, buffer has {self.num_blocks}")
+        rng = np.random.default_rng(seed)
+        return [int(b) for b in rng.permutation(self.num_blocks)[:n]]
+
+
+def chunk_view(buf: np.ndarray, num_layers: int, blocks_per_chunk: int) -> np.ndarray:
+    """A chunk slot as ``uint8 [num_layers, blocks_per_chunk, block_bytes]`` (no copy)."""
+    return buf.reshape(num_layers, blocks_per_chunk, -1)
+
+
+# The two copy helpers below mirror KVTierConnector.wait_for_save and
+# KVTierConnector._load_request (kvtier/integrations/vllm.py) operation for
+# operation. They are mirrored, not shared, because that file belongs to
+# another engineer; keep them in step with it.
+def save_chunk_blocks(layers: Sequence[np.ndarray], dst: np.ndarray, block_ids: Sequence[int]) -> None:
+    """Gather a chunk's blocks of every layer into a slot (the connector's save copy).
+
+    Args:
+        layers: per-layer ``uint8 [num_blocks, block_bytes]`` views.
+        dst: the slot as ``[num_layers, blocks_per_chunk, block_bytes]``.
+        block_ids: the chunk's engine blocks, ``blocks_per_chunk`` of them.
+    """
+    idx = np.asarray(block_ids, dtype=np.int64)
+    for layer, out in zip(layers, dst):
+        np.take(layer, idx, axis=0, out=out)
+
+
+def load_chunk_blocks(src: np.ndarray, layers: Sequence[np.ndarray], block_ids: Sequence[int], offset: int = 0) -> None:
+    """Scatter a slot's blocks ``offset:`` into engine blocks of every layer (the connector's load copy)."""
+    idx = np.asarray(block_ids, dtype=np.int64)
+    n = len(block_ids)
+    for layer, dst in zip(src, layers):
+        dst[idx] = layer[offset : offset + n]
+
+
+# -- timing ---------------------------------------------------------------------------
+def interleaved(runs: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
+    """Run each callable ``reps`` times, interleaved in ABBA order; returns their samples.
+
+    Each callable does its own untimed set-up and returns the seconds of its timed part.
+    One unrecorded warm-up run of each comes first.
+    """
+    names = list(runs)
+    for name in names:
+        runs[name]()
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(reps):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            samples[name].append(runs[name]())
+    return samples
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """Bandwidth in GB/s (10^9 bytes per second)."""
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+class Stopwatch:
+    """``with Stopwatch() as sw: ...`` then ``sw.s`` holds the elapsed seconds (perf_counter)."""
+
+    s: float = 0.0
+
+    def __enter__(self) -> "Stopwatch":
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.s = time.perf_counter() - self._t0
+
+
+# -- report ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Check:
+    """One judged figure.
+
+    Attributes:
+        name: what is measured.
+        measured: the figure.
+        target: the bound.
+        higher_is_better: True if ``measured >= target`` passes, else ``measured <= target``.
+        unit: printed after the numbers.
+        note: short context (e.g. the absolute speeds behind a ratio).
+    """
+
+    name: str
+    measured: float
+    target: float
+    higher_is_better: bool
+    unit: str = ""
+    note: str = ""
+
+    @property
+    def passed(self) -> bool:
+        if self.higher_is_better:
+            return self.measured >= self.target
+        return self.measured <= self.target
+
+
+def _fmt(x: float) -> str:
+    if x == 0 or 0.01 <= abs(x) < 1e5:
+        return f"{x:.3g}" if abs(x) < 100 else f"{x:,.0f}"
+    return f"{x:.3g}"
+
+
+def print_checks(title: str, checks: Sequence[Check]) -> None:
+    """A rich table: name, target, measured, pass/FAIL, note."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("figure", "target", "measured", "result", "note"):
+        table.add_column(col, justify="right" if col in ("target", "measured") else "left")
+    for c in checks:
+        bound = (">= " if c.higher_is_better else "<= ") + _fmt(c.target) + (f" {c.unit}" if c.unit else "")
+        got = _fmt(c.measured) + (f" {c.unit}" if c.unit else "")
+        result = "[green]pass[/green]" if c.passed else "[red]FAIL[/red]"
+        table.add_row(c.name, bound, got, result, c.note)
+    console = Console()
+    Console(width=max(console.width, 130)).print(table)
+
+
+def write_json(path: Path | None, data: dict[str, Any]) -> None:
+    """Write ``data`` as indented JSON to ``path`` (parents created); nothing if ``path`` is None."""
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")

@@ -213,3 +213,14 @@ def test_record_json_round_trip_and_tier_label():
     d = json.loads(json.dumps(r.to_json()))
     assert d["computed_tokens"] == 232 and d["tier"] == "cpu+disk"
     assert RequestRecord.from_json(d) == r
+
+
+def test_phase_env_forces_in_process_engine_and_keeps_user_settings():
+    from kvtier.demo.run import phase_env
+
+    env = phase_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "3", "PATH": "/bin"})
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # TTFT timing and request_hits() need it
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "3"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert env["PATH"] == "/bin"
+    assert Path(env["PYTHONPATH"].split(":")[0], "kvtier", "demo", "phase.py").is_file()

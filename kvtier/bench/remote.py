@@ -1,0 +1,228 @@
+"""``kvtier bench remote``: the Redis tier against raw redis-py on the same server and bytes.
+
+Measured in one run, repetitions interleaved (ABBA) and summarised by medians:
+
+- **put**: kvtier ``put_many`` of N chunks (one pipelined round trip, raw codec,
+  envelope + scatter-gather send) vs redis-py (hiredis parser) pipelined
+  ``SET`` of the same N payloads;
+- **get**: kvtier ``get_many_into`` into pre-allocated chunk buffers vs redis-py
+  pipelined ``GET`` returning ``bytes`` (the baseline does not even copy into a
+  destination, so it is the stricter side);
+- **existence of 32 chunks**: kvtier ``contains_many`` vs redis-py pipelined
+  ``EXISTS`` x32, latency in microseconds.
+
+Round trips of ``contains_many`` are counted two ways: on the client, by
+counting the tier's pipeline sends (every batched call sends each node's
+commands in one write, then reads all replies: one send = one round trip), and
+on the server, by the ``INFO commandstats`` delta (the 32 ``EXISTS`` commands
+were all executed). Chunks are 5,898,240 bytes: one 256-token chunk of
+SmolLM2-135M's bf16 KV (30 layers x 3 KV heads x head dim 64 x K and V).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from kvtier.bench.common import Check, gbps, interleaved, median, print_checks, write_json
+
+#: Bytes of one 256-token SmolLM2-135M chunk (bf16 K and V).
+CHUNK_BYTES = 5_898_240
+EXISTS_KEYS = 32
+
+
+def _payloads(n: int, seed: int = 0) -> list[np.ndarray]:
+    """``n`` chunk payloads of finite bf16 values (uint8 arrays)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        x = rng.standard_normal(CHUNK_BYTES // 2, dtype=np.float32)
+        out.append((x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8))
+    return out
+
+
+@contextmanager
+def count_round_trips() -> Iterator[list[int]]:
+    """Count the Redis tier's pipeline sends (one per node per batched call) while active."""
+    from kvtier.tiers import redis_tier
+
+    counter = [0]
+    original = redis_tier.Wire
+
+    class CountingWire(original):  # type: ignore[misc, valid-type]
+        def send(self, parts: Any) -> None:
+            counter[0] += 1
+            super().send(parts)
+
+    redis_tier.Wire = CountingWire
+    try:
+        yield counter
+    finally:
+        redis_tier.Wire = original
+
+
+def _raw_client(url: str) -> Any:
+    import redis
+
+    if "+cluster://" in url:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(url.replace("+cluster", "", 1), protocol=2)
+    return redis.Redis.from_url(url, protocol=2)
+
+
+def _exists_calls(client: Any) -> int:
+    stats = client.info("commandstats")
+    if "cmdstat_exists" in stats:  # standalone
+        return int(stats["cmdstat_exists"]["calls"])
+    return sum(int(node.get("cmdstat_exists", {}).get("calls", 0)) for node in stats.values())  # cluster
+
+
+def measure(url: str, num_chunks: int = 16, reps: int = 5) -> dict[str, Any]:
+    """Run every measurement against the Redis at ``url``; returns the JSON-ready figures.
+
+    Raises:
+        RuntimeError: the server is unreachable or a round trip returned wrong bytes.
+    """
+    from kvtier.tiers.redis_tier import RedisTier
+
+    run_id = uuid.uuid4().hex[:12]
+    prefix = f"kvtier-bench:{run_id}:"
+    tier = RedisTier.from_url(url, key_prefix=prefix, timeout_s=60.0, connect_timeout_s=5.0)
+    raw = _raw_client(url)
+    payloads = _payloads(num_chunks)
+    blobs = [p.tobytes() for p in payloads]  # redis-py sends bytes; converting is not timed
+    keys = [os.urandom(32) for _ in range(num_chunks)]
+    raw_keys = [f"raw-bench:{run_id}:{k.hex()}" for k in keys]
+    outs = [np.empty(CHUNK_BYTES, np.uint8) for _ in range(num_chunks)]
+    for o in outs:
+        o.fill(0)  # pre-touched, like CPU tier slots
+    total = num_chunks * CHUNK_BYTES
+    try:
+        raw.ping()
+        if not all(tier.put_many(list(zip(keys, payloads)))):
+            raise RuntimeError(f"kvtier could not write to {tier.url}")
+        if not all(tier.get_many_into(list(zip(keys, outs)))) or not all(
+            np.array_equal(o, p) for o, p in zip(outs, payloads)
+        ):
+            raise RuntimeError("kvtier read back wrong bytes")
+
+        def k_put() -> float:
+            t0 = time.perf_counter()
+            ok = tier.put_many(list(zip(keys, payloads)))
+            dt = time.perf_counter() - t0
+            assert all(ok)
+            return dt
+
+        def r_put() -> float:
+            pipe = raw.pipeline(transaction=False)
+            for k, b in zip(raw_keys, blobs):
+                pipe.set(k, b)
+            t0 = time.perf_counter()
+            pipe.execute()
+            return time.perf_counter() - t0
+
+        def k_get() -> float:
+            t0 = time.perf_counter()
+            ok = tier.get_many_into(list(zip(keys, outs)))
+            dt = time.perf_counter() - t0
+            assert all(ok)
+            return dt
+
+        def r_get() -> float:
+            pipe = raw.pipeline(transaction=False)
+            for k in raw_keys:
+                pipe.get(k)
+            t0 = time.perf_counter()
+            got = pipe.execute()
+            dt = time.perf_counter() - t0
+            assert all(g is not None and len(g) == CHUNK_BYTES for g in got)
+            return dt
+
+        puts = interleaved({"kvtier": k_put, "redis-py": r_put}, reps)
+        gets = interleaved({"kvtier": k_get, "redis-py": r_get}, reps)
+
+        ex_keys = keys[:EXISTS_KEYS] + [os.urandom(32) for _ in range(max(0, EXISTS_KEYS - num_chunks))]
+        raw_ex = [f"raw-bench:{run_id}:{k.hex()}" for k in ex_keys]
+
+        def k_exists() -> float:
+            t0 = time.perf_counter()
+            tier.contains_many(ex_keys)
+            return time.perf_counter() - t0
+
+        def r_exists() -> float:
+            pipe = raw.pipeline(transaction=False)
+            for k in raw_ex:
+                pipe.exists(k)
+            t0 = time.perf_counter()
+            pipe.execute()
+            return time.perf_counter() - t0
+
+        exists = interleaved({"kvtier": k_exists, "redis-py": r_exists}, max(reps * 10, 20))
+        # Round trips of one contains_many of 32 keys: client-side sends, server-side EXISTS count.
+        before = _exists_calls(raw)
+        with count_round_trips() as sends:
+            found = tier.contains_many(ex_keys)
+        server_exists = _exists_calls(raw) - before
+        # One round trip per node: 1 on a standalone server, at most the node count on a cluster.
+        nodes = len(set(tier._slots or ())) if tier.cluster else 1
+        if found[: min(num_chunks, EXISTS_KEYS)] != [True] * min(num_chunks, EXISTS_KEYS):
+            raise RuntimeError("contains_many missed chunks that were stored")
+    finally:
+        tier.clear()
+        tier.close()
+        try:
+            raw.delete(*raw_keys)
+        except Exception:
+            pass
+        raw.close()
+
+    kp, rp = median(puts["kvtier"]), median(puts["redis-py"])
+    kg, rg = median(gets["kvtier"]), median(gets["redis-py"])
+    return {
+        "url": tier.url,
+        "chunk_bytes": CHUNK_BYTES,
+        "chunks": num_chunks,
+        "reps": reps,
+        "put_gbps": gbps(total, kp),
+        "raw_put_gbps": gbps(total, rp),
+        "get_gbps": gbps(total, kg),
+        "raw_get_gbps": gbps(total, rg),
+        "redis_put_ratio": rp / kp,
+        "redis_get_ratio": rg / kg,
+        "exists_32_us": median(exists["kvtier"]) * 1e6,
+        "exists_32_us_redis_py": median(exists["redis-py"]) * 1e6,
+        "exists_32_ratio": median(exists["redis-py"]) / median(exists["kvtier"]),
+        "exists_32_round_trips": sends[0],
+        "exists_32_server_exists_commands": server_exists,
+        "nodes": nodes,
+    }
+
+
+def run_remote(url: str, json_path: Path | None = None, num_chunks: int = 16, reps: int = 5) -> int:
+    """CLI entry: measure, print the judged figures, write JSON; exit code 1 if a target is missed."""
+    r = measure(url, num_chunks=num_chunks, reps=reps)
+    checks = [
+        Check(
+            "put: kvtier / redis-py SET", r["redis_put_ratio"], 1.0, True, "x",
+            f"{r['put_gbps']:.2f} vs {r['raw_put_gbps']:.2f} GB/s, {num_chunks} x 5.9 MB",
+        ),
+        Check(
+            "get: kvtier / redis-py GET", r["redis_get_ratio"], 1.0, True, "x",
+            f"{r['get_gbps']:.2f} vs {r['raw_get_gbps']:.2f} GB/s (kvtier into slots, redis-py to bytes)",
+        ),
+        Check(
+            "exists of 32 chunks: round trips", r["exists_32_round_trips"], r["nodes"], False, "",
+            f"server ran {r['exists_32_server_exists_commands']} EXISTS; "
+            f"{r['exists_32_us']:.0f} us vs redis-py pipeline {r['exists_32_us_redis_py']:.0f} us",
+        ),
+    ]
+    print_checks(f"Remote tier vs raw redis-py ({r['url']})", checks)
+    write_json(json_path, r)
+    return 0 if all(c.passed for c in checks) else 1

@@ -37,6 +37,31 @@ def bench_miss_overhead(
     raise typer.Exit(run_miss_overhead(json_path=json_path, quick=quick, rounds=rounds, requests=requests))
 
 
+@bench_app.command("remote")
+def bench_remote(
+    url: str = typer.Option(..., "--url", help="Redis URL of the store to measure, e.g. redis://127.0.0.1:6379/0."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here."),
+    chunks: int = typer.Option(16, min=1, help="Chunks of 5,898,240 bytes per put/get round."),
+    reps: int = typer.Option(5, min=1, help="Timed repetitions of each measurement (interleaved)."),
+) -> None:
+    """kvtier's remote tier vs raw redis-py SET/GET/pipelined EXISTS of the same bytes, and round trips."""
+    from kvtier.bench.remote import run_remote
+
+    raise typer.Exit(run_remote(url=url, json_path=json_path, num_chunks=chunks, reps=reps))
+
+
+@bench_app.command("quality")
+def bench_quality(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here."),
+    questions: int = typer.Option(1, min=1, help="Questions per demo document (one prompt each)."),
+    max_tokens: int = typer.Option(32, min=1, help="Greedy answer tokens per prompt."),
+) -> None:
+    """Each remote codec on real SmolLM2 KV through vLLM: ratio, GB/s, and answer agreement with raw KV."""
+    from kvtier.bench.quality import run_quality
+
+    raise typer.Exit(run_quality(json_path=json_path, questions=questions, max_tokens=max_tokens))
+
+
 @app.command()
 def demo(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the per-request numbers and summary here."),

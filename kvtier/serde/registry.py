@@ -6,13 +6,14 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from kvtier.serde.base import Codec
+from kvtier.serde.cachegen import CacheGenCodec
 from kvtier.serde.int8 import Int8Codec
 from kvtier.serde.raw import RawCodec
 from kvtier.serde.shuffle_zstd import ShuffleZstdCodec
 
 #: name -> codec class (read-only).
 CODECS: Mapping[str, type[Codec]] = MappingProxyType(
-    {c.name: c for c in (RawCodec, ShuffleZstdCodec, Int8Codec)}
+    {c.name: c for c in (RawCodec, ShuffleZstdCodec, Int8Codec, CacheGenCodec)}
 )
 
 #: Decoders readers use by default: one default-configured instance per codec (read-only).
@@ -23,7 +24,7 @@ def make_codec(codec: str | Codec, **options: Any) -> Codec:
     """A codec instance for writing.
 
     Args:
-        codec: a codec name (``"raw"``, ``"shuffle-zstd"``, ``"int8"``) or an instance.
+        codec: a codec name (``"raw"``, ``"shuffle-zstd"``, ``"int8"``, ``"cachegen"``) or an instance.
         options: constructor options, e.g. ``level=3`` or ``mode="channel"``.
 
     Raises:

@@ -104,6 +104,55 @@ def simulate(
     )
 
 
+@app.command()
+def server(
+    socket: Optional[str] = typer.Option(
+        None, help="Unix socket path (default $XDG_RUNTIME_DIR/kvtier.sock or /tmp/kvtier-<uid>/kvtier.sock); created 0600."
+    ),
+    cpu_capacity: Optional[str] = typer.Option(None, help="Bytes of shared-memory CPU pool, e.g. 4GiB (split across namespaces)."),
+    disk_path: Optional[Path] = typer.Option(None, help="Disk tier directory (the server is its single owner)."),
+    disk_capacity: Optional[str] = typer.Option(None, help="Byte bound of the disk tier, e.g. 64GiB."),
+    config_file: Optional[Path] = typer.Option(None, "--config", help="kvtier config file (TOML/JSON) for the tier settings."),
+    tcp_host: Optional[str] = typer.Option(None, help="Also listen on TCP at this address (opt-in; needs --token-file)."),
+    tcp_port: int = typer.Option(0, help="TCP port (0: any free port)."),
+    token_file: Optional[Path] = typer.Option(None, help="File holding the token TCP clients must present."),
+    metrics_host: str = typer.Option("127.0.0.1", help="Address of the Prometheus /metrics and /health endpoint."),
+    metrics_port: int = typer.Option(9477, help="Port of the metrics endpoint (0: any free port)."),
+    no_metrics: bool = typer.Option(False, "--no-metrics", help="Do not serve metrics over HTTP."),
+    max_clients: int = typer.Option(256, min=1, help="Concurrent client connections."),
+    max_namespaces: int = typer.Option(1, min=1, help="Key namespaces (model/layout/rank) hosted at once."),
+) -> None:
+    """Run the cache service that every engine process on this machine shares."""
+    from kvtier.service.main import run_server
+
+    raise typer.Exit(
+        run_server(
+            socket,
+            {"cpu_capacity": cpu_capacity, "disk_path": disk_path, "disk_capacity": disk_capacity, "config_file": config_file},
+            tcp_host=tcp_host,
+            tcp_port=tcp_port,
+            token_file=token_file,
+            metrics_host=metrics_host,
+            metrics_port=None if no_metrics else metrics_port,
+            max_clients=max_clients,
+            max_namespaces=max_namespaces,
+        )
+    )
+
+
+@bench_app.command("server")
+def bench_server(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here."),
+    chunks: int = typer.Option(16, min=1, help="Chunks moved per repetition (5.9 MB each)."),
+    reps: int = typer.Option(7, min=1, help="Interleaved repetitions per mode."),
+    lookups: int = typer.Option(2000, min=10, help="Lookup round trips timed."),
+) -> None:
+    """Store/load bandwidth through ``kvtier server`` vs the embedded tiers, and lookup round-trip latency."""
+    from kvtier.service.bench import run_bench_server
+
+    raise typer.Exit(run_bench_server(json_path=json_path, chunks=chunks, reps=reps, lookups=lookups))
+
+
 def main() -> None:
     app()
 

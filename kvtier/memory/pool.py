@@ -24,19 +24,32 @@ class ChunkPool:
     Args:
         slot_bytes: bytes per slot (one chunk's payload), > 0.
         num_slots: number of slots, > 0.
+        buffer: optional externally owned memory (e.g. a shared-memory segment
+            the cache service maps into every engine); any writable object
+            exposing the buffer protocol with at least ``slot_bytes * num_slots``
+            bytes. The caller pre-touches it and keeps it alive. Default: a
+            private pre-touched allocation.
 
     Raises:
-        ValueError: non-positive sizes.
+        ValueError: non-positive sizes, or ``buffer`` too small or read-only.
         MemoryError: the buffer cannot be allocated.
     """
 
-    def __init__(self, slot_bytes: int, num_slots: int):
+    def __init__(self, slot_bytes: int, num_slots: int, buffer: object | None = None):
         if slot_bytes <= 0 or num_slots <= 0:
             raise ValueError(f"slot_bytes and num_slots must be positive, got {slot_bytes}, {num_slots}")
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
-        # np.ones writes every page (pre-touch); np.empty/zeros would map lazily.
-        self._buf = np.ones((num_slots, slot_bytes), dtype=np.uint8)
+        if buffer is None:
+            # np.ones writes every page (pre-touch); np.empty/zeros would map lazily.
+            self._buf = np.ones((num_slots, slot_bytes), dtype=np.uint8)
+        else:
+            flat = np.frombuffer(buffer, dtype=np.uint8)
+            if flat.size < slot_bytes * num_slots:
+                raise ValueError(f"buffer of {flat.size} B is smaller than {num_slots} x {slot_bytes} B")
+            if not flat.flags.writeable:
+                raise ValueError("buffer is read-only")
+            self._buf = flat[: slot_bytes * num_slots].reshape(num_slots, slot_bytes)
         self._free = list(range(num_slots - 1, -1, -1))
         self._in_use = bytearray(num_slots)
         self._lock = threading.Lock()
@@ -75,3 +88,16 @@ class ChunkPool:
     def view(self, slot: int) -> np.ndarray:
         """The slot's bytes: a writable ``uint8`` array of shape ``[slot_bytes]`` (no copy)."""
         return self._buf[slot]
+
+    def slot_of(self, view: np.ndarray) -> int:
+        """The slot index of a view returned by :meth:`view`.
+
+        Raises:
+            ValueError: ``view`` does not start a slot of this pool.
+        """
+        base = self._buf.__array_interface__["data"][0]
+        offset = view.__array_interface__["data"][0] - base
+        slot, rest = divmod(offset, self.slot_bytes)
+        if rest or not 0 <= slot < self.num_slots:
+            raise ValueError("view is not a slot of this pool")
+        return slot

@@ -40,9 +40,12 @@ class CpuTier:
         capacity_bytes: byte bound; the pool holds ``capacity_bytes // chunk_bytes`` slots.
         policy: eviction order (default LRU).
         is_pinned: returns True for keys that must not be evicted (leases).
+        pool: optional pre-built pool of ``chunk_bytes`` slots (e.g. over a
+            shared-memory segment); it then sets the byte bound and
+            ``capacity_bytes`` is ignored.
 
     Raises:
-        ValueError: capacity below one chunk.
+        ValueError: capacity below one chunk, or ``pool`` slots of another size.
     """
 
     name = "cpu"
@@ -53,14 +56,20 @@ class CpuTier:
         capacity_bytes: int,
         policy: EvictionPolicy | None = None,
         is_pinned: Callable[[bytes], bool] = lambda key: False,
+        pool: ChunkPool | None = None,
     ):
-        num_slots = capacity_bytes // chunk_bytes
-        if num_slots < 1:
-            raise ValueError(
-                f"CPU tier capacity {capacity_bytes} B is below one chunk ({chunk_bytes} B)"
-            )
+        if pool is not None:
+            if pool.slot_bytes != chunk_bytes:
+                raise ValueError(f"pool slots hold {pool.slot_bytes} B, chunks are {chunk_bytes} B")
+        else:
+            num_slots = capacity_bytes // chunk_bytes
+            if num_slots < 1:
+                raise ValueError(
+                    f"CPU tier capacity {capacity_bytes} B is below one chunk ({chunk_bytes} B)"
+                )
+            pool = ChunkPool(chunk_bytes, num_slots)
         self.chunk_bytes = chunk_bytes
-        self.pool = ChunkPool(chunk_bytes, num_slots)
+        self.pool = pool
         self.policy = policy or LRUPolicy()
         self._is_pinned = is_pinned
         self._entries: dict[bytes, CpuEntry] = {}

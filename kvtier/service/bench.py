@@ -1,0 +1,187 @@
+"""``kvtier bench server``: the cache service against the embedded tiers, side by side.
+
+Starts its own ``kvtier server`` (a separate process, as in production) and,
+in this process, an embedded :class:`StorageManager` with the same CPU pool
+size; both CPU-only so disk speed does not blur the comparison. Measures, with
+repetitions interleaved (ABBA) and summarised by medians (see
+:mod:`kvtier.bench.common`):
+
+- store bandwidth: for each of ``chunks`` chunks of the SmolLM2-135M layout
+  (5,898,240 bytes), ``open_write``, gather the chunk's blocks from an
+  engine-like paged KV buffer into the slot (the connector's save copy),
+  ``commit``;
+- load bandwidth: ``open_read``, scatter the slot into engine blocks (the
+  connector's load copy), ``close``;
+- lookup round trip: one 16-key lookup (a 4,096-token prompt) at a time,
+  median microseconds.
+
+Ratios are server / embedded (targets: >= 0.8 for bandwidth, <= 200 us median
+lookup round trip on loopback).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from kvtier.bench.common import (
+    Check,
+    PagedKV,
+    Stopwatch,
+    chunk_view,
+    gbps,
+    interleaved,
+    load_chunk_blocks,
+    median,
+    print_checks,
+    save_chunk_blocks,
+    smollm2_namespace,
+    write_json,
+)
+from kvtier.config import KVTierConfig
+from kvtier.service.client import ServiceClient
+from kvtier.storage.backend import KVStore
+from kvtier.storage.manager import StorageManager
+
+
+def start_server_process(socket_path: str, cpu_capacity: int, extra: list[str] | None = None) -> subprocess.Popen:
+    """Start ``kvtier server`` in a child process (no metrics, no disk unless ``extra`` says so)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    cmd = [
+        sys.executable, "-m", "kvtier.cli", "server", "--socket", socket_path,
+        "--cpu-capacity", str(cpu_capacity), "--no-metrics", *(extra or []),
+    ]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _random_keys(rng: np.random.Generator, n: int) -> list[bytes]:
+    return [rng.bytes(32) for _ in range(n)]
+
+
+def run_bench_server(json_path: Path | None = None, chunks: int = 16, reps: int = 7, lookups: int = 2000) -> int:
+    ns = smollm2_namespace()
+    cb = ns.chunk_bytes
+    bpc = ns.blocks_per_chunk
+    layers = ns.layout.num_layers
+    capacity = (2 * chunks + 4) * cb
+    kv = PagedKV(ns.layout, num_blocks=chunks * bpc, seed=1)
+    blocks = kv.random_blocks(chunks * bpc, seed=2)
+    chunk_blocks = [blocks[i * bpc : (i + 1) * bpc] for i in range(chunks)]
+    rng = np.random.default_rng(3)
+
+    tmp = tempfile.mkdtemp(prefix="kvtier-bench-server-")
+    sock = os.path.join(tmp, "kvtier.sock")
+    proc = start_server_process(sock, capacity)
+    embedded = StorageManager(KVTierConfig(chunk_size=ns.chunk_size, cpu_capacity=capacity), ns)
+    client = ServiceClient(sock, ns, "bench", timeout_s=5.0, wait_connected_s=60.0)
+    try:
+        if not client.connected:
+            err = proc.stderr.read().decode() if proc.poll() is not None and proc.stderr else ""
+            print(f"kvtier server did not come up: {err[-2000:]}")
+            return 1
+        stores: dict[str, KVStore] = {"embedded": embedded, "server": client}
+
+        def store_run(store: KVStore, clear: Callable[[], object]) -> Callable[[], float]:
+            def run() -> float:
+                clear()
+                keys = _random_keys(rng, chunks)
+                with Stopwatch() as sw:
+                    parent = None
+                    for key, ids in zip(keys, chunk_blocks):
+                        buf = store.open_write(key)
+                        if buf is None:
+                            raise RuntimeError("store skipped during the benchmark")
+                        save_chunk_blocks(kv.layers, chunk_view(buf, layers, bpc), ids)
+                        store.commit(key, parent)
+                        parent = key
+                return sw.s
+
+            return run
+
+        store_samples = interleaved(
+            {"embedded": store_run(embedded, embedded.clear), "server": store_run(client, client.clear)}, reps
+        )
+
+        load_keys: dict[str, list[bytes]] = {}
+        for name, store in stores.items():
+            (embedded.clear if name == "embedded" else client.clear)()
+            load_keys[name] = _random_keys(rng, chunks)
+            for key, ids in zip(load_keys[name], chunk_blocks):
+                buf = store.open_write(key)
+                assert buf is not None
+                save_chunk_blocks(kv.layers, chunk_view(buf, layers, bpc), ids)
+                store.commit(key)
+
+        def load_run(name: str) -> Callable[[], float]:
+            store = stores[name]
+
+            def run() -> float:
+                with Stopwatch() as sw:
+                    for key, ids in zip(load_keys[name], chunk_blocks):
+                        handle = store.open_read(key)
+                        if handle is None:
+                            raise RuntimeError("load missed during the benchmark")
+                        with handle:
+                            load_chunk_blocks(chunk_view(handle.buffer, layers, bpc), kv.layers, ids)
+                return sw.s
+
+            return run
+
+        load_samples = interleaved({"embedded": load_run("embedded"), "server": load_run("server")}, reps)
+
+        def lookup_us(store: KVStore, keys: list[bytes]) -> list[float]:
+            out = []
+            for _ in range(lookups):
+                t0 = time.perf_counter_ns()
+                store.lookup_keys(keys)
+                out.append((time.perf_counter_ns() - t0) / 1e3)
+            return out
+
+        rtt_server = lookup_us(client, load_keys["server"])
+        rtt_embedded = lookup_us(embedded, load_keys["embedded"])
+        server_stats = client.stats()
+    finally:
+        client.close()
+        embedded.close()
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    nbytes = chunks * cb
+    res = {
+        "chunk_bytes": cb,
+        "chunks_per_rep": chunks,
+        "reps": reps,
+        "store_gbps_embedded": gbps(nbytes, median(store_samples["embedded"])),
+        "store_gbps_server": gbps(nbytes, median(store_samples["server"])),
+        "load_gbps_embedded": gbps(nbytes, median(load_samples["embedded"])),
+        "load_gbps_server": gbps(nbytes, median(load_samples["server"])),
+        "lookup_rtt_us_median": median(rtt_server),
+        "lookup_rtt_us_p90": float(np.percentile(rtt_server, 90)),
+        "lookup_embedded_us_median": median(rtt_embedded),
+        "lookups": lookups,
+        "server_protocol_errors": server_stats.get("server_protocol_errors", -1),
+        "samples_s": {"store": store_samples, "load": load_samples},
+    }
+    res["store_ratio"] = res["store_gbps_server"] / res["store_gbps_embedded"]
+    res["load_ratio"] = res["load_gbps_server"] / res["load_gbps_embedded"]
+    checks = [
+        Check("store bandwidth, server / embedded", res["store_ratio"], 0.8, True, "x",
+              f"{res['store_gbps_server']:.2f} vs {res['store_gbps_embedded']:.2f} GB/s"),
+        Check("load bandwidth, server / embedded", res["load_ratio"], 0.8, True, "x",
+              f"{res['load_gbps_server']:.2f} vs {res['load_gbps_embedded']:.2f} GB/s"),
+        Check("lookup round trip, median", res["lookup_rtt_us_median"], 200.0, False, "us",
+              f"p90 {res['lookup_rtt_us_p90']:.0f} us; embedded call {res['lookup_embedded_us_median']:.1f} us"),
+    ]
+    print_checks(f"kvtier server vs embedded ({chunks} x {cb:,} B chunks, {reps} reps)", checks)
+    write_json(json_path, {**res, "passed": all(c.passed for c in checks)})
+    return 0

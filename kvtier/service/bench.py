@@ -12,6 +12,8 @@ repetitions interleaved (ABBA) and summarised by medians (see
   ``commit``;
 - load bandwidth: ``open_read``, scatter the slot into engine blocks (the
   connector's load copy), ``close``;
+- batched load (extra figure): ``open_read_many`` for all chunks in one call,
+  then the same copies (one round trip instead of one per chunk);
 - lookup round trip: one 16-key lookup (a 4,096-token prompt) at a time,
   median microseconds.
 
@@ -136,6 +138,25 @@ def run_bench_server(json_path: Path | None = None, chunks: int = 16, reps: int 
 
         load_samples = interleaved({"embedded": load_run("embedded"), "server": load_run("server")}, reps)
 
+        def load_many_run(name: str) -> Callable[[], float]:
+            store = stores[name]
+
+            def run() -> float:
+                with Stopwatch() as sw:
+                    handles = store.open_read_many([(k, None) for k in load_keys[name]])  # type: ignore[attr-defined]
+                    for handle, ids in zip(handles, chunk_blocks):
+                        if handle is None:
+                            raise RuntimeError("load missed during the benchmark")
+                        with handle:
+                            load_chunk_blocks(chunk_view(handle.buffer, layers, bpc), kv.layers, ids)
+                return sw.s
+
+            return run
+
+        load_many_samples = interleaved(
+            {"embedded": load_many_run("embedded"), "server": load_many_run("server")}, reps
+        )
+
         def lookup_us(store: KVStore, keys: list[bytes]) -> list[float]:
             out = []
             for _ in range(lookups):
@@ -165,20 +186,25 @@ def run_bench_server(json_path: Path | None = None, chunks: int = 16, reps: int 
         "store_gbps_server": gbps(nbytes, median(store_samples["server"])),
         "load_gbps_embedded": gbps(nbytes, median(load_samples["embedded"])),
         "load_gbps_server": gbps(nbytes, median(load_samples["server"])),
+        "load_many_gbps_embedded": gbps(nbytes, median(load_many_samples["embedded"])),
+        "load_many_gbps_server": gbps(nbytes, median(load_many_samples["server"])),
         "lookup_rtt_us_median": median(rtt_server),
         "lookup_rtt_us_p90": float(np.percentile(rtt_server, 90)),
         "lookup_embedded_us_median": median(rtt_embedded),
         "lookups": lookups,
         "server_protocol_errors": server_stats.get("server_protocol_errors", -1),
-        "samples_s": {"store": store_samples, "load": load_samples},
+        "samples_s": {"store": store_samples, "load": load_samples, "load_many": load_many_samples},
     }
     res["store_ratio"] = res["store_gbps_server"] / res["store_gbps_embedded"]
     res["load_ratio"] = res["load_gbps_server"] / res["load_gbps_embedded"]
+    res["load_many_ratio"] = res["load_many_gbps_server"] / res["load_many_gbps_embedded"]
     checks = [
         Check("store bandwidth, server / embedded", res["store_ratio"], 0.8, True, "x",
               f"{res['store_gbps_server']:.2f} vs {res['store_gbps_embedded']:.2f} GB/s"),
         Check("load bandwidth, server / embedded", res["load_ratio"], 0.8, True, "x",
               f"{res['load_gbps_server']:.2f} vs {res['load_gbps_embedded']:.2f} GB/s"),
+        Check("batched load (open_read_many), server / embedded", res["load_many_ratio"], 0.8, True, "x",
+              f"{res['load_many_gbps_server']:.2f} vs {res['load_many_gbps_embedded']:.2f} GB/s (not judged by the issue)"),
         Check("lookup round trip, median", res["lookup_rtt_us_median"], 200.0, False, "us",
               f"p90 {res['lookup_rtt_us_p90']:.0f} us; embedded call {res['lookup_embedded_us_median']:.1f} us"),
     ]

@@ -78,10 +78,12 @@ def _raw_client(url: str) -> Any:
 
 
 def _exists_calls(client: Any) -> int:
+    """EXISTS commands the server (every node of a cluster) has executed so far."""
+    if hasattr(client, "get_nodes"):  # RedisCluster: ask every primary
+        stats = client.info("commandstats", target_nodes=client.PRIMARIES)
+        return sum(int(node.get("cmdstat_exists", {}).get("calls", 0)) for node in stats.values())
     stats = client.info("commandstats")
-    if "cmdstat_exists" in stats:  # standalone
-        return int(stats["cmdstat_exists"]["calls"])
-    return sum(int(node.get("cmdstat_exists", {}).get("calls", 0)) for node in stats.values())  # cluster
+    return int(stats.get("cmdstat_exists", {}).get("calls", 0))
 
 
 def measure(url: str, num_chunks: int = 16, reps: int = 5) -> dict[str, Any]:

@@ -104,6 +104,25 @@ def simulate(
     )
 
 
+@app.command("demo-server")
+def demo_server(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the runs, hit tokens and answer checks here."),
+) -> None:
+    """Two vLLM engine processes sharing one ``kvtier server``: cross-engine and cross-restart hits."""
+    import os
+
+    for key, value in {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }.items():
+        os.environ.setdefault(key, value)
+    from kvtier.service.demo_two_engines import main as two_engines
+
+    raise typer.Exit(two_engines(["--json", str(json_path)] if json_path else []))
+
+
 @app.command()
 def server(
     socket: Optional[str] = typer.Option(

@@ -82,6 +82,13 @@ class KVTierConfig(BaseModel):
         description="Load hits held only below the CPU tier (disk, remote) asynchronously, "
         "so the engine keeps serving other requests meanwhile.",
     )
+    server: str | None = Field(
+        None,
+        description="Address of a shared `kvtier server` (unix:///path.sock or tcp://127.0.0.1:PORT); "
+        "unset runs the tiers embedded in the engine.",
+    )
+    server_timeout_s: float = Field(0.5, gt=0, description="Bound on each call to the kvtier server; a timeout is a miss.")
+    server_token: str | None = Field(None, description="Token for a TCP kvtier server (required there).")
     model_id: str | None = Field(
         None,
         description="Model identity in the key namespace; default: model name plus a fingerprint of its weights.",
@@ -90,7 +97,7 @@ class KVTierConfig(BaseModel):
     load: bool = Field(True, description="Report hits and load cached chunks.")
     config_file: Path | None = Field(None, description="TOML or JSON file with any of these keys.")
 
-    @field_validator("disk_path", "config_file", "model_id", "remote_url", "remote_ttl_s", mode="before")
+    @field_validator("disk_path", "config_file", "model_id", "remote_url", "remote_ttl_s", "server", "server_token", mode="before")
     @classmethod
     def _empty_is_unset(cls, v: Any) -> Any:
         # KVTIER_DISK_PATH="" must not mean "the current directory".
@@ -132,6 +139,8 @@ class KVTierConfig(BaseModel):
         values = self.model_dump()
         if values.get("remote_url"):
             values["remote_url"] = mask_url(values["remote_url"])
+        if values.get("server_token"):
+            values["server_token"] = "***"
         return " ".join(f"{k}={v}" for k, v in values.items())
 
 

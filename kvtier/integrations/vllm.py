@@ -32,10 +32,13 @@ Invariants:
 - Blocks being filled by an asynchronous load are never freed under it: a
   request finished or aborted mid-load is held (``request_finished`` returns
   True) until the worker reports it in ``finished_sending`` after the load ends.
-- Embedded mode (this module) keeps the tiers in the worker process, which owns
+- Embedded mode (default) keeps the tiers in the worker process, which owns
   them. The scheduler side calls the worker's manager directly when both share
   a process (``kvtier.storage.registry``), else over the lookup RPC
   (``kvtier.integrations.lookup_rpc``). One worker (tensor-parallel size 1).
+- Server mode (``server`` set) keeps the tiers in a shared ``kvtier server``:
+  both sides are clients of it under the engine id, so the worker's release
+  ends the scheduler's lease, and a restarted engine keeps the cache.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from kvtier.index.keys import ChunkHasher
 from kvtier.integrations.lookup_rpc import LookupClient, LookupServer, socket_path
 from kvtier.integrations.vllm_layout import namespace_from_vllm, paged_views
 from kvtier.storage import registry
+from kvtier.storage.backend import KVStore
 from kvtier.storage.manager import LookupResult, RequestRecord, StorageManager
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -134,7 +138,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._engine_id = str(self._kv_transfer_config.engine_id or "default")
         self._hasher = ChunkHasher(self.namespace)
         # worker side: owns the tiers and serves lookups to a scheduler elsewhere
-        self.manager: StorageManager | None = None
+        self.manager: KVStore | None = None
         self._server: LookupServer | None = None
         self._layers: list[np.ndarray] = []
         self._load_errors: set[int] = set()
@@ -145,13 +149,16 @@ class KVTierConnector(KVConnectorBase_V1):
         self._finished_while_loading: set[str] = set()  # vLLM finished them mid-load
         # scheduler side: the worker's manager (same process) or an RPC stub
         self._async_to_send: list[TransferSpec] = []
-        self._index: StorageManager | LookupClient | None = None
+        self._index: KVStore | LookupClient | None = None
         self._trackers: dict[str, _Tracker] = {}
         if self.config.enabled and role == KVConnectorRole.WORKER:
-            self.manager = registry.acquire(
-                self._engine_id, lambda: StorageManager(self.config, self.namespace)
-            )
-            self._server = LookupServer(self.manager, socket_path(self._engine_id))
+            if self.config.server:
+                self.manager = self._service_client()
+            else:
+                self.manager = registry.acquire(
+                    self._engine_id, lambda: StorageManager(self.config, self.namespace)
+                )
+                self._server = LookupServer(self.manager, socket_path(self._engine_id))
         log.info(
             "kvtier connector (%s) ready: model=%s layout=%s chunk=%d tokens (%d bytes)",
             role.name,
@@ -162,9 +169,25 @@ class KVTierConnector(KVConnectorBase_V1):
         )
 
     # ================================ scheduler side ================================
-    def _lookup_index(self) -> StorageManager | LookupClient | None:
-        """The worker's manager in this process, else an RPC stub (resolved once)."""
+    def _service_client(self) -> KVStore:
+        """A client of the shared kvtier server, under this engine's id."""
+        from kvtier.service.client import ServiceClient
+
+        return ServiceClient(
+            self.config.server,
+            self.namespace,
+            client_id=self._engine_id,
+            timeout_s=self.config.server_timeout_s,
+            token=self.config.server_token,
+            wait_connected_s=min(5.0, 10 * self.config.server_timeout_s),
+        )
+
+    def _lookup_index(self) -> KVStore | LookupClient | None:
+        """The server, the worker's manager in this process, or an RPC stub (resolved once)."""
         if self._index is None and self.config.enabled:
+            if self.config.server:
+                self._index = self._service_client()
+                return self._index
             local = registry.get(self._engine_id)
             self._index = local or LookupClient(
                 socket_path(self._engine_id), self.chunk_size, timeout_s=self.config.lookup_timeout_s
@@ -198,13 +221,13 @@ class KVTierConnector(KVConnectorBase_V1):
                 return 0, False
             # Never the whole prompt: the chunk holding the last token is left out.
             candidates = tr.keys[: max(0, (len(tr.tokens) - 1) // self.chunk_size)]
-            if isinstance(index, StorageManager):
+            if isinstance(index, LookupClient):
+                res = index.lookup_keys(candidates, request.request_id, len(tr.tokens), num_computed_tokens)
+            else:
                 index.record_request(
                     request.request_id, RequestRecord(len(tr.tokens), engine_hit_tokens=num_computed_tokens)
                 )
                 res = index.lookup_keys(candidates, lease_owner=request.request_id)
-            else:
-                res = index.lookup_keys(candidates, request.request_id, len(tr.tokens), num_computed_tokens)
             tr.lookup = res
             if res.num_tokens <= num_computed_tokens:
                 self._release(request.request_id)
@@ -464,9 +487,12 @@ class KVTierConnector(KVConnectorBase_V1):
             self._server.close()
             self._server = None
         if self.manager is not None:
-            registry.release(self.manager)
+            if isinstance(self.manager, StorageManager):
+                registry.release(self.manager)
+            else:
+                self.manager.close()
             self.manager = None
-        if isinstance(self._index, LookupClient):
+        if self._index is not None and not isinstance(self._index, StorageManager):
             self._index.close()
         self._index = None
 

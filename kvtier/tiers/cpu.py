@@ -130,9 +130,11 @@ class CpuTier:
             e = self._entries[key]
             if e.state != WRITING:
                 raise RuntimeError("commit of a chunk that is not being written")
+            if parent == key:
+                parent = None  # a chunk cannot be its own parent (malformed caller input)
+            self.policy.insert(key, parent)  # first: if it raises, the chunk stays unpublished
             e.state = READY
             e.refs -= 1
-            self.policy.insert(key, parent)
 
     def abort(self, key: bytes) -> None:
         """Drop a reserved chunk (the copy failed)."""

@@ -100,6 +100,12 @@ def test_miss_overhead_summary() -> None:
     assert s["cpu"]["throughput_ratio"] == pytest.approx((1 / 1.1 + 1.0) / 2)
     assert s["cpu"]["median_overhead_ms"] == pytest.approx(100.0)
     assert all(_positive(x) for x in s["off"]["tokens_per_s"])
+    assert s["cpu"]["median_connector_pct"] is None  # no hook timings in these runs
+    timed = _run([1000], [2.0])
+    timed["requests"][0]["connector_seconds"] = 0.01
+    assert miss_overhead.summarize([{"off": _run([1000], [2.0]), "cpu": timed}])["cpu"][
+        "median_connector_pct"
+    ] == pytest.approx(0.5)
     with pytest.raises(ValueError):
         miss_overhead.summarize([{"off": _run([1000], [1.0]), "cpu": _run([999], [1.0])}])
 
@@ -131,5 +137,6 @@ def test_miss_overhead_bench_tiny(tmp_path: Path) -> None:
     assert miss_overhead.run_miss_overhead(json_path=path, sizes=sizes) == 0
     result = json.loads(path.read_text())
     assert _positive(result["miss_overhead_ratio"])
+    assert _positive(result["summary"]["cpu"]["median_connector_pct"])  # the hooks were timed
     stats = result["rounds"][0]["cpu"]["kvtier_stats"][0]
     assert stats["stored_chunks"] >= 1  # the connector really saved the prompt's chunk

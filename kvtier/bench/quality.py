@@ -50,7 +50,7 @@ CODECS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("shuffle-zstd", "shuffle-zstd", {}),
     ("int8", "int8", {}),
     ("cachegen", "cachegen", {}),
-    ("cachegen 8/6/5", "cachegen", {"bits": (8, 6, 5)}),
+    ("cachegen 6/5/4", "cachegen", {"bits": (6, 5, 4)}),
     ("cachegen 8/7/6", "cachegen", {"bits": (8, 7, 6)}),
 )
 

@@ -1,7 +1,11 @@
 """CPU DRAM tier: chunk payloads in slots of a pre-touched :class:`ChunkPool`.
 
 Invariants (kept under ``self._lock``):
-- A key is in ``_entries`` iff it owns exactly one pool slot.
+- A key is in ``_entries`` (key -> slot) iff it owns exactly one pool slot.
+- An entry's state and reference count live in the per-slot arrays ``_state``
+  and ``_refs`` at its slot, not in a per-entry object: that saves ~56 bytes of
+  index memory per chunk (``kvtier bench tiers``: <= 300 B/chunk at 1M chunks).
+  A free slot's values are meaningless; ``reserve`` sets them.
 - A ``WRITING`` entry is invisible to ``contains``/``acquire`` until ``commit``;
   ``abort`` frees it. Its writer holds one reference.
 - ``refs`` counts readers and writers currently copying the slot. An entry with
@@ -13,7 +17,6 @@ Invariants (kept under ``self._lock``):
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -23,13 +26,6 @@ from kvtier.tiers.policies import EvictionPolicy, LRUPolicy
 
 WRITING = 0
 READY = 1
-
-
-@dataclass(slots=True)
-class CpuEntry:
-    slot: int
-    state: int
-    refs: int
 
 
 class CpuTier:
@@ -72,15 +68,17 @@ class CpuTier:
         self.pool = pool
         self.policy = policy or LRUPolicy()
         self._is_pinned = is_pinned
-        self._entries: dict[bytes, CpuEntry] = {}
+        self._entries: dict[bytes, int] = {}  # key -> slot
+        self._state = bytearray(self.pool.num_slots)  # per slot: WRITING or READY
+        self._refs = [0] * self.pool.num_slots  # per slot: readers + writers copying it
         self._lock = threading.Lock()
         self.evicted_chunks = 0
         self.evicted_bytes = 0
 
     # -- queries -----------------------------------------------------------
     def contains(self, key: bytes) -> bool:
-        e = self._entries.get(key)
-        return e is not None and e.state == READY
+        slot = self._entries.get(key)
+        return slot is not None and self._state[slot] == READY
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -101,7 +99,7 @@ class CpuTier:
     def referenced_chunks(self) -> int:
         """Entries with readers or writers (should be 0 when idle)."""
         with self._lock:
-            return sum(1 for e in self._entries.values() if e.refs)
+            return sum(1 for slot in self._entries.values() if self._refs[slot])
 
     # -- write path --------------------------------------------------------
     def reserve(self, key: bytes) -> np.ndarray | None:
@@ -117,7 +115,9 @@ class CpuTier:
             slot = self._alloc_locked()
             if slot is None:
                 return None
-            self._entries[key] = CpuEntry(slot, WRITING, 1)
+            self._entries[key] = slot
+            self._state[slot] = WRITING
+            self._refs[slot] = 1
             return self.pool.view(slot)
 
     def commit(self, key: bytes, parent: bytes | None = None) -> None:
@@ -127,65 +127,67 @@ class CpuTier:
         the first): chain-aware policies evict a chain's tail before its head.
         """
         with self._lock:
-            e = self._entries[key]
-            if e.state != WRITING:
+            slot = self._entries[key]
+            if self._state[slot] != WRITING:
                 raise RuntimeError("commit of a chunk that is not being written")
             if parent == key:
                 parent = None  # a chunk cannot be its own parent (malformed caller input)
             self.policy.insert(key, parent)  # first: if it raises, the chunk stays unpublished
-            e.state = READY
-            e.refs -= 1
+            self._state[slot] = READY
+            self._refs[slot] -= 1
 
     def abort(self, key: bytes) -> None:
         """Drop a reserved chunk (the copy failed)."""
         with self._lock:
-            e = self._entries.get(key)
-            if e is None or e.state != WRITING:
+            slot = self._entries.get(key)
+            if slot is None or self._state[slot] != WRITING:
                 return
             del self._entries[key]
-            self.pool.free(e.slot)
+            self._refs[slot] = 0
+            self.pool.free(slot)
 
     # -- read path ---------------------------------------------------------
     def acquire(self, key: bytes) -> np.ndarray | None:
         """Take a read reference; returns the slot view or ``None`` on a miss."""
         with self._lock:
-            e = self._entries.get(key)
-            if e is None or e.state != READY:
+            slot = self._entries.get(key)
+            if slot is None or self._state[slot] != READY:
                 return None
-            e.refs += 1
+            self._refs[slot] += 1
             self.policy.touch(key)
-            return self.pool.view(e.slot)
+            return self.pool.view(slot)
 
     def release(self, key: bytes) -> None:
         """Drop a read reference taken by :meth:`acquire`."""
         with self._lock:
-            e = self._entries[key]
-            if e.refs <= 0:
+            slot = self._entries[key]
+            if self._refs[slot] <= 0:
                 raise RuntimeError("release without acquire")
-            e.refs -= 1
+            self._refs[slot] -= 1
 
     # -- removal -----------------------------------------------------------
     def delete(self, key: bytes) -> bool:
         """Remove an unreferenced chunk; returns False if absent or in use."""
         with self._lock:
-            e = self._entries.get(key)
-            if e is None or e.refs or e.state != READY:
+            slot = self._entries.get(key)
+            if slot is None or self._refs[slot] or self._state[slot] != READY:
                 return False
-            self._drop_locked(key, e)
+            self._drop_locked(key, slot)
             return True
 
     def clear(self) -> int:
         """Remove every unreferenced chunk; returns how many were removed."""
         with self._lock:
-            victims = [k for k, e in self._entries.items() if not e.refs and e.state == READY]
+            refs, state = self._refs, self._state
+            victims = [k for k, slot in self._entries.items() if not refs[slot] and state[slot] == READY]
             for k in victims:
                 self._drop_locked(k, self._entries[k])
             return len(victims)
 
-    def _drop_locked(self, key: bytes, e: CpuEntry) -> None:
+    def _drop_locked(self, key: bytes, slot: int) -> None:
         del self._entries[key]
         self.policy.remove(key)
-        self.pool.free(e.slot)
+        self.pool.free(slot)
 
     def _alloc_locked(self) -> int | None:
         try:
@@ -194,8 +196,7 @@ class CpuTier:
             pass
         victim = None
         for key in self.policy.candidates():
-            e = self._entries[key]
-            if e.refs == 0 and not self._is_pinned(key):
+            if self._refs[self._entries[key]] == 0 and not self._is_pinned(key):
                 victim = key
                 break
         if victim is None:

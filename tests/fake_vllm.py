@@ -60,6 +60,9 @@ WAITING_FOR_REMOTE_KVS = "WAITING_FOR_REMOTE_KVS"
 RUNNING = "RUNNING"
 FINISHED = "FINISHED"
 
+#: Steps without any request submitted, finished or freed after which :meth:`FakeEngine.run` gives up.
+STALL_STEPS = 3_000
+
 #: bf16 bit pattern written into freshly allocated blocks: a NaN, never a pattern value.
 GARBAGE = 0xFFFF
 
@@ -308,6 +311,7 @@ class Knobs:
     p_preempt: float = 0.03  # per step: preempt a random running request
     p_abort: float = 0.04  # per step: abort a random live request between steps
     p_abort_mid_step: float = 0.01  # per step: abort a scheduled request before the worker runs
+    p_abort_after_failed_alloc: float = 0.1  # abort the request whose allocation just failed
     p_local_hit: float = 0.3  # the engine's own prefix cache holds some leading blocks
     #: KV depends on the context, as in a real model: a forward over a wrong block writes
     #: poisoned KV. False: each token's KV is right whatever precedes it (isolates other checks).
@@ -333,6 +337,7 @@ class EngineStats:
     finished: int = 0
     aborted_waiting_no_lookup: int = 0
     aborted_waiting_after_lookup: int = 0
+    aborted_holding_a_hit: int = 0  # of those, the lookup had promised tokens (a lease)
     aborted_waiting_async_load: int = 0
     aborted_running: int = 0
     aborted_mid_step: int = 0
@@ -387,7 +392,8 @@ class FakeEngine:
         self.delayed_free: dict[str, FakeRequest] = {}  # finished, blocks held for the connector
         self.finished_recving: set[str] = set()
         self.finished_since_schedule: set[str] = set()
-        self.looked_up: set[str] = set()  # looked up since their last allocation
+        self.looked_up: dict[str, int] = {}  # looked up since their last allocation -> tokens promised
+        self.alloc_failed: FakeRequest | None = None  # the request whose allocation failed this step
         self.load_window: dict[str, tuple[int, int]] = {}  # req -> [first, end) tokens of its load
         self.async_loading: set[str] = set()  # requests whose load window is an async load
         self.load_log: list[LoadRecord] = []  # every verified load, in order
@@ -476,7 +482,7 @@ class FakeEngine:
         held, _ = self.sched.request_finished(r, list(self.blocks.get(rid, [])))
         del self.requests[rid]
         self.finished_since_schedule.add(rid)
-        self.looked_up.discard(rid)
+        self.looked_up.pop(rid, None)
         if delay or held:
             self.delayed_free[rid] = r
         else:
@@ -488,7 +494,9 @@ class FakeEngine:
         cands = list(self.requests.values())
         if not cands:
             return
-        r = self.rng.choice(cands)
+        self._abort_counted(self.rng.choice(cands))
+
+    def _abort_counted(self, r: FakeRequest) -> None:
         s = self.stats
         if r.status == RUNNING:
             s.aborted_running += 1
@@ -496,6 +504,7 @@ class FakeEngine:
             s.aborted_waiting_async_load += 1
         elif r.request_id in self.looked_up:
             s.aborted_waiting_after_lookup += 1
+            s.aborted_holding_a_hit += self.looked_up[r.request_id] > 0
         else:
             s.aborted_waiting_no_lookup += 1
         self.abort(r)
@@ -551,6 +560,7 @@ class FakeEngine:
             self.submit()
         if rng.random() < k.p_abort:
             self._random_abort()
+        self.alloc_failed = None
         so, scheduled = self._schedule()
         meta = self.sched.build_connector_meta(so)
         so.kv_connector_metadata = meta
@@ -566,6 +576,9 @@ class FakeEngine:
         out, ctx_bad = self._execute(so, scheduled)
         self._update(so, out, scheduled, ctx_bad, mid_abort)
         self.stats.steps += 1
+        r = self.alloc_failed
+        if r is not None and r.request_id in self.requests and rng.random() < k.p_abort_after_failed_alloc:
+            self._abort_counted(r)
         if not scheduled and (self.async_loading or self.delayed_free):
             time.sleep(0.0005)  # only transfers in flight: let the connector's threads run
 
@@ -626,7 +639,7 @@ class FakeEngine:
                 local = self._local_hit(r)
                 ext, is_async = self.sched.get_num_new_matched_tokens(r, local)
                 self.stats.lookups += 1
-                self.looked_up.add(rid)
+                self.looked_up[rid] = ext or 0
                 if ext is None:
                     skipped.append(self.waiting.popleft())
                     continue
@@ -644,6 +657,7 @@ class FakeEngine:
             need = self._blocks_for(computed + n) - len(have)
             if rng.random() < k.p_alloc_fail or need > len(self.free):
                 self.stats.alloc_failures += 1
+                self.alloc_failed = r
                 break  # vLLM stops admitting waiting requests for this step
             if rid not in self.blocks:
                 self.blocks[rid] = []
@@ -653,7 +667,7 @@ class FakeEngine:
                 exp = self.expected(r)
                 self.write(r, 0, local, exp[:local])  # the engine's own prefix cache content
             self.sched.update_state_after_alloc(r, FakeKVCacheBlocks(self.blocks[rid]), ext)
-            self.looked_up.discard(rid)
+            self.looked_up.pop(rid, None)
             if ext:
                 self.load_window[rid] = (local, local + ext)
                 self.reported[rid] = set()
@@ -826,11 +840,16 @@ class FakeEngine:
             AssertionError: a data check failed, or ``max_steps`` passed first.
         """
         self._limit = num_requests
+        stalled, last = 0, None
         while self.stats.submitted < num_requests or self.live():
-            if self.stats.steps >= max_steps:
+            state = (self.stats.submitted, self.live(), self.stats.finished, len(self.free))
+            stalled = stalled + 1 if state == last else 0
+            last = state
+            if self.stats.steps >= max_steps or stalled > STALL_STEPS:
                 raise AssertionError(
-                    f"not done after {max_steps} steps: {len(self.requests)} live requests, "
-                    f"{len(self.delayed_free)} finished ones still held by the connector"
+                    f"not done after {self.stats.steps} steps ({stalled} without progress): "
+                    f"{len(self.requests)} live requests, {len(self.delayed_free)} finished ones "
+                    "still held by the connector"
                 )
             self.step()
         assert sorted(self.free) == list(range(self.g.num_blocks)), "the fake engine leaked blocks"

@@ -124,7 +124,7 @@ def check_stress_coverage(eng: FakeEngine) -> None:
     """The run exercised what it claims to (so a passing run means something)."""
     s = eng.stats
     assert s.finished > s.submitted // 2
-    assert s.aborted_waiting_no_lookup and s.aborted_waiting_after_lookup and s.aborted_running
+    assert s.aborted_waiting_no_lookup and s.aborted_holding_a_hit and s.aborted_running
     assert s.aborted_mid_step and s.preemptions and s.alloc_failures
     assert s.loads > 100 and s.loaded_blocks_verified > 500, s
     assert s.local_hit_tokens > 0
@@ -149,55 +149,59 @@ def test_stress_cpu_and_disk_tiers(connectors, tmp_path: Path) -> None:
 
 
 def lose_chunks(pair: ConnectorPair, seed: int, p: float) -> Callable[[FakeEngine], None]:
-    """A ``before_execute`` hook that, with probability ``p`` per step, deletes one chunk of a
-    random prompt from every tier behind the manager's back (leases ignored)."""
+    """A ``before_execute`` hook: with probability ``p`` per step, one chunk that a load planned
+    in this step will read is deleted from every tier behind the manager's back (its lease
+    ignored), so that load must fail and report."""
     m = pair.worker.manager
     rng = random.Random(seed)
-    prompts, _ = prompt_set(seed)
 
     def hook(eng: FakeEngine) -> None:
-        if rng.random() >= p:
+        if not eng.load_window or rng.random() >= p:
             return
-        tokens, salt = rng.choice(prompts)
-        keys = m.keys(tokens, salt)
-        if keys:
-            key = rng.choice(keys)
-            m.cpu.delete(key)
-            if m.disk is not None:
-                m.disk.delete(key)
+        rid = rng.choice(sorted(eng.load_window))
+        r = eng.requests.get(rid)
+        if r is None:
+            return
+        first, end = eng.load_window[rid]
+        keys = m.keys(r.prompt_token_ids, r.cache_salt)[first // CHUNK : end // CHUNK]
+        key = rng.choice(keys)
+        m.cpu.delete(key)
+        if m.disk is not None:
+            m.disk.delete(key)
 
     return hook
 
 
-def test_stress_with_chunks_lost_between_lookup_and_load(connectors) -> None:
+@pytest.mark.parametrize(
+    "context_dependent",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                strict=True,  # fails within a few hundred steps for each of 10 seeds tried
+                reason="BUG (kvtier/integrations/vllm.py wait_for_save): chunks computed over a failed "
+                "sync load are stored (see test_failed_sync_load_does_not_store_chunks_computed_over_the_gap)",
+            ),
+        ),
+    ],
+    ids=["context-free-kv", "context-dependent-kv"],
+)
+def test_stress_with_chunks_lost_between_lookup_and_load(connectors, context_dependent: bool) -> None:
     """Chunks vanish behind the manager's back: every load is exact or reported, nothing leaks.
 
-    The engine's KV is context-free here (``context_dependent=False``) so that this
-    test checks reporting and lifetimes; see the xfail test below for what a
-    context-dependent model shows.
+    With context-free KV this checks reporting and lifetimes alone; with
+    context-dependent KV it also catches KV computed over a failed load being stored.
     """
-    pair = connectors(extra_config(cpu_chunks=8))
+    pair = connectors(extra_config(cpu_chunks=32))
     prompts, weights = prompt_set(13)
-    eng = FakeEngine(pair, GEOM, prompts, seed=13, knobs=Knobs(context_dependent=False), weights=weights)
+    knobs = Knobs(context_dependent=context_dependent)
+    eng = FakeEngine(pair, GEOM, prompts, seed=13, knobs=knobs, weights=weights)
     eng.before_execute = lose_chunks(pair, seed=13, p=0.3)
     eng.run(3_000, max_steps=60_000)
     st = assert_quiescent(pair)
     assert eng.stats.loaded_blocks_verified > 500
     assert st["load_failures"] >= 5 and eng.stats.error_blocks >= 10 and eng.stats.rewinds >= 5, eng.stats
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (kvtier/integrations/vllm.py wait_for_save): chunks computed over a failed sync load "
-    "are stored (see test_failed_sync_load_does_not_store_chunks_computed_over_the_gap)",
-)
-def test_stress_with_chunks_lost_and_context_dependent_kv(connectors) -> None:
-    pair = connectors(extra_config(cpu_chunks=8))
-    prompts, weights = prompt_set(14)
-    eng = FakeEngine(pair, GEOM, prompts, seed=14, weights=weights)
-    eng.before_execute = lose_chunks(pair, seed=14, p=0.3)
-    eng.run(3_000, max_steps=60_000)
-    assert_quiescent(pair)
 
 
 # -- scripted scenarios ----------------------------------------------------------------------------------

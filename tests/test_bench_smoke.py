@@ -20,7 +20,6 @@ from kvtier.bench.common import (
     chunk_view,
     load_chunk_blocks,
     save_chunk_blocks,
-    save_chunk_blocks_unbuffered,
     smollm2_layout,
 )
 
@@ -50,11 +49,10 @@ def test_copy_helpers_round_trip() -> None:
     view = chunk_view(slot, layout.num_layers, 2)
     save_chunk_blocks(paged.layers, view, [4, 1])
     assert np.array_equal(view[:, 0], paged.storage[:, 4]) and np.array_equal(view[:, 1], paged.storage[:, 1])
-    fast = np.zeros_like(slot)
-    save_chunk_blocks_unbuffered(paged.layers, chunk_view(fast, layout.num_layers, 2), [4, 1])
-    assert np.array_equal(fast, slot)
-    with pytest.raises(IndexError):  # mode="clip" must not hide a bad block id
-        save_chunk_blocks_unbuffered(paged.layers, chunk_view(fast, layout.num_layers, 2), [4, 6])
+    with pytest.raises(IndexError):  # a bad block id is an error, never a wrapped-around copy
+        save_chunk_blocks(paged.layers, view, [4, 6])
+    with pytest.raises(IndexError):
+        save_chunk_blocks(paged.layers, view, [-1, 2])
     load_chunk_blocks(view, paged.layers, [0, 5])
     assert np.array_equal(paged.storage[:, 0], paged.storage[:, 4])
     assert np.array_equal(paged.storage[:, 5], paged.storage[:, 1])

@@ -58,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.index.keys import ChunkHasher
+from kvtier.integrations.block_copy import load_blocks, save_blocks
 from kvtier.integrations.lookup_rpc import LookupClient, LookupServer, socket_path
 from kvtier.integrations.vllm_layout import namespace_from_vllm, paged_views
 from kvtier.storage import registry
@@ -418,12 +419,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 handle = self.manager.open_read(ch.key, ch.parent)
                 if handle is not None:
                     with handle:
-                        src = self._chunk_view(handle.buffer)
-                        idx = np.asarray(ch.block_ids, dtype=np.int64)
-                        n = len(ch.block_ids)
-                        for layer, dst in zip(src, self._layers):
-                            dst[idx] = layer[ch.offset : ch.offset + n]
-                        self.manager.record_load(spec.req_id, handle.source, n * self.block_size)
+                        load_blocks(self._chunk_view(handle.buffer), self._layers, ch.block_ids, ch.offset)
+                        self.manager.record_load(spec.req_id, handle.source, len(ch.block_ids) * self.block_size)
                     ok = True
             except Exception:
                 log.exception("kvtier: loading chunk %s failed", ch.key.hex()[:16])
@@ -462,10 +459,7 @@ class KVTierConnector(KVConnectorBase_V1):
                         continue  # already stored (another request, or a tier below)
                     break  # no room: later chunks of this prompt would be unreachable
                 try:
-                    dst = self._chunk_view(buf)
-                    idx = np.asarray(ch.block_ids, dtype=np.int64)
-                    for layer, out in zip(self._layers, dst):
-                        np.take(layer, idx, axis=0, out=out)
+                    save_blocks(self._layers, self._chunk_view(buf), ch.block_ids)
                 except Exception:
                     log.exception("kvtier: saving chunk %s failed", ch.key.hex()[:16])
                     self.manager.abort(ch.key)

@@ -14,6 +14,10 @@ import threading
 import numpy as np
 
 
+#: Alignment of the private buffer (bytes): a page, as O_DIRECT requires.
+PAGE_BYTES = 4096
+
+
 class PoolExhausted(Exception):
     """No free slot; the caller evicts and retries, or treats the store as skipped."""
 
@@ -41,8 +45,13 @@ class ChunkPool:
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         if buffer is None:
-            # np.ones writes every page (pre-touch); np.empty/zeros would map lazily.
-            self._buf = np.ones((num_slots, slot_bytes), dtype=np.uint8)
+            # Page-aligned (O_DIRECT reads/writes go straight into slots whose size is a
+            # multiple of 4096) and pre-touched: fill() writes every page, whereas
+            # np.empty/zeros would map them lazily.
+            raw = np.empty(slot_bytes * num_slots + PAGE_BYTES, dtype=np.uint8)
+            offset = (-raw.ctypes.data) % PAGE_BYTES
+            self._buf = raw[offset : offset + slot_bytes * num_slots].reshape(num_slots, slot_bytes)
+            self._buf.fill(1)
         else:
             flat = np.frombuffer(buffer, dtype=np.uint8)
             if flat.size < slot_bytes * num_slots:

@@ -269,15 +269,45 @@ class ConnectorPair:
 
     scheduler: Any
     worker: Any
-    kv: torch.Tensor  # bf16 [layers, num_blocks, heads, block_size, 2 * head_dim]
-    kv_bits: np.ndarray  # the same memory as uint16
+    kv_caches: dict[str, torch.Tensor]  # per layer: bf16 [num_blocks, heads, block_size, 2 * head_dim]
+    layers: list[np.ndarray]  # the same memory, per layer, as uint16
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
         self.worker.shutdown()
 
 
-def make_connectors(geometry: Geometry, extra: dict[str, Any], engine_id: str) -> ConnectorPair:
+#: How the fake engine allocates its per-layer KV tensors (vLLM's CPU backend: "stacked").
+KV_LAYOUTS = ("stacked", "padded", "separate")
+
+
+def make_kv_caches(geometry: Geometry, layout: str = "stacked") -> dict[str, torch.Tensor]:
+    """Per-layer bf16 KV tensors ``[num_blocks, heads, block_size, 2 * head_dim]``, all GARBAGE.
+
+    ``layout``: "stacked" (views of one storage, layer after layer, as vLLM's CPU
+    backend), "padded" (one storage, a gap between layers) or "separate" (one
+    allocation per layer).
+    """
+    g = geometry
+    shape = (g.num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_dim)
+    per_layer = int(np.prod(shape))
+    if layout == "stacked":
+        flat = torch.empty(g.num_layers * per_layer, dtype=torch.bfloat16)
+        tensors = [flat[i * per_layer : (i + 1) * per_layer].view(shape) for i in range(g.num_layers)]
+    elif layout == "padded":
+        step = per_layer + 4 * g.block_size * 2 * g.head_dim  # a gap of a few blocks' worth
+        flat = torch.empty(g.num_layers * step, dtype=torch.bfloat16)
+        tensors = [flat[i * step : i * step + per_layer].view(shape) for i in range(g.num_layers)]
+    elif layout == "separate":
+        tensors = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(g.num_layers)]
+    else:
+        raise ValueError(f"unknown KV layout {layout!r}; choose one of {KV_LAYOUTS}")
+    for t in tensors:
+        t.view(torch.int16).fill_(-1)  # GARBAGE everywhere
+    return {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(tensors)}
+
+
+def make_connectors(geometry: Geometry, extra: dict[str, Any], engine_id: str, kv_layout: str = "stacked") -> ConnectorPair:
     """Build the worker connector (it owns the tiers), register its KV caches, then the scheduler one.
 
     The scheduler side finds the worker's manager through ``kvtier.storage.registry``
@@ -287,15 +317,11 @@ def make_connectors(geometry: Geometry, extra: dict[str, Any], engine_id: str) -
 
     cfg = make_vllm_config(geometry, extra, engine_id)
     worker = KVTierConnector(cfg, KVConnectorRole.WORKER, None)
-    g = geometry
-    kv = torch.zeros(
-        (g.num_layers, g.num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_dim), dtype=torch.bfloat16
-    )
-    kv.view(torch.int16).fill_(-1)  # GARBAGE everywhere
-    worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": kv[i] for i in range(g.num_layers)})
+    kv_caches = make_kv_caches(geometry, kv_layout)
+    worker.register_kv_caches(kv_caches)
     scheduler = KVTierConnector(cfg, KVConnectorRole.SCHEDULER, None)
-    bits = kv.view(torch.int16).numpy().view(np.uint16)
-    return ConnectorPair(scheduler, worker, kv, bits)
+    layers = [t.view(torch.int16).numpy().view(np.uint16) for t in kv_caches.values()]
+    return ConnectorPair(scheduler, worker, kv_caches, layers)
 
 
 # -- the engine --------------------------------------------------------------------------------------
@@ -376,7 +402,7 @@ class FakeEngine:
     ):
         self.sched = pair.scheduler
         self.worker = pair.worker
-        self.kv = pair.kv_bits  # uint16 [L, NB, H, BS, 2D]
+        self.layers = pair.layers  # per layer: uint16 [NB, H, BS, 2D]
         self.g = geometry
         self.bs = geometry.block_size
         self.prompts = prompts
@@ -422,11 +448,12 @@ class FakeEngine:
     def read(self, r: FakeRequest, start: int, end: int) -> np.ndarray:
         """KV of tokens ``[start, end)`` as held in the request's blocks: ``uint16 [n, L, H, 2D]``."""
         bids, slots = self._positions(r, start, end)
-        return self.kv[:, bids, :, slots, :]  # advanced indices first: [n, L, H, 2D]
+        return np.stack([layer[bids, :, slots, :] for layer in self.layers], axis=1)  # [n, L, H, 2D]
 
     def write(self, r: FakeRequest, start: int, end: int, values: np.ndarray) -> None:
         bids, slots = self._positions(r, start, end)
-        self.kv[:, bids, :, slots, :] = values
+        for i, layer in enumerate(self.layers):
+            layer[bids, :, slots, :] = values[:, i]
 
     def first_bad(self, r: FakeRequest, start: int, end: int) -> int | None:
         """First position in ``[start, end)`` whose KV is not the expected one, or None."""
@@ -440,7 +467,8 @@ class FakeEngine:
     def _alloc(self, n: int) -> list[int]:
         got = [self.free.pop() for _ in range(n)]
         if got:
-            self.kv[:, got] = GARBAGE
+            for layer in self.layers:
+                layer[got] = GARBAGE
         return got
 
     def _blocks_for(self, num_tokens: int) -> int:
@@ -453,7 +481,9 @@ class FakeEngine:
         return len(self.requests) + len(self.delayed_free)
 
     # -- requests --------------------------------------------------------------------------------
-    def submit(self, tokens: list[int] | None = None, salt: str | None = None, max_tokens: int | None = None) -> FakeRequest:
+    def submit(
+        self, tokens: list[int] | None = None, salt: str | None = None, max_tokens: int | None = None
+    ) -> FakeRequest:
         """Queue a request (a random prompt of the set unless ``tokens`` is given)."""
         if tokens is None:
             tokens, salt = self.rng.choices(self.prompts, weights=self.weights)[0]
@@ -542,7 +572,7 @@ class FakeEngine:
         for b in range(first // self.bs, last // self.bs):
             lo, hi = b * self.bs, (b + 1) * self.bs
             bid = ids[b]
-            got = self.kv[:, bid].transpose(2, 0, 1, 3)  # [BS, L, H, 2D]
+            got = np.stack([layer[bid] for layer in self.layers]).transpose(2, 0, 1, 3)  # [BS, L, H, 2D]
             if np.array_equal(got, exp[lo:hi]):
                 self.stats.loaded_blocks_verified += 1
             elif bid in reported:
@@ -855,7 +885,9 @@ class FakeEngine:
         assert sorted(self.free) == list(range(self.g.num_blocks)), "the fake engine leaked blocks"
         return self.stats
 
-    def serve(self, tokens: list[int], salt: str | None = None, local_blocks: int = 0, max_steps: int = 10_000) -> FakeRequest:
+    def serve(
+        self, tokens: list[int], salt: str | None = None, local_blocks: int = 0, max_steps: int = 10_000
+    ) -> FakeRequest:
         """Submit one request and step until it has finished (for scripted scenarios)."""
         r = self.submit(tokens, salt, max_tokens=1)
         self.force_local_blocks[r.request_id] = local_blocks

@@ -87,6 +87,9 @@ def main() -> dict[str, Any]:
                 "kv_connector": "KVTierConnector",
                 "kv_connector_module_path": "kvtier.integrations.vllm",
                 "kv_role": "kv_both",
+                # vLLM's default ("fail") fails a request whose load failed; kvtier reports
+                # failed blocks so vLLM can recompute them, which needs "recompute".
+                "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {
                     "cpu_capacity": "128MiB",
                     "remote_url": url,
@@ -105,7 +108,10 @@ def main() -> dict[str, Any]:
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    calls.append({"phase": phase[0], "op": name, "s": time.monotonic() - t0})
+                    calls.append({
+                        "phase": phase[0], "req": len(records), "op": name, "s": time.monotonic() - t0,
+                        "thread": threading.current_thread().name,
+                    })
 
             return wrapper
 
@@ -167,9 +173,14 @@ def main() -> dict[str, Any]:
             manager.clear()
             run("cold", i)
         manager.clear()
-        # 2. healthy: q0 stores, q1 hits
+        # 2. healthy: q0 stores, q1 hits the shared document prefix; B q0 stores, then hits
+        #    all of its own chunks, B q1 its document prefix. These hit answers are the
+        #    references for the same hits in later phases.
         run("healthy", 0)
         run("healthy", 1)
+        run("healthy", 2)
+        run("healthy", 2)
+        run("healthy", 3)
         # 3. killed mid-workload
         run("killed", 2)
         server.kill()
@@ -178,8 +189,8 @@ def main() -> dict[str, Any]:
         # 4. restarted empty; hits resume
         server.start()
         recovery["restarted"] = wait_recovered()
-        run("restarted", 1)  # the new server is empty: a miss (and stores)
-        run("restarted", 0)
+        run("restarted", 0)  # the new server is empty: a miss (and stores)
+        run("restarted", 1)
         # 5. restarted empty between lookup and load
         run("restart_between", 1, hook=lambda: (server.kill(), server.start()))
         recovery["restart_between"] = wait_recovered()

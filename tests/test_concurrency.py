@@ -7,7 +7,7 @@
    reproducible), against a reference model (key -> version of the
    bytes last stored). Invariants: every successful load returns exactly the bytes
    last stored for its key; a key a live lease covers is loadable until released
-   (see ``KNOWN_PROMOTION_BUG``); lease and pin counts match the model; at the end
+   (a leased chunk always loads); lease and pin counts match the model; at the end
    no lease, pin or reference is left.
 2. Threads doing random store/lookup/load/release/flush/clear on overlapping keys,
    every read checked against the key's deterministic payload, then counters at zero
@@ -37,13 +37,6 @@ from kvtier.tiers.disk import HEADER_BYTES
 CB = small_namespace().chunk_bytes  # 2,048
 DISK_CHUNK = HEADER_BYTES + CB
 
-#: True while StorageManager._promote_disk needs a free or evictable CPU slot to serve a
-#: disk chunk (no fallback read into a private buffer): a leased disk-only chunk then
-#: misses when every CPU slot is pinned or referenced. See
-#: test_leased_disk_chunk_loads_when_cpu_slots_are_all_pinned; set False once fixed.
-KNOWN_PROMOTION_BUG = True
-
-
 def key_of(i: int) -> bytes:
     return i.to_bytes(4, "little") * 8
 
@@ -64,17 +57,6 @@ def make_manager(path: Path, cpu_chunks: int, disk_chunks: int) -> StorageManage
         lease_ttl_s=3600.0,
     )
     return StorageManager(cfg, small_namespace())
-
-
-def cpu_cannot_free_a_slot(m: StorageManager, key: bytes, universe: list[bytes]) -> bool:
-    """True if ``key`` is not in the CPU tier, which is full of pinned chunks (all among
-    ``universe``): the condition under which KNOWN_PROMOTION_BUG makes a disk chunk miss.
-    For quiescent managers (no open handles, write-behind flushed)."""
-    cpu = m.cpu
-    if cpu.contains(key) or len(cpu) * m.chunk_bytes < cpu.capacity_bytes:
-        return False
-    resident = [k for k in universe if cpu.contains(k)]
-    return len(resident) == len(cpu) and all(m.leases.is_pinned(k) for k in resident)
 
 
 # -- 1. state machine ------------------------------------------------------------------------------
@@ -123,9 +105,6 @@ class ManagerMachine(RuleBasedStateMachine):
         h = self.m.open_read(key)
         if h is None:
             if must:
-                if KNOWN_PROMOTION_BUG and cpu_cannot_free_a_slot(self.m, key, ALL_KEYS):
-                    event("leased disk chunk missed: CPU slots all pinned (KNOWN_PROMOTION_BUG)")
-                    return
                 raise AssertionError(f"key {i} is leased but cannot be loaded")
             return
         with h:
@@ -239,7 +218,7 @@ test_manager_state_machine = ManagerMachine.TestCase
 
 @pytest.mark.parametrize("pinned_by", ["own lease", "other lease"])
 def test_leased_disk_chunk_loads_when_cpu_slots_are_all_pinned(tmp_path: Path, pinned_by: str) -> None:
-    """The disk-promotion limit the state machine tolerates (KNOWN_PROMOTION_BUG), made explicit.
+    """A leased disk chunk loads even when no CPU slot can be freed (read into a private buffer).
 
     "own lease": one lookup leases 3 disk chunks and the CPU tier has 2 slots; each
     promoted chunk stays pinned in CPU, so the third cannot be promoted. "other
@@ -269,14 +248,6 @@ def test_leased_disk_chunk_loads_when_cpu_slots_are_all_pinned(tmp_path: Path, p
         for h in handles:
             if h is not None:
                 h.close()
-        if KNOWN_PROMOTION_BUG:
-            assert handles[-1] is None  # the promised chunk is lost: the engine must recompute it
-            pytest.xfail(
-                "BUG (kvtier/storage/manager.py StorageManager._promote_disk): a leased disk chunk "
-                "cannot be read when no CPU slot can be freed (all pinned, referenced by readers or "
-                "write-behind, or interior to such chains); it should read the file into a private "
-                "buffer instead of missing"
-            )
         for i, h in zip(wanted, handles):
             assert h is not None, f"leased chunk {i} could not be loaded"
             assert np.array_equal(h.buffer, payload(i))

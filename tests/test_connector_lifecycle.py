@@ -186,17 +186,7 @@ def lose_chunks(pair: ConnectorPair, seed: int, p: float) -> Callable[[FakeEngin
 
 @pytest.mark.parametrize(
     "context_dependent",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,  # fails within a few hundred steps for each of 10 seeds tried
-                reason="BUG (kvtier/integrations/vllm.py wait_for_save): chunks computed over a failed "
-                "sync load are stored (see test_failed_sync_load_does_not_store_chunks_computed_over_the_gap)",
-            ),
-        ),
-    ],
+    [False, True],
     ids=["context-free-kv", "context-dependent-kv"],
 )
 def test_stress_with_chunks_lost_between_lookup_and_load(connectors, context_dependent: bool) -> None:
@@ -216,12 +206,6 @@ def test_stress_with_chunks_lost_between_lookup_and_load(connectors, context_dep
     assert st["load_failures"] >= 5 and eng.stats.error_blocks >= 10 and eng.stats.rewinds >= 5, eng.stats
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (kvtier/storage/manager.py StorageManager._promote_disk): a leased disk chunk misses "
-    "when no CPU slot can be freed, so asynchronous disk loads fail under CPU pressure (see "
-    "test_concurrency.test_leased_disk_chunk_loads_when_cpu_slots_are_all_pinned)",
-)
 def test_stress_cpu_and_disk_tiers_keeps_every_promise(connectors, tmp_path: Path) -> None:
     """Nothing is deleted behind the manager's back here, so every leased chunk must load.
 
@@ -382,12 +366,6 @@ def test_corrupt_disk_chunk_reports_exactly_the_unfilled_blocks(connectors, tmp_
     assert st["load_failures"] == 1 and st["disk_corrupt_reads"] == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (kvtier/integrations/vllm.py wait_for_save): when a synchronous load fails, the same "
-    "step's forward computes the following tokens over the unfilled blocks, and wait_for_save still "
-    "stores the full chunks it computed; a later hit serves that wrong KV as if it were right",
-)
 def test_failed_sync_load_does_not_store_chunks_computed_over_the_gap(connectors) -> None:
     pair = connectors(extra_config(cpu_chunks=16))
     m = pair.worker.manager

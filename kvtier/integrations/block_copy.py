@@ -1,10 +1,14 @@
 """Copies between an engine's paged KV blocks and a kvtier chunk slot.
 
 A chunk slot is ``uint8 [num_layers, blocks_per_chunk, block_bytes]``; the engine's
-KV is one ``uint8 [num_blocks, block_bytes]`` view per layer (see
-``vllm_layout.paged_views``). Each (layer, block) pair is one contiguous run of
-``block_bytes`` (98,304 B for SmolLM2 on vLLM's CPU backend), so the copy is one
-``np.copyto`` per run: a straight memcpy into pre-touched memory, single-threaded
+KV is either one ``uint8 [num_layers, num_blocks, block_bytes]`` view of all layers
+(``vllm_layout.stacked_view``, when layers share one storage) or a list of
+``uint8 [num_blocks, block_bytes]`` views, one per layer (``paged_views``). Each
+(layer, block) pair is one contiguous run of ``block_bytes`` (98,304 B for SmolLM2
+on vLLM's CPU backend). With the stacked view one ``np.copyto`` moves a block of
+every layer (few calls, so few GIL hand-offs when a loader thread runs beside the
+engine); otherwise one call per run. Either way a straight memcpy into pre-touched
+memory, single-threaded
 (torch's intra-op threads made strided chunk copies ~15x slower on 2 vCPUs, see
 shared notes/baselines.md), with no temporary (``np.take(out=...)`` in its default
 mode and fancy-index assignment both copy through one).
@@ -12,9 +16,12 @@ mode and fancy-index assignment both copy through one).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Union
 
 import numpy as np
+
+#: The engine's KV: a stacked ``[num_layers, num_blocks, block_bytes]`` view or per-layer views.
+PagedKV = Union[np.ndarray, Sequence[np.ndarray]]
 
 
 def _check(block_ids: Sequence[int], num_blocks: int) -> None:
@@ -23,27 +30,37 @@ def _check(block_ids: Sequence[int], num_blocks: int) -> None:
             raise IndexError(f"block id {b} outside the KV cache [0, {num_blocks})")
 
 
-def save_blocks(layers: Sequence[np.ndarray], chunk: np.ndarray, block_ids: Sequence[int]) -> None:
+def save_blocks(kv: PagedKV, chunk: np.ndarray, block_ids: Sequence[int]) -> None:
     """Copy engine blocks ``block_ids`` of every layer into ``chunk[:, :len(block_ids)]``.
 
     Raises:
         IndexError: a block id outside the KV cache.
     """
-    if layers:
-        _check(block_ids, layers[0].shape[0])
-    for layer, out in zip(layers, chunk):
+    if isinstance(kv, np.ndarray) and kv.ndim == 3:
+        _check(block_ids, kv.shape[1])
+        for j, b in enumerate(block_ids):
+            np.copyto(chunk[:, j], kv[:, b])
+        return
+    if kv:
+        _check(block_ids, kv[0].shape[0])
+    for layer, out in zip(kv, chunk):
         for j, b in enumerate(block_ids):
             np.copyto(out[j], layer[b])
 
 
-def load_blocks(chunk: np.ndarray, layers: Sequence[np.ndarray], block_ids: Sequence[int], offset: int = 0) -> None:
+def load_blocks(chunk: np.ndarray, kv: PagedKV, block_ids: Sequence[int], offset: int = 0) -> None:
     """Copy ``chunk[:, offset + j]`` into engine block ``block_ids[j]`` of every layer.
 
     Raises:
         IndexError: a block id outside the KV cache.
     """
-    if layers:
-        _check(block_ids, layers[0].shape[0])
-    for src, layer in zip(chunk, layers):
+    if isinstance(kv, np.ndarray) and kv.ndim == 3:
+        _check(block_ids, kv.shape[1])
+        for j, b in enumerate(block_ids):
+            np.copyto(kv[:, b], chunk[:, offset + j])
+        return
+    if kv:
+        _check(block_ids, kv[0].shape[0])
+    for src, layer in zip(chunk, kv):
         for j, b in enumerate(block_ids):
             np.copyto(layer[b], src[offset + j])

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -60,7 +61,7 @@ from kvtier.config import KVTierConfig, load_config
 from kvtier.index.keys import ChunkHasher
 from kvtier.integrations.block_copy import load_blocks, save_blocks
 from kvtier.integrations.lookup_rpc import LookupClient, LookupServer, socket_path
-from kvtier.integrations.vllm_layout import namespace_from_vllm, paged_views
+from kvtier.integrations.vllm_layout import namespace_from_vllm, paged_views, stacked_view
 from kvtier.storage import registry
 from kvtier.storage.backend import KVStore
 from kvtier.storage.manager import LookupResult, RequestRecord, StorageManager
@@ -116,6 +117,7 @@ class _Tracker:
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or known cached
     lookup: LookupResult | None = None
     pending_load: TransferSpec | None = None
+    loaded_blocks: dict[int, int] = field(default_factory=dict)  # engine block id -> chunk index loaded
     load_async: bool = False  # the last lookup asked vLLM for an asynchronous load
     async_inflight: bool = False  # an async load was sent and its completion not yet seen
 
@@ -142,12 +144,14 @@ class KVTierConnector(KVConnectorBase_V1):
         self.manager: KVStore | None = None
         self._server: LookupServer | None = None
         self._layers: list[np.ndarray] = []
+        self._kv: np.ndarray | list[np.ndarray] = []  # stacked view if possible, else _layers
         self._load_errors: set[int] = set()
         self._worker_lock = threading.Lock()  # guards the async-load sets below
         self._loader: ThreadPoolExecutor | None = None
         self._async_active: set[str] = set()  # submitted, completion not yet reported
         self._async_done: set[str] = set()  # finished, to report in get_finished
         self._finished_while_loading: set[str] = set()  # vLLM finished them mid-load
+        self._failed_sync_loads: set[str] = set()  # requests whose load failed in this step
         # scheduler side: the worker's manager (same process) or an RPC stub
         self._async_to_send: list[TransferSpec] = []
         self._index: KVStore | LookupClient | None = None
@@ -257,7 +261,9 @@ class KVTierConnector(KVConnectorBase_V1):
             first = ci * bpc
             offset = max(0, start // bs - first)
             parent = tr.keys[ci - 1] if ci else None
-            chunks.append(ChunkCopy(tr.keys[ci], tuple(block_ids[first + offset : first + bpc]), offset, parent))
+            blocks_of_chunk = tuple(block_ids[first + offset : first + bpc])
+            chunks.append(ChunkCopy(tr.keys[ci], blocks_of_chunk, offset, parent))
+            tr.loaded_blocks.update((b, ci) for b in blocks_of_chunk)
         spec = TransferSpec(request.request_id, chunks, is_async=tr.load_async)
         if tr.load_async:
             # The request is not scheduled until the load completes: send it now.
@@ -325,6 +331,15 @@ class KVTierConnector(KVConnectorBase_V1):
             tr = self._trackers.get(req_id)
             if tr is not None:
                 tr.async_inflight = False
+        invalid = connector_output.invalid_block_ids or ()
+        if invalid:
+            # vLLM recomputes from the first unfilled block; those chunks are not
+            # stored anywhere after all, so save them once they are recomputed.
+            for tr in self._trackers.values():
+                failed = [tr.loaded_blocks[b] for b in invalid if b in tr.loaded_blocks]
+                if failed:
+                    tr.saved_chunks = min(tr.saved_chunks, min(failed))
+                    tr.loaded_blocks = {b: c for b, c in tr.loaded_blocks.items() if c < min(failed)}
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tr = self._trackers.pop(request.request_id, None)
@@ -359,6 +374,8 @@ class KVTierConnector(KVConnectorBase_V1):
             return
         try:
             self._layers = paged_views(kv_caches, self.namespace.layout)
+            stacked = stacked_view(kv_caches, self.namespace.layout)
+            self._kv = stacked if stacked is not None else self._layers
         except ValueError as exc:
             log.error("kvtier disabled: the engine's KV cache does not match the expected layout: %s", exc)
             self.shutdown()
@@ -373,6 +390,7 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVTierMetadata):
             return
+        self._failed_sync_loads.clear()
         for spec in meta.loads:
             if spec.is_async:
                 if self._loader is None:
@@ -382,7 +400,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 self._loader.submit(self._load_async, spec)
                 continue
             try:
-                self._load_request(spec)
+                if not self._load_request(spec):
+                    self._failed_sync_loads.add(spec.req_id)
             finally:
                 self.manager.release(spec.req_id)
 
@@ -403,6 +422,11 @@ class KVTierConnector(KVConnectorBase_V1):
         A request vLLM finished while its load ran is reported as "sending" (its
         blocks may be freed now); the others as "recving" (ready to schedule).
         """
+        if self._async_active:
+            # vLLM polls here in a tight loop while a request waits for its load; give
+            # the GIL to the loader thread once per step, or each of its GIL hand-offs
+            # (file reads, checksums, copies) waits out the 5 ms switch interval.
+            time.sleep(0)
         with self._worker_lock:
             self._finished_while_loading |= finished_req_ids & self._async_active
             done, self._async_done = self._async_done, set()
@@ -412,14 +436,15 @@ class KVTierConnector(KVConnectorBase_V1):
             recving = done - sending
         return (sending or None), (recving or None)
 
-    def _load_request(self, spec: TransferSpec) -> None:
+    def _load_request(self, spec: TransferSpec) -> bool:
+        """Fill the request's planned blocks; False (blocks reported) if a chunk is unavailable."""
         for i, ch in enumerate(spec.chunks):
             ok = False
             try:
                 handle = self.manager.open_read(ch.key, ch.parent)
                 if handle is not None:
                     with handle:
-                        load_blocks(self._chunk_view(handle.buffer), self._layers, ch.block_ids, ch.offset)
+                        load_blocks(self._chunk_view(handle.buffer), self._kv, ch.block_ids, ch.offset)
                         self.manager.record_load(spec.req_id, handle.source, len(ch.block_ids) * self.block_size)
                     ok = True
             except Exception:
@@ -437,7 +462,8 @@ class KVTierConnector(KVConnectorBase_V1):
                     len(spec.chunks),
                     sum(len(c.block_ids) for c in spec.chunks[i:]),
                 )
-                return
+                return False
+        return True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the first layer runs
@@ -452,6 +478,10 @@ class KVTierConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVTierMetadata):
             return
         for spec in meta.saves:
+            if spec.req_id in self._failed_sync_loads:
+                # This step's forward ran over unfilled blocks: what it computed
+                # past them is wrong, so it is not stored (vLLM recomputes it).
+                continue
             for ch in spec.chunks:
                 buf = self.manager.open_write(ch.key)
                 if buf is None:
@@ -459,7 +489,7 @@ class KVTierConnector(KVConnectorBase_V1):
                         continue  # already stored (another request, or a tier below)
                     break  # no room: later chunks of this prompt would be unreachable
                 try:
-                    save_blocks(self._layers, self._chunk_view(buf), ch.block_ids)
+                    save_blocks(self._kv, self._chunk_view(buf), ch.block_ids)
                 except Exception:
                     log.exception("kvtier: saving chunk %s failed", ch.key.hex()[:16])
                     self.manager.abort(ch.key)

@@ -143,3 +143,31 @@ def paged_views(kv_caches: dict[str, "torch.Tensor"], layout: LayoutSignature) -
         views.append(raw.numpy().reshape(t.shape[0], -1))
     return views
 
+
+def stacked_view(kv_caches: dict[str, "torch.Tensor"], layout: LayoutSignature) -> np.ndarray | None:
+    """All layers' paged KV as one ``uint8 [num_layers, num_blocks, block_bytes]`` view, or None.
+
+    Possible when every layer is a view of one storage at evenly spaced offsets
+    (vLLM's CPU backend: layer-major ``LBHNC``). Then one copy call moves a block of
+    every layer, instead of one call per (layer, block). No copy of the KV is made.
+    """
+    import torch
+
+    tensors = [t.view(torch.uint8) if t.element_size() > 1 else t for t in kv_caches.values()]
+    if len(tensors) != layout.num_layers or not tensors:
+        return None
+    first = tensors[0]
+    if any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for t in tensors):
+        return None
+    nbytes_layer = first.numel()
+    offsets = [t.storage_offset() for t in tensors]
+    step = offsets[1] - offsets[0] if len(offsets) > 1 else nbytes_layer
+    if step < nbytes_layer or any(b - a != step for a, b in zip(offsets, offsets[1:])):
+        return None
+    num_blocks = first.shape[0]
+    block_bytes = nbytes_layer // num_blocks
+    stacked = torch.as_strided(
+        first, (len(tensors), num_blocks, block_bytes), (step, block_bytes, 1), storage_offset=offsets[0]
+    )
+    return stacked.numpy()
+

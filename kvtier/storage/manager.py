@@ -110,8 +110,8 @@ class ReadHandle:
 
     __slots__ = ("_tier", "key", "buffer", "source")
 
-    def __init__(self, tier: CpuTier, key: bytes, buffer: np.ndarray, source: str):
-        self._tier: CpuTier | None = tier
+    def __init__(self, tier: CpuTier | None, key: bytes, buffer: np.ndarray, source: str):
+        self._tier: CpuTier | None = tier  # None: a private buffer, nothing to release
         self.key = key
         self.buffer = buffer  # uint8 [chunk_bytes]
         self.source = source  # tier it came from: "cpu", "disk" or "remote"
@@ -466,10 +466,20 @@ class StorageManager:
         assert self.disk is not None
         dst = self.cpu.reserve(key)
         if dst is None:
-            # Either another thread is promoting it right now or CPU is full of
-            # pinned chunks; retry the CPU once, otherwise a miss.
+            # Another thread is promoting it right now, or no CPU slot can be freed
+            # (all pinned by leases, referenced, or chain parents of such chunks).
             buf = self.cpu.acquire(key)
-            return ReadHandle(self.cpu, key, buf, "cpu") if buf is not None else None
+            if buf is not None:
+                return ReadHandle(self.cpu, key, buf, "cpu")
+            # A leased chunk must still load: read it into a private buffer (an
+            # allocation, but only on this rare path) and serve it unpromoted.
+            tmp = np.empty(self.chunk_bytes, dtype=np.uint8)
+            try:
+                ok = self.disk.get_into(key, tmp)
+            except Exception:  # defensive: a failing tier is a miss
+                log.exception("kvtier: disk read failed")
+                ok = False
+            return ReadHandle(None, key, tmp, "disk") if ok else None
         try:
             ok = self.disk.get_into(key, dst)
         except Exception:  # defensive: a failing tier is a miss

@@ -48,8 +48,10 @@ start_server() {  # port dir extra-args...
 start() {
     ensure_redis
     if [ -f "$STATE_FILE" ]; then
-        echo "redis.sh: already started (state $STATE_FILE); run '$0 stop' first" >&2
-        exit 1
+        # A previous run that was never stopped (killed session, crashed CI step):
+        # stop whatever it left, then start afresh.
+        echo "redis.sh: stale state $STATE_FILE found; stopping its servers first" >&2
+        stop
     fi
     local root
     root="$(mktemp -d /tmp/kvtier-ci-redis.XXXXXX)"

@@ -111,14 +111,10 @@ def demo_server(
     """Two vLLM engine processes sharing one ``kvtier server``: cross-engine and cross-restart hits."""
     import os
 
-    for key, value in {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-    }.items():
-        os.environ.setdefault(key, value)
+    from kvtier.integrations.vllm_engine import engine_env
     from kvtier.service.demo_two_engines import main as two_engines
+
+    os.environ.update(engine_env(os.environ))
 
     raise typer.Exit(two_engines(["--json", str(json_path)] if json_path else []))
 

@@ -75,7 +75,7 @@ class KVTierConfig(BaseModel):
         300.0, gt=0, description="Seconds a lookup's lease pins its chunks if no load/finish ends it."
     )
     lookup_timeout_s: float = Field(
-        0.5, gt=0, description="Bound on a scheduler-to-worker lookup call; a timeout is a miss."
+        0.5, gt=0, description="Bound on a scheduler-to-worker lookup call (plus remote_timeout_s when a remote tier is set); a timeout is a miss."
     )
     async_load: bool = Field(
         True,

@@ -13,9 +13,9 @@ import json
 import os
 import sys
 
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from kvtier.integrations.vllm_engine import engine_env  # noqa: E402  (no vLLM import)
+
+os.environ.update(engine_env(os.environ, in_process=False))
 
 QUESTION = "\n\nQuestion: Under this license, what must you give recipients when you redistribute the Work?\nAnswer:"
 MAX_TOKENS = 24
@@ -35,25 +35,11 @@ def _prompt() -> list[int]:
 
 
 def _llm(disk_dir: str, extra: dict | None = None):
-    from vllm import LLM
-
     from kvtier.demo.model import prepare_model
+    from kvtier.integrations.vllm_engine import build_llm
 
     cfg = {"disk_path": disk_dir, "cpu_capacity": "256MiB", **(extra or {})}
-    return LLM(
-        str(prepare_model().path),
-        dtype="bfloat16",
-        max_model_len=4096,
-        num_gpu_blocks_override=40,
-        enforce_eager=True,
-        gpu_memory_utilization=0.5,
-        kv_transfer_config={
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": cfg,
-        },
-    )
+    return build_llm(str(prepare_model().path), cfg, max_model_len=4096, num_gpu_blocks_override=40)
 
 
 def _generate(llm, tokens: list[int]) -> tuple[list[int], int, str]:

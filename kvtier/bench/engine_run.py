@@ -93,24 +93,9 @@ def _time_connector_hooks(total: list[float]) -> None:
 
 
 def _build_llm(spec: EngineRunSpec) -> Any:
-    from vllm import LLM
+    from kvtier.integrations.vllm_engine import build_llm
 
-    kwargs: dict[str, Any] = dict(
-        model=spec.model,
-        dtype="bfloat16",
-        enforce_eager=True,
-        gpu_memory_utilization=0.5,
-        max_model_len=spec.max_model_len,
-        seed=0,
-    )
-    if spec.kvtier is not None:
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": spec.kvtier,
-        }
-    return LLM(**kwargs)
+    return build_llm(spec.model, spec.kvtier, max_model_len=spec.max_model_len)
 
 
 def _run_one(engine: Any, request_id: str, token_ids: list[int], params: Any) -> tuple[float, int, int]:

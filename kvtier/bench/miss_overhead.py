@@ -102,18 +102,10 @@ def make_prompts(sizes: MissBenchSizes, seed: int, vocab_size: int) -> list[list
 
 
 def engine_env(base: dict[str, str]) -> dict[str, str]:
-    """Environment of an engine subprocess: in-process vLLM on CPUs 0-1, 1 GiB of KV."""
-    env = dict(base)
-    env.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_OMP_THREADS_BIND="0-1",
-        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        TOKENIZERS_PARALLELISM="false",
-    )
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
-    return env
+    """Environment of an engine subprocess: in-process vLLM, 1 GiB of KV space."""
+    from kvtier.integrations.vllm_engine import engine_env as vllm_engine_env
+
+    return vllm_engine_env(base, in_process=True)
 
 
 def _run_engine(spec: dict[str, Any], log_path: Path, timeout_s: float) -> dict[str, Any]:

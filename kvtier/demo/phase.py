@@ -76,27 +76,16 @@ class _Progress:
 
 
 def _build_llm(spec: PhaseSpec) -> Any:
-    from vllm import LLM
+    from kvtier.integrations.vllm_engine import build_llm
 
-    kwargs: dict[str, Any] = dict(
-        model=spec.model,
-        dtype="bfloat16",
-        enforce_eager=True,
+    return build_llm(
+        spec.model,
+        spec.kvtier,
         max_model_len=spec.max_model_len,
         block_size=spec.block_size,
         num_gpu_blocks_override=spec.num_blocks,
-        gpu_memory_utilization=0.5,
         enable_prefix_caching=True,
-        seed=0,
     )
-    if spec.kvtier is not None:
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": spec.kvtier,
-        }
-    return LLM(**kwargs)
 
 
 def _run_one(engine: Any, request_id: str, token_ids: list[int], params: Any) -> tuple[float, Any]:

@@ -36,6 +36,7 @@ from kvtier.demo.model import ModelPrepError, default_cache_dir, prepare_model
 from kvtier.demo.phase import PhaseSpec
 from kvtier.demo.report import PHASE_TITLES, print_summary, request_line
 from kvtier.demo.stats import PHASE_OFF, PHASE_ON, PHASE_RESTART, RequestRecord, failures, summarize
+from kvtier.integrations.vllm_engine import engine_env
 
 MAX_TOKENS = 32
 BLOCK_SIZE = 128
@@ -47,35 +48,9 @@ MAX_MODEL_LEN = 8192
 KVTIER_SETTINGS = {"cpu_capacity": "2GiB", "chunk_size": BLOCK_SIZE}
 
 
-def _cpu_list() -> str:
-    """The CPUs this process may use, as vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` range list (e.g. ``0-1``)."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return "auto"
-    ranges: list[str] = []
-    start = prev = cpus[0]
-    for c in cpus[1:] + [None]:  # type: ignore[list-item]
-        if c is not None and c == prev + 1:
-            prev = c
-            continue
-        ranges.append(f"{start}-{prev}" if prev != start else f"{start}")
-        if c is not None:
-            start = prev = c
-    return ",".join(ranges)
-
-
 def phase_env(base: dict[str, str]) -> dict[str, str]:
     """Environment of a phase process: in-process vLLM engine, CPU settings (user values win)."""
-    env = dict(base)
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: TTFT timing and request_hits()
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_list())
-    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    pkg_root = str(Path(__file__).resolve().parents[2])  # so ``-m kvtier.demo.phase`` imports this kvtier
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
-    return env
+    return engine_env(base, in_process=True)
 
 
 def _run_phase_process(

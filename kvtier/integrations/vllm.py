@@ -134,6 +134,18 @@ class KVTierConnector(KVConnectorBase_V1):
                 "kvtier embedded mode runs the tiers inside the engine-core process and needs "
                 "tensor_parallel_size=1 (one worker in that process)"
             )
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            # vLLM's default ("fail") fails the whole request when a load fails; for a
+            # cache a failed load is a miss, so the blocks are recomputed instead. The
+            # scheduler reads this right after creating its connector (vLLM 0.32).
+            try:
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+                log.info("kvtier: kv_load_failure_policy set to 'recompute' (a failed load is recomputed)")
+            except Exception:  # a frozen config: say what the user must set
+                log.warning(
+                    "kvtier: set kv_transfer_config kv_load_failure_policy='recompute'; with 'fail' a "
+                    "failed kvtier load fails the request instead of recomputing it"
+                )
         self.namespace = namespace_from_vllm(vllm_config, self.config.chunk_size, self.config.model_id)
         self.block_size = self.namespace.layout.block_size
         self.chunk_size = self.namespace.chunk_size
@@ -194,9 +206,9 @@ class KVTierConnector(KVConnectorBase_V1):
                 self._index = self._service_client()
                 return self._index
             local = registry.get(self._engine_id)
-            self._index = local or LookupClient(
-                socket_path(self._engine_id), self.chunk_size, timeout_s=self.config.lookup_timeout_s
-            )
+            # The worker's lookup may include one remote existence call.
+            timeout = self.config.lookup_timeout_s + (self.config.remote_timeout_s if self.config.remote_url else 0)
+            self._index = local or LookupClient(socket_path(self._engine_id), self.chunk_size, timeout_s=timeout)
         return self._index
 
     def _release(self, req_id: str) -> None:
@@ -364,7 +376,9 @@ class KVTierConnector(KVConnectorBase_V1):
         for ci, tier in enumerate(tr.lookup.tiers):
             n = max(0, min((ci + 1) * cs, tr.lookup.num_tokens) - max(ci * cs, start))
             if n:
-                src = CacheHitSource.HOST if tier == "cpu" else CacheHitSource.DISK
+                src = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}.get(
+                    tier, CacheHitSource.EXTERNAL_UNSPECIFIED
+                )
                 out[src] = out.get(src, 0) + n
         return out
 
@@ -437,33 +451,48 @@ class KVTierConnector(KVConnectorBase_V1):
         return (sending or None), (recving or None)
 
     def _load_request(self, spec: TransferSpec) -> bool:
-        """Fill the request's planned blocks; False (blocks reported) if a chunk is unavailable."""
-        for i, ch in enumerate(spec.chunks):
-            ok = False
-            try:
-                handle = self.manager.open_read(ch.key, ch.parent)
+        """Fill the request's planned blocks; False (blocks reported) if a chunk is unavailable.
+
+        All chunks are opened in one call (remote hits come in one batched round
+        trip, bounded by the remote timeout), then copied in prompt order.
+        """
+        try:
+            handles = self.manager.open_read_many([(ch.key, ch.parent) for ch in spec.chunks])
+        except Exception:
+            log.exception("kvtier: opening %d chunks for %s failed", len(spec.chunks), spec.req_id)
+            handles = [None] * len(spec.chunks)
+        failed_at: int | None = None
+        try:
+            for i, (ch, handle) in enumerate(zip(spec.chunks, handles)):
+                if handle is None:
+                    failed_at = i
+                    break
+                try:
+                    load_blocks(self._chunk_view(handle.buffer), self._kv, ch.block_ids, ch.offset)
+                except Exception:
+                    log.exception("kvtier: loading chunk %s failed", ch.key.hex()[:16])
+                    failed_at = i
+                    break
+                self.manager.record_load(spec.req_id, handle.source, len(ch.block_ids) * self.block_size)
+        finally:
+            for handle in handles:
                 if handle is not None:
-                    with handle:
-                        load_blocks(self._chunk_view(handle.buffer), self._kv, ch.block_ids, ch.offset)
-                        self.manager.record_load(spec.req_id, handle.source, len(ch.block_ids) * self.block_size)
-                    ok = True
-            except Exception:
-                log.exception("kvtier: loading chunk %s failed", ch.key.hex()[:16])
-            if not ok:
-                # Everything from this chunk on is unfilled: vLLM recomputes it.
-                with self._worker_lock:
-                    for later in spec.chunks[i:]:
-                        self._load_errors.update(later.block_ids)
-                self.manager.record_load_failure()
-                log.warning(
-                    "kvtier: request %s: chunk %d of %d unavailable, %d blocks reported for recompute",
-                    spec.req_id,
-                    i,
-                    len(spec.chunks),
-                    sum(len(c.block_ids) for c in spec.chunks[i:]),
-                )
-                return False
-        return True
+                    handle.close()
+        if failed_at is None:
+            return True
+        # Everything from this chunk on is unfilled: vLLM recomputes it.
+        with self._worker_lock:
+            for later in spec.chunks[failed_at:]:
+                self._load_errors.update(later.block_ids)
+        self.manager.record_load_failure()
+        log.warning(
+            "kvtier: request %s: chunk %d of %d unavailable, %d blocks reported for recompute",
+            spec.req_id,
+            failed_at,
+            len(spec.chunks),
+            sum(len(c.block_ids) for c in spec.chunks[failed_at:]),
+        )
+        return False
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the first layer runs

@@ -72,20 +72,17 @@ def _start_server(sock: str, disk: str, metrics_port: int) -> subprocess.Popen:
 
 def engine_main(model: str, sock: str, engine_id: str, prompts_path: str, out_path: str, repeat: str = "0") -> None:
     """One engine process: greedy token ids for every prompt (twice each if ``repeat``), as JSON."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
+
+    from kvtier.integrations.vllm_engine import build_llm, kv_transfer_config
 
     prompts = json.loads(Path(prompts_path).read_text())
-    llm = LLM(
-        model=model, dtype="bfloat16", enforce_eager=True, block_size=BLOCK_SIZE,
-        num_gpu_blocks_override=NUM_BLOCKS, enable_prefix_caching=True, seed=0,
-        max_model_len=(NUM_BLOCKS - 1) * BLOCK_SIZE, gpu_memory_utilization=0.5,
-        kv_transfer_config={
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both",
-            "engine_id": engine_id,
-            "kv_connector_extra_config": {"server": f"unix://{sock}", "chunk_size": BLOCK_SIZE},
-        },
+    llm = build_llm(
+        model, block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS, enable_prefix_caching=True,
+        max_model_len=(NUM_BLOCKS - 1) * BLOCK_SIZE,
+        kv_transfer_config=kv_transfer_config(
+            {"server": f"unix://{sock}", "chunk_size": BLOCK_SIZE}, engine_id=engine_id
+        ),
     )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     runs: list[list[list[int]]] = [[], []] if repeat == "1" else [[]]
@@ -170,8 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from kvtier.integrations.vllm_engine import engine_env
+
+    os.environ.update(engine_env(os.environ))
     sys.exit(main())

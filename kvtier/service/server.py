@@ -404,14 +404,21 @@ class CacheServer:
         return (None if env.noreply else reply), fd
 
     def _drop_session(self, s: Session) -> None:
-        """Release everything ``s`` holds (module invariant); runs once per connection."""
-        with self._sessions_lock:
-            self._sessions.pop(s.sid, None)
+        """Release everything ``s`` holds (module invariant); runs once per connection.
+
+        The session leaves the session table last, so a session count of zero means
+        every hold is already released.
+        """
         _quiet(s.sock.close)
         host = s.host
-        if host is None:
-            return
-        m = host.manager
+        try:
+            if host is not None:
+                self._release_holds(s, host.manager)
+        finally:
+            with self._sessions_lock:
+                self._sessions.pop(s.sid, None)
+
+    def _release_holds(self, s: Session, m: Any) -> None:
         for key in list(s.writes):
             _quiet(lambda: m.abort(key))
         for handle in list(s.reads.values()):

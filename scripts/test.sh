@@ -8,4 +8,4 @@ if [ -x .ci/redis.sh ] || [ -f .ci/redis.sh ]; then
   bash .ci/redis.sh start
   trap 'bash .ci/redis.sh stop || true' EXIT
 fi
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -rs -p no:cacheprovider "$@"

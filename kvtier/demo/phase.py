@@ -42,7 +42,8 @@ class PhaseSpec:
         max_model_len: engine context limit (tokens).
         kvtier: ``kv_connector_extra_config`` for kvtier, or None for kvtier off.
         probe_engine_hits: after each first visit, submit every question about
-            that document once more as an engine-resident prefix-cache hit.
+            that document twice more as engine-resident prefix-cache hits (document
+            cached, then its own whole prompt cached).
         result_path: where to write ``{"records": [...], ...}``.
     """
 
@@ -138,15 +139,17 @@ def run_phase(spec: PhaseSpec, progress: _Progress) -> dict[str, Any]:
     _run_one(engine, f"{spec.phase}-warmup", spec.warmup_token_ids, params)
 
     # Engine-resident probes: right after a document's first visit, every question
-    # about it is submitted once more while vLLM's own prefix cache still holds the
-    # document. They time an engine-resident hit, and their answers are the
-    # references for kvtier hits at the same prefix length (see stats.check_answers).
+    # about it is submitted twice while vLLM's own prefix cache still holds the
+    # document: first with the document cached, then again with its own whole prompt
+    # cached (a hit in vLLM's prefix cache for the same prompt). They time
+    # engine-resident hits, and their answers are the references for kvtier hits at
+    # the same prefix lengths (see stats.check_answers).
     probes: dict[int, list[int]] = {}
     if spec.probe_engine_hits:
         for seq, v in enumerate(spec.visits):
             if v["first_visit"]:
                 probes[seq] = [j for j, w in enumerate(spec.visits) if w["doc_id"] == v["doc_id"]]
-    total = len(spec.visits) + sum(len(p) for p in probes.values())
+    total = len(spec.visits) + 2 * sum(len(p) for p in probes.values())
     progress.send(event="start", total=total)
     records: list[RequestRecord] = []
 
@@ -177,6 +180,7 @@ def run_phase(spec: PhaseSpec, progress: _Progress) -> dict[str, Any]:
         run_and_record(seq, f"{spec.phase}-r{seq}", repeat=False)
         for j in probes.get(seq, []):
             run_and_record(j, f"{spec.phase}-p{seq}x{j}", repeat=True)
+            run_and_record(j, f"{spec.phase}-p{seq}x{j}-again", repeat=True)
 
     kvtier_stats: list[dict[str, Any]] = []
     flushed = True

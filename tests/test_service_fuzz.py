@@ -33,6 +33,7 @@ def templates(ns: Any) -> list[dict[str, Any]]:
         {"op": "contains", "key": k(KEYS)},
         {"op": "release", "owner": k(["r1", "r2"])},
         {"op": "reserve", "key": k(KEYS)},
+        {"op": "reserve_many", "keys": b"".join(random.sample(KEYS, random.randint(0, 3)))},
         {"op": "commit", "key": k(KEYS), "parent": k([None, *KEYS])},
         {"op": "abort", "key": k(KEYS)},
         {"op": "load", "key": k(KEYS), "parent": None},

@@ -20,7 +20,7 @@ from kvtier.service.client import ServiceClient
 from kvtier.storage.manager import RequestRecord
 from service_helpers import connect, short_dir, start_server, wait_until  # noqa: F401 (fixture)
 
-KEYS = [bytes([i + 1]) * 32 for i in range(6)]
+KEYS = [bytes([i + 1]) * 32 for i in range(8)]
 
 
 def store(c: ServiceClient, keys: list[bytes]) -> None:
@@ -117,6 +117,28 @@ def test_only_own_reservations_can_be_committed(short_dir: Path) -> None:
         assert srv.hosts()[0].manager.contains(KEYS[0])
         a.close()
         b.close()
+
+
+def test_reserve_many_in_one_round_trip(short_dir: Path) -> None:
+    with start_server(short_dir, max_holds_per_client=4) as srv:
+        a = connect(short_dir / "s.sock")
+        store(a, KEYS[:1])
+        bufs = a.open_write_many(KEYS[:3])
+        assert bufs[0] is None and bufs[1] is not None and bufs[2] is not None  # KEYS[0] already stored
+        for k, b in zip(KEYS[1:3], bufs[1:]):
+            b[:] = payload_for(k, a.chunk_bytes)
+            a.commit(k)
+        a.flush()  # commits are one-way: wait until they are applied
+        over = a.open_write_many(KEYS[3:8])  # more than the holds bound (4): refused whole
+        assert len(over) == 5 and all(x is None for x in over)
+        b = connect(short_dir / "s.sock")
+        with b.open_read(KEYS[2]) as h:
+            assert np.array_equal(h.buffer, payload_for(KEYS[2], b.chunk_bytes))
+        a.close()
+        b.close()
+        wait_until(lambda: srv.total_holds() == 0)
+        with pytest.raises(P.ProtocolError):
+            P.ReserveMany.from_fields({"keys": KEYS[0] + KEYS[0]})  # duplicates refused
 
 
 def test_holds_per_client_are_bounded(short_dir: Path) -> None:

@@ -246,6 +246,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 )
                 res = index.lookup_keys(candidates, lease_owner=request.request_id)
             tr.lookup = res
+            tr.saved_chunks = max(tr.saved_chunks, res.num_tokens // self.chunk_size)  # already stored
             if res.num_tokens <= num_computed_tokens:
                 self._release(request.request_id)
                 return 0, False
@@ -511,19 +512,32 @@ class KVTierConnector(KVConnectorBase_V1):
                 # This step's forward ran over unfilled blocks: what it computed
                 # past them is wrong, so it is not stored (vLLM recomputes it).
                 continue
-            for ch in spec.chunks:
-                buf = self.manager.open_write(ch.key)
-                if buf is None:
-                    if self.manager.contains(ch.key):
-                        continue  # already stored (another request, or a tier below)
-                    break  # no room: later chunks of this prompt would be unreachable
-                try:
-                    save_blocks(self._kv, self._chunk_view(buf), ch.block_ids)
-                except Exception:
-                    log.exception("kvtier: saving chunk %s failed", ch.key.hex()[:16])
-                    self.manager.abort(ch.key)
-                    break
-                self.manager.commit(ch.key, ch.parent)
+            self._save_request(spec)
+
+    def _save_request(self, spec: TransferSpec) -> None:
+        """Store a request's newly computed chunks (slots reserved in one call).
+
+        Stops at the first chunk that cannot be stored unless that chunk is already
+        stored: later chunks of the prompt would be unreachable without it.
+        """
+        bufs = self.manager.open_write_many([ch.key for ch in spec.chunks])
+        stop = False
+        for ch, buf in zip(spec.chunks, bufs):
+            if buf is None:
+                if not stop and not self.manager.contains(ch.key):
+                    stop = True  # no room (or a failure): drop the rest of the chain
+                continue
+            if stop:
+                self.manager.abort(ch.key)
+                continue
+            try:
+                save_blocks(self._kv, self._chunk_view(buf), ch.block_ids)
+            except Exception:
+                log.exception("kvtier: saving chunk %s failed", ch.key.hex()[:16])
+                self.manager.abort(ch.key)
+                stop = True
+                continue
+            self.manager.commit(ch.key, ch.parent)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Errors of an async load are recorded before its id joins _async_done, so

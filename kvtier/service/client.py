@@ -442,6 +442,24 @@ class ServiceClient:
             self._writes[key] = conn.gen
         return conn.slots[slot]
 
+    def open_write_many(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
+        """:meth:`open_write` for many distinct keys in one round trip (None where skipped)."""
+        if not keys:
+            return []
+        reply, conn = self._rpc(P.ReserveMany(list(keys)))
+        slots = None if reply is None else reply.get("slots")
+        if conn is None or not isinstance(slots, list) or len(slots) != len(keys):
+            return [None] * len(keys)
+        out: list[np.ndarray | None] = []
+        with self._writes_lock:
+            for key, slot in zip(keys, slots):
+                if type(slot) is int and 0 <= slot < conn.num_slots:
+                    self._writes[key] = conn.gen
+                    out.append(conn.slots[slot])
+                else:
+                    out.append(None)
+        return out
+
     def commit(self, key: bytes, parent: bytes | None = None) -> None:
         """Publish a filled slot (acknowledged only with ``sync_commit``; see the constructor)."""
         with self._writes_lock:

@@ -33,6 +33,7 @@ lookup              keys, owner?                                           tiers
 contains            key                                                    hit
 release             owner                                                  -
 reserve             key                                                    slot (nil: skipped), present
+reserve_many        keys                                                   slots [slot|nil per key]
 commit              key, parent?                                           - (one-way allowed)
 abort               key                                                    -
 load                key, parent?                                           handle, slot, source (nil: miss)
@@ -334,6 +335,24 @@ class Reserve(Request):
 
 
 @dataclass
+class ReserveMany(Request):
+    """Slots for many chunks in one round trip (prompt order); nil where skipped."""
+
+    OP: ClassVar[str] = "reserve_many"
+    keys: list[bytes]
+
+    def fields_to_wire(self) -> dict[str, Any]:
+        return {"keys": join_keys(self.keys)}
+
+    @classmethod
+    def from_fields(cls, o: dict[str, Any]) -> "ReserveMany":
+        keys = _keys(o, "keys")
+        if len(set(keys)) != len(keys):
+            raise ProtocolError("bad_message", "keys must be distinct")
+        return cls(keys)
+
+
+@dataclass
 class Commit(Request):
     OP: ClassVar[str] = "commit"
     key: bytes
@@ -518,7 +537,7 @@ class CudaRegister(Request):
 REQUESTS: dict[str, type[Request]] = {
     cls.OP: cls
     for cls in (
-        Register, Lookup, Prefetch, Contains, ReleaseLease, Reserve, Commit, Abort, Load, LoadMany, Unload,
+        Register, Lookup, Prefetch, Contains, ReleaseLease, Reserve, ReserveMany, Commit, Abort, Load, LoadMany, Unload,
         RecordRequest, RecordLoad, RecordLoadFailure, GetRequest, Flush, Stats, Clear, Health, CudaRegister,
     )
 }

@@ -187,6 +187,7 @@ class CacheServer:
             "contains": self._contains,
             "release": self._release,
             "reserve": self._reserve,
+            "reserve_many": self._reserve_many,
             "commit": self._commit,
             "abort": self._abort,
             "load": self._load,
@@ -536,6 +537,23 @@ class CacheServer:
         slot = host.pool.slot_of(buf)  # type: ignore[union-attr]
         s.writes[r.key] = slot
         return {"slot": slot}
+
+    def _reserve_many(self, s: Session, r: P.ReserveMany) -> dict[str, Any]:
+        if s.holds + len(r.keys) > self.options.max_holds_per_client:
+            raise P.ProtocolError("too_many_holds", f"at most {self.options.max_holds_per_client} reservations+reads")
+        if any(k in s.writes for k in r.keys):
+            raise P.ProtocolError("bad_state", "key already reserved by this client")
+        host = s.host
+        slots: list[int | None] = []
+        for key in r.keys:
+            buf = host.manager.open_write(key)  # type: ignore[union-attr]
+            if buf is None:
+                slots.append(None)
+                continue
+            slot = host.pool.slot_of(buf)  # type: ignore[union-attr]
+            s.writes[key] = slot
+            slots.append(slot)
+        return {"slots": slots}
 
     def _commit(self, s: Session, r: P.Commit) -> dict[str, Any]:
         if s.writes.pop(r.key, None) is None:

@@ -30,6 +30,9 @@ class KVStore(Protocol):
     def open_write(self, key: bytes) -> np.ndarray | None:
         """A buffer to fill for ``key``, or None (already stored, or no room)."""
 
+    def open_write_many(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
+        """``open_write`` for many distinct keys, in order, in as few round trips as possible."""
+
     def commit(self, key: bytes, parent: bytes | None = None) -> None:
         """Publish a buffer filled after ``open_write``."""
 

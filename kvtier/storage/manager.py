@@ -338,6 +338,10 @@ class StorageManager:
                 self.counters.store_skipped += 1
         return buf
 
+    def open_write_many(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
+        """:meth:`open_write` for each key, in order (one round trip in the cache service)."""
+        return [self.open_write(k) for k in keys]
+
     def commit(self, key: bytes, parent: bytes | None = None) -> None:
         """Publish a filled chunk and queue it for the disk and remote tiers (write-behind).
 

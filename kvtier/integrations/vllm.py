@@ -294,9 +294,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self._async_to_send = []
         for preempted in scheduler_output.preempted_req_ids or ():
             tr = self._trackers.get(preempted)
-            if tr is not None:
+            if tr is not None:  # its blocks are freed; it is looked up again on resume
                 tr.block_ids = []
                 tr.pending_load = None
+                tr.loaded_blocks = {}
         for new in scheduler_output.scheduled_new_reqs:
             tr = self._trackers.get(new.req_id)
             if tr is None:

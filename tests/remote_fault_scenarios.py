@@ -63,11 +63,12 @@ def _prompts(model: Path) -> list[list[int]]:
 
 def main() -> dict[str, Any]:
     import redis
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvtier.demo.model import prepare_model
     from kvtier.integrations.vllm import flush_all, request_hits
+    from kvtier.integrations.vllm_engine import build_llm, kv_transfer_config
     from kvtier.storage import registry
     from kvtier.testing.redis_server import RedisServerProcess
 
@@ -77,25 +78,14 @@ def main() -> dict[str, Any]:
     # Short breaker back-off so recovery is observed within the test.
     url = server.url + "?breaker_backoff_s=0.2&breaker_max_backoff_s=0.5"
     try:
-        llm = LLM(
+        llm = build_llm(
             str(model),
-            dtype="bfloat16",
             max_model_len=4096,
-            enforce_eager=True,
-            gpu_memory_utilization=0.5,
-            kv_transfer_config={
-                "kv_connector": "KVTierConnector",
-                "kv_connector_module_path": "kvtier.integrations.vllm",
-                "kv_role": "kv_both",
-                # vLLM's default ("fail") fails a request whose load failed; kvtier reports
-                # failed blocks so vLLM can recompute them, which needs "recompute".
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {
-                    "cpu_capacity": "128MiB",
-                    "remote_url": url,
-                    "remote_timeout_s": REMOTE_TIMEOUT_S,
-                },
-            },
+            kv_transfer_config=kv_transfer_config(
+                {"cpu_capacity": "128MiB", "remote_url": url, "remote_timeout_s": REMOTE_TIMEOUT_S},
+                # The connector sets this itself; said here too so the test does not rely on it.
+                kv_load_failure_policy="recompute",
+            ),
         )
         (manager,) = registry.active_managers()
         calls: list[dict[str, Any]] = []

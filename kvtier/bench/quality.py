@@ -187,11 +187,12 @@ def measure(questions: int = 1, max_tokens: int = 32, log: Any = print) -> dict[
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvtier.demo.model import prepare_model
     from kvtier.integrations.vllm import flush_all, request_hits
+    from kvtier.integrations.vllm_engine import build_llm
     from kvtier.storage import registry
     from kvtier.storage.remote import chunk_spec
     from kvtier.tiers.registry import load_tier_class
@@ -201,19 +202,7 @@ def measure(questions: int = 1, max_tokens: int = 32, log: Any = print) -> dict[
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     with tempfile.TemporaryDirectory(prefix="kvtier-quality-") as tmp:
         url = f"fs://{tmp}/remote"
-        llm = LLM(
-            str(model),
-            dtype="bfloat16",
-            max_model_len=8192,
-            enforce_eager=True,
-            gpu_memory_utilization=0.5,
-            kv_transfer_config={
-                "kv_connector": "KVTierConnector",
-                "kv_connector_module_path": "kvtier.integrations.vllm",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"cpu_capacity": "768MiB", "remote_url": url},
-            },
-        )
+        llm = build_llm(str(model), {"cpu_capacity": "768MiB", "remote_url": url}, max_model_len=8192)
         (manager,) = registry.active_managers()
         spec = chunk_spec(manager.namespace)
         cs = manager.namespace.chunk_size

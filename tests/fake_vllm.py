@@ -10,8 +10,10 @@ when allocation fails; the lookup is then repeated next step) ->
 ``build_connector_meta`` -> worker ``bind_connector_metadata`` ->
 ``start_load_kv`` (before the forward when the step has synchronous loads, after
 it otherwise) -> forward -> ``wait_for_save`` -> ``get_transfer_results`` ->
-``get_block_ids_with_load_errors`` -> ``clear_connector_metadata`` -> scheduler
-``update_connector_output``; ``request_finished`` on finish or abort. Preemption
+``get_block_ids_with_load_errors`` -> ``clear_connector_metadata`` -> scheduler:
+``request_finished`` for requests finished in the step, then
+``update_connector_output`` (vLLM's order), then the connector's
+``check_invariants``; ``request_finished`` also on aborts between steps. Preemption
 frees a request's blocks and sends it back to the waiting queue (looked up again
 later); asynchronous loads (``load_kv_async=True``) park the request in
 ``WAITING_FOR_REMOTE_KVS`` until the worker reports it in ``finished_recving``.
@@ -169,6 +171,18 @@ class FakeRequest:
     num_preemptions: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     prompt_embeds: Any = None
+    lora_request: "FakeLoRARequest | None" = None
+    mm_features: "list[FakeMMFeature] | None" = None
+
+    @property
+    def kv_context(self) -> tuple[str | None, tuple[tuple[int, str], ...]]:
+        """Everything besides the tokens that decides this request's KV: (salt and adapter, that
+        affect every position; images, that affect their placeholder positions and after)."""
+        seed = self.cache_salt
+        if self.lora_request is not None:
+            seed = f"{seed or ''}|lora:{self.lora_request.lora_name}:{self.lora_request.weights_tag}"
+        images = tuple(sorted((f.mm_position.offset, f.identifier) for f in self.mm_features or ()))
+        return seed, images
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -184,6 +198,32 @@ class FakeRequest:
 
     def is_finished(self) -> bool:
         return self.status == FINISHED
+
+
+@dataclass(frozen=True)
+class FakeLoRARequest:
+    """vLLM's ``LoRARequest`` as the connector reads it. ``weights_tag`` stands for the
+    adapter's weights in the KV pattern (a reload with new weights changes it)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    weights_tag: str = ""
+
+
+@dataclass(frozen=True)
+class FakePlaceholderRange:
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class FakeMMFeature:
+    """vLLM's ``MultiModalFeatureSpec``: ``identifier`` is the item's content hash."""
+
+    identifier: str
+    mm_position: FakePlaceholderRange
+    modality: str = "image"
 
 
 @dataclass
@@ -237,18 +277,23 @@ _BF16_BITS = (
 )
 
 
-def expected_kv(tokens: list[int], cache_salt: str | None, geometry: Geometry) -> np.ndarray:
+def expected_kv(
+    tokens: list[int], cache_salt: str | None, geometry: Geometry, images: tuple[tuple[int, str], ...] = ()
+) -> np.ndarray:
     """The correct KV of ``tokens``: bf16 bit patterns, ``uint16 [len(tokens), layers, heads, 2 * head_dim]``.
 
-    Position ``t`` depends on a rolling hash of ``tokens[0..t]``, on ``t`` and on
-    the cache salt, so equal tokens after different prefixes (or for another
-    tenant) have different KV. Values are integers 0..250, exact in bf16.
+    Position ``t`` depends on a rolling hash of ``tokens[0..t]``, on ``t``, on
+    the cache salt (and adapter) and on every image placed at or before ``t``
+    (``images``: (placeholder offset, identifier)), so equal tokens after
+    different prefixes (or for another tenant, adapter or image) have different
+    KV. Values are integers 0..250, exact in bf16.
     """
     g = geometry
     h = zlib.crc32((cache_salt or "").encode()) or 1
+    at = {off: zlib.crc32(ident.encode()) for off, ident in images}
     prefix = np.empty(len(tokens), dtype=np.int64)
     for t, tok in enumerate(tokens):
-        h = (h * 1_000_003 + tok * 7 + t + 1) & 0xFFFFFFFF
+        h = (h * 1_000_003 + tok * 7 + t + 1 + at.get(t, 0)) & 0xFFFFFFFF
         prefix[t] = h
     layer = np.arange(g.num_layers)[None, :, None, None] * 37
     head = np.arange(g.num_kv_heads)[None, None, :, None] * 11
@@ -385,7 +430,8 @@ class FakeEngine:
     Args:
         pair: the connectors and paged KV (see :func:`make_connectors`).
         geometry: the KV geometry the pair was built with.
-        prompts: ``(token ids, cache salt)`` pairs requests are drawn from.
+        prompts: ``(token ids, cache salt)`` pairs requests are drawn from, or triples with a
+            dict of more ``FakeRequest`` fields (``lora_request``, ``mm_features``).
         seed: seed of every random choice.
         knobs: probabilities and sizes.
         weights: relative popularity of each prompt (default uniform).
@@ -395,7 +441,7 @@ class FakeEngine:
         self,
         pair: ConnectorPair,
         geometry: Geometry,
-        prompts: list[tuple[list[int], str | None]],
+        prompts: list[tuple[Any, ...]],
         seed: int,
         knobs: Knobs | None = None,
         weights: list[float] | None = None,
@@ -433,10 +479,10 @@ class FakeEngine:
 
     # -- helpers -------------------------------------------------------------------------------
     def expected(self, r: FakeRequest) -> np.ndarray:
-        key = (tuple(r.prompt_token_ids), r.cache_salt)
+        key = (tuple(r.prompt_token_ids), r.kv_context)
         kv = self._expected.get(key)
         if kv is None:
-            kv = expected_kv(r.prompt_token_ids + r.planned_output, r.cache_salt, self.g)
+            kv = expected_kv(r.prompt_token_ids + r.planned_output, r.kv_context[0], self.g, r.kv_context[1])
             self._expected[key] = kv
         return kv
 
@@ -482,16 +528,21 @@ class FakeEngine:
 
     # -- requests --------------------------------------------------------------------------------
     def submit(
-        self, tokens: list[int] | None = None, salt: str | None = None, max_tokens: int | None = None
+        self, tokens: list[int] | None = None, salt: str | None = None, max_tokens: int | None = None, **fields: Any
     ) -> FakeRequest:
-        """Queue a request (a random prompt of the set unless ``tokens`` is given)."""
+        """Queue a request (a random prompt of the set unless ``tokens`` is given).
+
+        ``fields``: more ``FakeRequest`` attributes (``lora_request``, ``mm_features``,
+        ``prompt_embeds``).
+        """
         if tokens is None:
-            tokens, salt = self.rng.choices(self.prompts, weights=self.weights)[0]
+            tokens, salt, *more = self.rng.choices(self.prompts, weights=self.weights)[0]
+            fields = {**(more[0] if more else {}), **fields}
         rid = f"req-{self._next_id}"
         self._next_id += 1
         h = zlib.crc32(bytes(str(tokens[-8:]), "ascii"))
         planned = [(h + i * 7919) % 32_000 for i in range(3)]
-        r = FakeRequest(rid, list(tokens), salt, planned, max_tokens or self.rng.randint(1, 3))
+        r = FakeRequest(rid, list(tokens), salt, planned, max_tokens or self.rng.randint(1, 3), **fields)
         self.requests[rid] = r
         self.waiting.append(r)
         self.stats.submitted += 1
@@ -605,6 +656,7 @@ class FakeEngine:
             self.before_execute(self)
         out, ctx_bad = self._execute(so, scheduled)
         self._update(so, out, scheduled, ctx_bad, mid_abort)
+        self.sched.check_invariants()
         self.stats.steps += 1
         r = self.alloc_failed
         if r is not None and r.request_id in self.requests and rng.random() < k.p_abort_after_failed_alloc:
@@ -786,7 +838,6 @@ class FakeEngine:
         ctx_bad: dict[str, int | None],
         mid_abort: list[tuple[FakeRequest, bool]],
     ) -> None:
-        self.sched.update_connector_output(out)
         invalid = out.invalid_block_ids
         if invalid:
             owners: set[int] = set()
@@ -852,6 +903,9 @@ class FakeEngine:
                     self._free_blocks(rid)
                     self.load_window.pop(rid, None)
                     self.reported.pop(rid, None)
+        # vLLM calls the connector here (Scheduler._update_from_kv_xfer_finished), after the
+        # requests finished in this step were reported through request_finished.
+        self.sched.update_connector_output(out)
         for rid in out.finished_recving or ():
             if rid in self.requests and self.requests[rid].status == WAITING_FOR_REMOTE_KVS:
                 self.finished_recving.add(rid)
@@ -886,10 +940,11 @@ class FakeEngine:
         return self.stats
 
     def serve(
-        self, tokens: list[int], salt: str | None = None, local_blocks: int = 0, max_steps: int = 10_000
+        self, tokens: list[int], salt: str | None = None, local_blocks: int = 0, max_steps: int = 10_000,
+        **fields: Any,
     ) -> FakeRequest:
         """Submit one request and step until it has finished (for scripted scenarios)."""
-        r = self.submit(tokens, salt, max_tokens=1)
+        r = self.submit(tokens, salt, max_tokens=1, **fields)
         self.force_local_blocks[r.request_id] = local_blocks
         self._limit = self.stats.submitted
         for _ in range(max_steps):

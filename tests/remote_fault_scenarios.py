@@ -129,7 +129,6 @@ def main() -> dict[str, Any]:
             manager.cpu.clear()
             llm.reset_prefix_cache()
             between[0] = hook
-            failures_before = manager.stats()["load_failures"]
             t0 = time.monotonic()
             out = llm.generate([TokensPrompt(prompt_token_ids=prompts[idx])], params, use_tqdm=False)[0]
             latency = time.monotonic() - t0
@@ -140,7 +139,7 @@ def main() -> dict[str, Any]:
                 "tokens": list(out.outputs[0].token_ids),
                 "latency_s": latency,
                 "hits": request_hits(out.request_id),
-                "load_failures": manager.stats()["load_failures"] - failures_before,
+                "load_failures": (request_hits(out.request_id) or {}).get("load_failures", 0),
             }
             records.append(rec)
             print(f"{name} prompt {idx}: {latency:.2f} s hits={rec['hits']}", file=sys.stderr, flush=True)

@@ -186,6 +186,13 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # -- invariants --
     @invariant()
+    def tier_and_lease_invariants_hold(self) -> None:
+        self.m.check_invariants()  # CPU slots/refs/states/prefix closure, lease pins
+        disk = self.m.disk
+        if disk is not None and hasattr(disk, "check_invariants"):
+            disk.check_invariants()
+
+    @invariant()
     def lease_counts_match_the_model(self) -> None:
         st_ = self.m.stats()
         assert st_["leases"] == len(self.lease_keys)
@@ -346,8 +353,10 @@ def test_threads_on_overlapping_keys_read_exact_bytes_and_leak_nothing(tmp_path:
     # every file the threads left is complete: a restarted manager serves each one exactly
     m2 = make_manager(tmp_path / "disk", cpu_chunks=4, disk_chunks=8)
     try:
-        assert sorted(i for i in range(THREAD_KEYS) if m2.disk.contains(key_of(i))) == on_disk
-        for i in on_disk:
+        # the rebuilt index is prefix-closed: a chunk whose parent (key i-1) is not on disk is dropped
+        reachable = [i for i in on_disk if all(j in on_disk for j in range(i))]
+        assert sorted(i for i in range(THREAD_KEYS) if m2.disk.contains(key_of(i))) == reachable
+        for i in reachable:
             h = m2.open_read(key_of(i))
             assert h is not None, f"key {i} on disk but unreadable after restart"
             with h:
@@ -355,3 +364,72 @@ def test_threads_on_overlapping_keys_read_exact_bytes_and_leak_nothing(tmp_path:
     finally:
         m2.close()
     print(f"threads: {counts}")
+
+
+def test_threads_with_disk_and_remote_tiers_read_exact_bytes_and_leak_nothing(tmp_path: Path) -> None:
+    """Promotion from disk and remote, write-behind to both, eviction everywhere, from 4 threads."""
+    from kvtier.storage.lower_tiers import open_lower_tiers
+    from kvtier.testing.memory_tier import MemoryStore, MemoryTier
+
+    cfg = KVTierConfig(
+        chunk_size=CHUNK, cpu_capacity=3 * CB, disk_path=tmp_path / "disk", disk_capacity=5 * DISK_CHUNK,
+        lease_ttl_s=3600.0,
+    )
+    ns = small_namespace()
+    remote = MemoryTier(MemoryStore(capacity_chunks=10), ns.digest())
+    m = StorageManager(cfg, ns, lower=lambda pinned: [*open_lower_tiers(cfg, ns, pinned), remote])
+    payloads = [payload(i) for i in range(THREAD_KEYS)]
+    failures: list[str] = []
+    hits = [0]
+    lock = threading.Lock()
+
+    def run(tid: int) -> None:
+        rng = random.Random(2000 + tid)
+        owner = f"t{tid}"
+        try:
+            for _ in range(3000):
+                i = rng.randrange(THREAD_KEYS)
+                key, parent = key_of(i), key_of(i - 1) if i else None
+                op = rng.random()
+                if op < 0.3:
+                    (buf,) = m.open_write_many([key])
+                    if isinstance(buf, np.ndarray):
+                        buf[:] = payloads[i]
+                        m.commit(key, parent)
+                elif op < 0.5:
+                    m.lookup_keys([key_of(j) for j in range(i, min(THREAD_KEYS, i + 3))], lease_owner=owner)
+                elif op < 0.9:
+                    for h, j in zip(m.open_read_many([(key, parent), (key_of((i + 1) % THREAD_KEYS), key)]), (i, (i + 1) % THREAD_KEYS)):
+                        if h is None:
+                            continue
+                        with h:
+                            if not np.array_equal(h.buffer, payloads[j]):
+                                failures.append(f"key {j}: wrong bytes from {h.source}")
+                            with lock:
+                                hits[0] += 1
+                elif op < 0.97:
+                    m.release(owner)
+                else:
+                    m.prefetch([0] * (CHUNK * (i + 1) + 1))  # a prompt no tier holds: harmless
+            m.release(owner)
+        except Exception as exc:
+            failures.append(f"thread {tid}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    try:
+        assert not any(t.is_alive() for t in threads), "a thread hung"
+        assert not failures, failures[:5]
+        assert m.flush(10)
+        s = m.stats()
+        assert hits[0] > 500, s
+        assert (s["leases"], s["pinned_chunks"], s["referenced_chunks"]) == (0, 0, 0), s
+        assert s["remote_put_ok"] > 0 and s["disk_evicted_chunks"] > 0, s
+        assert s["promoted_chunks"] > 0 and s["promoted_chunks_remote"] > 0, s
+        m.check_invariants()
+        m.disk.check_invariants()
+    finally:
+        m.close()

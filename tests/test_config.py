@@ -222,3 +222,113 @@ def test_config_error_is_a_value_error() -> None:
 def test_byte_sizes(text: object, nbytes: int) -> None:
     assert int(load_config({"cpu_capacity": text}, environ={}).cpu_capacity) == nbytes
     assert int(load_config(environ={"KVTIER_DISK_CAPACITY": str(text)}).disk_capacity) == nbytes
+
+
+# -- settings that cannot work (issue 8, failing input 7) ----------------------------------------
+def test_tiny_cpu_capacity_from_the_environment_is_refused() -> None:
+    """``KVTIER_CPU_CAPACITY=12`` (12 bytes, not one chunk) was accepted."""
+    with pytest.raises(ConfigError) as err:
+        load_config(environ={"KVTIER_CPU_CAPACITY": "12"})
+    msg = str(err.value)
+    assert "cpu_capacity" in msg and "KVTIER_CPU_CAPACITY" in msg and "12 B" in msg and "one chunk" in msg
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "extra"),
+    [
+        ("cpu_capacity", 0, {}),
+        ("cpu_capacity", -1, {}),
+        ("cpu_capacity", 63, {"chunk_size": 32}),  # below 2 B per token of one chunk
+        ("disk_capacity", 100, {"disk_path": "/tmp/kvtier-never-created"}),
+        ("disk_capacity", -5, {}),
+        ("remote_timeout_s", 0, {}),
+        ("remote_timeout_s", -1.0, {}),
+        ("remote_timeout_s", "inf", {}),
+        ("lookup_timeout_s", "nan", {}),
+        ("server_timeout_s", 0, {}),
+        ("lease_ttl_s", float("inf"), {}),
+        ("remote_ttl_s", -3, {}),
+        ("remote_write_queue", 0, {}),
+        ("remote_url", "redis://127.0.0.1:notaport", {}),
+        ("remote_url", "redis://127.0.0.1:70000", {}),
+        ("remote_url", "redis+cluster://127.0.0.1:7100,127.0.0.1:x", {}),
+        ("remote_url", "nonsense", {}),
+        ("server", "127.0.0.1:9000", {}),
+        ("server", "tcp://127.0.0.1", {}),
+        ("server", "tcp://127.0.0.1:0", {}),
+        ("server", "unix://relative.sock", {}),
+    ],
+)
+def test_nonsense_sizes_durations_and_addresses_are_refused(key: str, value: object, extra: dict) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config({key: value, **extra}, environ={})
+    assert key in str(err.value) and "explicit" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("remote_url", "redis://127.0.0.1:6399/0"),
+        ("remote_url", "redis+cluster://127.0.0.1:7100,127.0.0.1:7101"),
+        ("remote_url", "redis://:secret@localhost"),
+        ("server", "unix:///run/kvtier.sock"),
+        ("server", "tcp://[::1]:9000"),
+        ("cpu_capacity", 64),  # legal floor for chunk_size 32: the real chunk size is checked at open
+    ],
+)
+def test_sensible_values_still_pass(key: str, value: object) -> None:
+    load_config({key: value, "chunk_size": 32}, environ={})
+
+
+def test_disk_path_must_be_a_writable_directory(tmp_path: Path) -> None:
+    from kvtier.config import validate_config
+
+    for bad in ("/proc/x", str(write(tmp_path / "a-file", "x")), "/proc/x/y/z"):
+        cfg = load_config(environ={"KVTIER_DISK_PATH": bad})
+        with pytest.raises(ConfigError) as err:
+            validate_config(cfg)
+        msg = str(err.value)
+        assert "disk_path" in msg and bad in msg and "KVTIER_DISK_PATH" in msg
+    good = tmp_path / "new" / "disk"
+    validate_config(load_config({"disk_path": good}, environ={}))
+    assert good.is_dir() and list(good.iterdir()) == []  # the probe leaves nothing behind
+
+
+def test_capacity_below_one_real_chunk_is_refused_when_the_chunk_size_is_known(caplog) -> None:
+    from kvtier.config import validate_config
+
+    cfg = load_config({"cpu_capacity": 4096, "chunk_size": 32}, environ={})
+    validate_config(cfg, chunk_bytes=4096)
+    with pytest.raises(ConfigError, match=r"cpu_capacity \(from explicit setting\): 4096 B is below one chunk"):
+        validate_config(cfg, chunk_bytes=4097)
+    with caplog.at_level("WARNING"):
+        validate_config(cfg)  # chunk size unknown: legal but loud
+    assert "cpu_capacity" in caplog.text and "4096 B" in caplog.text
+
+
+def test_server_refuses_bad_settings_and_never_says_ready(tmp_path: Path) -> None:
+    """``kvtier server --disk-path /proc/x`` reported ready; ``KVTIER_CPU_CAPACITY=12`` was accepted."""
+    import os
+    import subprocess
+    import sys
+
+    sock = tmp_path / "run" / "s.sock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    base = [sys.executable, "-m", "kvtier.cli", "server", "--socket", str(sock), "--no-metrics"]
+    cases = [
+        (base + ["--disk-path", "/proc/x"], env, "disk_path"),
+        (base, {**env, "KVTIER_CPU_CAPACITY": "12"}, "KVTIER_CPU_CAPACITY"),
+    ]
+    for cmd, e, needle in cases:
+        out = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=120)
+        text = out.stdout + out.stderr
+        assert out.returncode != 0 and "ready" not in text and needle in text, text
+
+
+def test_server_options_refuse_nonsense_bounds(tmp_path: Path) -> None:
+    from kvtier.service.server import ServerOptions
+
+    for bad in (dict(max_clients=0), dict(max_holds_per_client=-1), dict(prefetch_queue=0), dict(tcp_port=70000),
+                dict(metrics_port=-1), dict(max_namespaces=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ServerOptions(socket_path=str(tmp_path / "s.sock"), **bad)  # type: ignore[arg-type]

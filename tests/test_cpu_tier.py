@@ -223,3 +223,103 @@ def test_delete(make_key: KeyFn) -> None:
 def test_capacity_below_one_chunk_raises() -> None:
     with pytest.raises(ValueError, match="below one chunk"):
         CpuTier(CB, CB - 1)
+
+
+# -- why a reservation is refused (issue 8, failing input 5) ---------------------------------
+
+
+def test_try_reserve_says_why(make_key: KeyFn) -> None:
+    from kvtier.storage.types import WriteSkip
+
+    tier = CpuTier(CB, 2 * CB, is_pinned=lambda k: True)  # nothing may be evicted
+    a, b, c = make_key(1), make_key(2), make_key(3)
+    buf = tier.try_reserve(a)
+    assert isinstance(buf, np.ndarray)
+    assert tier.try_reserve(a) is WriteSkip.IN_FLIGHT  # another writer's reservation
+    buf[:] = payload_for(a, CB)
+    tier.commit(a)
+    assert tier.try_reserve(a) is WriteSkip.PRESENT
+    assert put(tier, b)
+    assert tier.try_reserve(c) is WriteSkip.NO_ROOM
+    assert tier.reserve(c) is None
+    tier.check_invariants()
+
+
+# -- prefix closure (issue 8, failing input 4, CPU part) ---------------------------------------
+
+
+def _chain(make_key: KeyFn, base: int, n: int) -> list[bytes]:
+    return [make_key(base + i) for i in range(n)]
+
+
+def _residents(tier: CpuTier) -> dict[bytes, bytes | None]:
+    return {k: tier.policy.parent_of(k) for k in list(tier._entries) if tier.contains(k)}
+
+
+def _assert_no_parent_dropped(before: dict[bytes, bytes | None], tier: CpuTier) -> None:
+    """No chunk resident now had its parent resident before and dropped since."""
+    after = _residents(tier)
+    dropped = before.keys() - after.keys()
+    for key, parent in after.items():
+        assert parent not in dropped, "a resident chunk's parent was dropped (orphaned tail)"
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "s3fifo"])
+@pytest.mark.parametrize("capacity", [1, 2, 3, 5])
+def test_cpu_tier_stays_prefix_closed_at_tiny_capacities(make_key: KeyFn, policy: str, capacity: int) -> None:
+    """Chains written in order, tail first and shuffled, through 1..5 slots: the tier never
+    drops a chunk while a chunk naming it as parent stays (eviction is leaf-first)."""
+    import random
+
+    from kvtier.tiers.policies import make_policy
+
+    rng = random.Random(capacity)
+    tier = CpuTier(CB, capacity * CB, make_policy(policy))
+    chains = []
+    for c in range(30):
+        chain = _chain(make_key, 1000 * (c % 7 + 1), rng.randrange(1, 6))  # chains share heads
+        chains.append(chain)
+        order = list(range(len(chain)))
+        mode = c % 3
+        if mode == 1:
+            order.reverse()
+        elif mode == 2:
+            rng.shuffle(order)
+        for i in order:
+            before = _residents(tier)
+            buf = tier.reserve(chain[i], chain[i - 1] if i else None)  # evicts, if the tier is full
+            if buf is None:
+                continue
+            buf[:] = payload_for(chain[i], CB)
+            tier.commit(chain[i], chain[i - 1] if i else None)
+            _assert_no_parent_dropped(before, tier)
+            tier.check_invariants()
+        for k in reversed(chain):  # a lookup hit touches tail first
+            tier.touch(k)
+    assert tier.evicted_chunks > 0
+
+
+def test_delete_and_clear_never_orphan_a_chunk(make_key: KeyFn) -> None:
+    tier = CpuTier(CB, 8 * CB)
+    head, mid, tail = _chain(make_key, 50, 3)
+    for i, k in enumerate((head, mid, tail)):
+        buf = tier.reserve(k)
+        buf[:] = payload_for(k, CB)
+        tier.commit(k, (head, mid)[i - 1] if i else None)
+    assert not tier.delete(mid)  # the parent of a resident chunk
+    assert tier.acquire(tail) is not None  # a reader holds the tail
+    assert tier.clear() == 0  # tail in use: its ancestors stay too
+    assert all(tier.contains(k) for k in (head, mid, tail))
+    tier.release(tail)
+    tier.check_invariants()
+    assert tier.delete(tail) and tier.delete(mid) and tier.delete(head)
+    tier.check_invariants()
+
+
+def test_check_invariants_catches_a_broken_entry(make_key: KeyFn) -> None:
+    tier = CpuTier(CB, 2 * CB)
+    assert put(tier, make_key(1))
+    tier.check_invariants()
+    tier._refs[tier._entries[make_key(1)]] = -1  # simulate a bug
+    with pytest.raises(AssertionError, match="negative"):
+        tier.check_invariants()

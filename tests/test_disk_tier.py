@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -16,8 +15,10 @@ import numpy as np
 import pytest
 
 from conftest import payload_for, small_namespace
-from kvtier.tiers import disk as disk_mod
-from kvtier.tiers.disk import HEADER_BYTES, SUFFIX, DiskTier, DiskTierLocked
+from kvtier.serde.record import FIXED, encode_payload_header
+from kvtier.tiers.base import ChunkWrite
+from kvtier.tiers.disk import HEADER_BYTES, SUFFIX, DiskTier, DiskTierLocked, record_relpath
+from kvtier.tiers.disk import fileops as fileops_mod
 
 REPO = Path(__file__).resolve().parents[1]
 CB = 2048
@@ -29,8 +30,7 @@ KeyFn = Callable[[int], bytes]
 
 
 def file_of(root: Path, key: bytes) -> Path:
-    h = key.hex()
-    return root / h[:2] / (h + SUFFIX)
+    return root / record_relpath(key)
 
 
 def kv_files(root: Path) -> list[Path]:
@@ -67,30 +67,44 @@ def test_sync_round_trip(tier: DiskTier, disk_dir: Path, make_key: KeyFn) -> Non
     assert got is not None and np.array_equal(got, payload_for(k, CB))
 
 
-def test_async_round_trip_calls_on_done_once(tier: DiskTier, make_key: KeyFn) -> None:
-    done: list[bytes] = []
+def test_put_many_and_get_many_round_trip(tier: DiskTier, make_key: KeyFn) -> None:
     keys = [make_key(i) for i in range(5)]
-    for k in keys:
-        assert tier.put_async(k, payload_for(k, CB), lambda k=k: done.append(k)) is True
-    assert tier.flush(timeout_s=30)
-    assert sorted(done) == sorted(keys)
-    assert tier.pending_writes == 0
-    for k in keys:
-        got = read(tier, k)
-        assert got is not None and np.array_equal(got, payload_for(k, CB))
-    # already on disk: refused, on_done still runs exactly once
-    assert tier.put_async(keys[0], payload_for(keys[0], CB), lambda: done.append(b"again")) is False
-    assert done.count(b"again") == 1
+    assert tier.put_many([ChunkWrite(k, None, payload_for(k, CB)) for k in keys]) == [True] * 5
+    outs = [np.zeros(CB, np.uint8) for _ in keys]
+    assert tier.get_many_into(list(zip(keys, outs))) == [True] * 5
+    assert all(np.array_equal(o, payload_for(k, CB)) for k, o in zip(keys, outs))
+    assert tier.contains_many(keys + [make_key(9)]) == [True] * 5 + [False]
+    # storing a chunk again replaces it (bytes counted once)
+    assert tier.put_many([ChunkWrite(keys[0], None, payload_for(keys[0], CB))]) == [True]
+    assert len(tier) == 5 and tier.used_bytes == 5 * FILE
+    s = tier.stats()
+    assert s["put_ok"] == 6 and s["get_hits"] == 5 and s["chunks"] == 5
+    tier.check_invariants()
 
 
-def test_close_finishes_queued_writes(disk_dir: Path, make_key: KeyFn) -> None:
+def test_bad_arguments_raise_before_any_write(tier: DiskTier, make_key: KeyFn) -> None:
+    k = make_key(1)
+    with pytest.raises(ValueError):
+        tier.put_many([ChunkWrite(k, None, payload_for(k, CB)), ChunkWrite(make_key(2), None, b"")])
+    with pytest.raises(ValueError, match="own parent"):
+        tier.put(k, payload_for(k, CB), parent=k)
+    with pytest.raises(TypeError):
+        tier.contains_many(["not bytes"])  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        tier.get_into(k, np.zeros(CB, np.uint8)[::2])
+    assert len(tier) == 0
+
+
+def test_closed_tier_is_a_miss_and_refuses_writes(disk_dir: Path, make_key: KeyFn) -> None:
     t = open_tier(disk_dir)
-    keys = [make_key(i) for i in range(6)]
-    for k in keys:
-        t.put_async(k, payload_for(k, CB), lambda: None)
+    k = make_key(1)
+    assert t.put(k, payload_for(k, CB))
     t.close()
-    assert len(kv_files(disk_dir)) == 6
-    assert t.put_async(make_key(99), payload_for(make_key(99), CB), lambda: None) is False  # closed
+    t.close()  # idempotent
+    assert t.contains(k) is False and read(t, k) is None
+    assert t.put(make_key(2), payload_for(make_key(2), CB)) is False and t.writable is False
+    assert t.delete_many([k]) == 0 and t.clear() == 0
+    assert len(kv_files(disk_dir)) == 1
 
 
 # -- restart reuse -------------------------------------------------------------------
@@ -112,12 +126,6 @@ def test_restart_reuses_files_without_rewriting(disk_dir: Path, make_key: KeyFn)
             assert t2.contains(k)
             got = read(t2, k)
             assert got is not None and np.array_equal(got, payload_for(k, CB))
-        # storing the same chunks again is a no-op
-        assert t2.put(keys[0], payload_for(keys[0], CB)) is True
-        calls: list[int] = []
-        assert t2.put_async(keys[1], payload_for(keys[1], CB), lambda: calls.append(1)) is False
-        assert calls == [1]
-        t2.flush(30)
         assert t2.written_chunks == 0
     finally:
         t2.close()
@@ -154,7 +162,7 @@ def test_leftover_tmp_files_are_removed_at_open(disk_dir: Path, make_key: KeyFn)
     leftover.write_bytes(b"x" * 5000)
     other_sub = disk_dir / "ff"
     other_sub.mkdir(exist_ok=True)
-    (other_sub / ".ff00.kv.1.2.tmp").write_bytes(b"partial")
+    (other_sub / f".ff00{SUFFIX}.1.2.tmp").write_bytes(b"partial")
     t2 = open_tier(disk_dir)
     try:
         assert not leftover.exists() and not list(other_sub.iterdir())
@@ -211,17 +219,23 @@ CORRUPTIONS = {
     "truncated-header": _truncate_short_header,
     "payload-first-byte": _flip(HEADER_BYTES),
     "payload-last-byte": _flip(FILE - 1),
-    # header offsets: magic 0, version 8, codec 12, payload len 28, payload sum 36,
-    # key 44, namespace 76, created 108, header sum 116 (struct "<8sHH16sQ8s32s32sd" + 8s)
+    # header offsets (kvtier.serde.record): magic 0, version 8, header_len 10, flags 12,
+    # key_len 14, parent_len 15, namespace 16, codec 48, codec_version 64, payload_len 66,
+    # body_len 74, stored_len 82, body_sum 90, created 98, key 106, header sum 138
     "header-magic": _flip(0),
     "header-version": _flip(8),
-    "header-codec": _flip(13),
-    "header-payload-len": _flip(28),
-    "header-payload-sum": _flip(40),
-    "header-key": _flip(50),
-    "header-namespace": _flip(90),
-    "header-created": _flip(110),
-    "header-sum": _flip(disk_mod._HDR.size + 3),
+    "header-flags": _flip(12),
+    "header-key-len": _flip(14),
+    "header-parent-len": _flip(15),
+    "header-namespace": _flip(20),
+    "header-codec": _flip(49),
+    "header-payload-len": _flip(68),
+    "header-stored-len": _flip(84),
+    "header-payload-sum": _flip(92),
+    "header-created": _flip(100),
+    "header-key": _flip(110),
+    "header-sum": _flip(FIXED.size + 32 + 3),
+    "header-padding": _flip(HEADER_BYTES - 1),
     "trailing-bytes": _append,
 }
 
@@ -240,7 +254,7 @@ def test_corrupt_file_is_a_miss_and_removed(tier: DiskTier, disk_dir: Path, make
     assert got is not None and np.array_equal(got, payload_for(other, CB))
 
 
-def test_wrong_namespace_is_a_miss_and_removed(disk_dir: Path, make_key: KeyFn) -> None:
+def test_wrong_namespace_is_dropped_at_open(disk_dir: Path, make_key: KeyFn) -> None:
     k = make_key(1)
     t1 = open_tier(disk_dir, namespace=NS)
     t1.put(k, payload_for(k, CB))
@@ -248,10 +262,19 @@ def test_wrong_namespace_is_a_miss_and_removed(disk_dir: Path, make_key: KeyFn) 
     t2 = open_tier(disk_dir, namespace=OTHER_NS)
     try:
         assert read(t2, k) is None
-        assert not t2.contains(k) and not file_of(disk_dir, k).exists()
-        assert t2.corrupt_reads == 1 and t2.used_bytes == 0
+        assert not t2.contains(k) and not file_of(disk_dir, k).exists() and t2.used_bytes == 0
     finally:
         t2.close()
+
+
+def test_wrong_namespace_written_while_open_is_a_miss_and_removed(
+    tier: DiskTier, disk_dir: Path, make_key: KeyFn
+) -> None:
+    k = make_key(1)
+    tier.put(k, payload_for(k, CB))
+    payload = payload_for(k, CB)
+    file_of(disk_dir, k).write_bytes(encode_payload_header(k, OTHER_NS, payload) + payload.tobytes())
+    assert read(tier, k) is None and not file_of(disk_dir, k).exists() and tier.corrupt_reads == 1
 
 
 def test_file_renamed_under_another_key_is_a_miss(tier: DiskTier, disk_dir: Path, make_key: KeyFn) -> None:
@@ -263,10 +286,19 @@ def test_file_renamed_under_another_key_is_a_miss(tier: DiskTier, disk_dir: Path
     os.replace(file_of(disk_dir, a), dst)
     t2 = open_tier(disk_dir)
     try:
-        assert t2.contains(b)
-        assert read(t2, b) is None and not dst.exists()
+        assert not t2.contains(b) and not dst.exists()  # dropped at open: its name is not its key's
     finally:
         t2.close()
+
+
+def test_file_renamed_under_another_key_while_open_is_a_miss(
+    tier: DiskTier, disk_dir: Path, make_key: KeyFn
+) -> None:
+    a, b = make_key(1), make_key(2)
+    tier.put(a, payload_for(a, CB))
+    tier.put(b, payload_for(b, CB))
+    os.replace(file_of(disk_dir, a), file_of(disk_dir, b))
+    assert read(tier, b) is None and not file_of(disk_dir, b).exists() and tier.corrupt_reads == 1
 
 
 def test_removed_file_is_a_miss(tier: DiskTier, disk_dir: Path, make_key: KeyFn) -> None:
@@ -337,32 +369,6 @@ def test_clear_and_delete(tier: DiskTier, disk_dir: Path, make_key: KeyFn) -> No
     assert len(tier) == 0 and tier.used_bytes == 0 and not kv_files(disk_dir)
 
 
-def test_full_write_queue_drops_and_counts(tier: DiskTier, make_key: KeyFn) -> None:
-    gate = threading.Event()
-    started = threading.Event()
-    real_write = tier._write
-
-    def slow_write(key: bytes, payload: np.ndarray, parent: bytes | None = None) -> bool:
-        started.set()
-        gate.wait(30)
-        return real_write(key, payload)
-
-    tier._write = slow_write  # type: ignore[method-assign]
-    tier._queue.maxsize = 1
-    done: list[int] = []
-    try:
-        assert tier.put_async(make_key(1), payload_for(make_key(1), CB), lambda: done.append(1))
-        assert started.wait(30)  # the writer holds chunk 1
-        assert tier.put_async(make_key(2), payload_for(make_key(2), CB), lambda: done.append(2))
-        assert tier.put_async(make_key(3), payload_for(make_key(3), CB), lambda: done.append(3)) is False
-        assert done == [3] and tier.dropped_writes == 1
-    finally:
-        gate.set()
-    assert tier.flush(30)
-    assert sorted(done) == [1, 2, 3]
-    assert tier.contains(make_key(1)) and tier.contains(make_key(2)) and not tier.contains(make_key(3))
-
-
 # -- one owner per directory ----------------------------------------------------------
 
 _HOLDER = textwrap.dedent(
@@ -427,7 +433,7 @@ def test_enospc_makes_the_tier_read_only(
     old = make_key(1)
     assert tier.put(old, payload_for(old, CB))
     with monkeypatch.context() as m:
-        m.setattr(disk_mod.os, "write", _raise(errno.ENOSPC))
+        m.setattr(fileops_mod.os, "write", _raise(errno.ENOSPC))
         assert tier.put(make_key(2), payload_for(make_key(2), CB)) is False
     assert tier.writable is False and tier.failed_writes == 1
     assert tier.used_bytes == FILE and len(tier) == 1
@@ -437,25 +443,26 @@ def test_enospc_makes_the_tier_read_only(
     assert got is not None and np.array_equal(got, payload_for(old, CB))
     # and no more writes are attempted, even after the disk has room again
     assert tier.put(make_key(3), payload_for(make_key(3), CB)) is False
-    calls: list[int] = []
-    assert tier.put_async(make_key(4), payload_for(make_key(4), CB), lambda: calls.append(1)) is False
-    assert calls == [1] and len(kv_files(disk_dir)) == 1
+    assert tier.put_many([ChunkWrite(make_key(4), None, payload_for(make_key(4), CB))]) == [False]
+    assert len(kv_files(disk_dir)) == 1 and tier.stats()["put_failed"] >= 2
 
 
-def test_enospc_in_write_behind(tier: DiskTier, make_key: KeyFn, monkeypatch: pytest.MonkeyPatch) -> None:
-    done: list[int] = []
-    monkeypatch.setattr(disk_mod.os, "open", _raise(errno.ENOSPC))
-    assert tier.put_async(make_key(1), payload_for(make_key(1), CB), lambda: done.append(1))
-    assert tier.flush(30)
+def test_enospc_in_a_batch_fails_the_rest_of_it(
+    tier: DiskTier, make_key: KeyFn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = [make_key(i) for i in range(3)]
+    monkeypatch.setattr(fileops_mod.os, "open", _raise(errno.ENOSPC))
+    got = tier.put_many([ChunkWrite(k, None, payload_for(k, CB)) for k in keys])
     monkeypatch.undo()
-    assert done == [1] and tier.writable is False and not tier.contains(make_key(1))
+    assert got == [False] * 3 and tier.writable is False and tier.failed_writes == 1
+    assert tier.contains_many(keys) == [False] * 3
 
 
 def test_other_write_errors_do_not_stop_writes(
     tier: DiskTier, make_key: KeyFn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with monkeypatch.context() as m:
-        m.setattr(disk_mod.os, "open", _raise(errno.EIO))
+        m.setattr(fileops_mod.os, "open", _raise(errno.EIO))
         assert tier.put(make_key(1), payload_for(make_key(1), CB)) is False
     assert tier.writable is True and tier.failed_writes == 1 and tier.used_bytes == 0
     assert tier.put(make_key(1), payload_for(make_key(1), CB)) is True

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import CHUNK, small_layout, small_namespace
-from kvtier.index.keys import KEY_BYTES, ChunkHasher, KeyNamespace, LayoutSignature
+from kvtier.index.keys import KEY_BYTES, ChunkHasher, KeyExtras, KeyNamespace, LayoutSignature, MMItem
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -287,3 +287,90 @@ def test_keys_are_identical_across_processes() -> None:
     # and the parent process agrees
     h = smol_hasher()
     assert a[1].split(",") == [k.hex() for k in h.keys(list(range(600)), cache_salt="")]
+
+
+# -- per-request extras: LoRA adapter identity, multimodal items (issue 8, failing inputs 2 and 3) --
+
+GOLDEN_ADAPTER = [
+    "af205b170e6af2c13a19530f09af7e3275dd0a2826cbb5c37aa4b6726c17763e",
+    "bb91d091ac4483486f2c9b689ff52fae1f5c3293f570aad207fad6df2d09e0e6",
+]
+GOLDEN_IMAGE_200_100 = [
+    "8d54fb2e1a2b606c1105e60cba01a24e0308095937609f8fbcc6c09d84d40bc3",
+    "34f5a14c158a8628226d63eac0db3bcb5ad264dd6ec932a52423e98f632db4cc",
+]
+
+
+def _lp(b: bytes) -> bytes:
+    return len(b).to_bytes(8, "little") + b
+
+
+def test_no_extras_and_empty_extras_keep_the_scheme_1_keys() -> None:
+    h = smol_hasher()
+    assert [k.hex() for k in h.keys(list(range(600)), extras=None)] == GOLDEN_NO_SALT
+    assert [k.hex() for k in h.keys(list(range(600)), extras=KeyExtras())] == GOLDEN_NO_SALT
+    assert [k.hex() for k in h.keys(list(range(600)), "tenant-a", extras=KeyExtras())] == GOLDEN_SALT_TENANT_A
+
+
+def test_golden_keys_with_extras() -> None:
+    h = smol_hasher()
+    assert [k.hex() for k in h.keys(list(range(600)), extras=KeyExtras("adapter-a\x00abc"))] == GOLDEN_ADAPTER
+    img = KeyExtras(None, (MMItem("img-1", 200, 100),))
+    assert [k.hex() for k in h.keys(list(range(600)), extras=img)] == GOLDEN_IMAGE_200_100
+
+
+def test_extras_follow_the_documented_derivation() -> None:
+    """Adapter folded into the root; an item appended to each chunk it overlaps (module docstring)."""
+    ns = KeyNamespace(SMOL_MODEL, SMOL_LAYOUT, 256)
+    tokens = np.arange(600, dtype="<u4").tobytes()
+    C = 256 * 4
+    root = blake3.blake3(b"kvtier/extras/v1\x00").update(ns.root(None)).update(b"a" + _lp(b"ad")).digest()
+    item = _lp(b"img") + (250 - 0).to_bytes(8, "little", signed=True) + (20).to_bytes(8, "little")
+    k0 = blake3.blake3(root).update(tokens[:C]).update(b"m" + (1).to_bytes(8, "little") + item).digest()
+    item1 = _lp(b"img") + (250 - 256).to_bytes(8, "little", signed=True) + (20).to_bytes(8, "little")
+    k1 = blake3.blake3(k0).update(tokens[C : 2 * C]).update(b"m" + (1).to_bytes(8, "little") + item1).digest()
+    keys = ChunkHasher(ns).keys(list(range(600)), extras=KeyExtras("ad", (MMItem("img", 250, 20),)))
+    assert keys == [k0, k1]
+
+
+def test_adapter_changes_every_key_and_adapters_are_isolated(hasher: ChunkHasher) -> None:
+    toks = list(range(3 * CHUNK))
+    base = hasher.keys(toks)
+    a = hasher.keys(toks, extras=KeyExtras("a\x00f1"))
+    a2 = hasher.keys(toks, extras=KeyExtras("a\x00f2"))  # same name, other weights
+    b = hasher.keys(toks, extras=KeyExtras("b\x00f1"))
+    for one, other in [(base, a), (a, a2), (a, b), (base, b)]:
+        assert not set(one) & set(other)
+    assert hasher.keys(toks, extras=KeyExtras("a\x00f1")) == a
+    # adapter and salt are independent dimensions
+    assert not set(hasher.keys(toks, "t", extras=KeyExtras("a\x00f1"))) & set(a)
+
+
+def test_image_changes_its_chunk_and_every_later_one_only(hasher: ChunkHasher) -> None:
+    toks = list(range(4 * CHUNK))
+    plain = hasher.keys(toks)
+    in_chunk1 = hasher.keys(toks, extras=KeyExtras(None, (MMItem("x", CHUNK + 3, 5),)))
+    assert in_chunk1[0] == plain[0] and not set(in_chunk1[1:]) & set(plain)
+    other_image = hasher.keys(toks, extras=KeyExtras(None, (MMItem("y", CHUNK + 3, 5),)))
+    assert other_image[0] == plain[0] and not set(other_image[1:]) & set(in_chunk1)
+    moved = hasher.keys(toks, extras=KeyExtras(None, (MMItem("x", CHUNK + 4, 5),)))
+    assert not set(moved[1:]) & set(in_chunk1)  # same image, other position in the chunk
+    spanning = hasher.keys(toks, extras=KeyExtras(None, (MMItem("x", CHUNK - 2, CHUNK + 4),)))
+    assert not set(spanning) & set(plain)  # overlaps chunks 0 .. 2
+
+
+def test_image_past_the_last_full_chunk_changes_nothing(hasher: ChunkHasher) -> None:
+    toks = list(range(2 * CHUNK + 10))
+    assert hasher.keys(toks, extras=KeyExtras(None, (MMItem("x", 2 * CHUNK + 1, 5),))) == hasher.keys(toks)
+
+
+def test_item_order_does_not_matter(hasher: ChunkHasher) -> None:
+    toks = list(range(2 * CHUNK))
+    i1, i2 = MMItem("x", 3, 4), MMItem("y", 10, 4)
+    assert hasher.keys(toks, extras=KeyExtras(None, (i1, i2))) == hasher.keys(toks, extras=KeyExtras(None, (i2, i1)))
+
+
+@pytest.mark.parametrize("args", [("", 0, 1), ("x", -1, 1), ("x", 0, 0)])
+def test_bad_mm_items_raise(args: tuple) -> None:
+    with pytest.raises(ValueError):
+        MMItem(*args)

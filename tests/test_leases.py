@@ -137,3 +137,27 @@ def test_random_grants_leave_no_pins() -> None:
     for o in owners:
         t.release(o)
     assert len(t) == 0 and t.pinned_keys == 0
+
+
+def test_check_invariants_after_random_sequences_and_on_corruption() -> None:
+    import random
+
+    now = [0.0]
+    t = LeaseTable(ttl_s=10.0, clock=lambda: now[0])
+    rng = random.Random(7)
+    keys = [bytes([i]) * 32 for i in range(6)]
+    for _ in range(500):
+        op = rng.random()
+        owner = f"r{rng.randrange(4)}"
+        if op < 0.5:
+            t.grant(owner, rng.sample(keys, rng.randrange(0, 4)))
+        elif op < 0.8:
+            t.release(owner)
+        else:
+            now[0] += rng.choice([1.0, 6.0])
+            t.reap()
+        t.check_invariants()
+    t.grant("x", keys[:2])
+    t._pins[keys[0]] += 1  # simulate a bug: a pin without a lease
+    with pytest.raises(AssertionError, match="pin counts"):
+        t.check_invariants()

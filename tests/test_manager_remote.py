@@ -8,6 +8,7 @@ throwaway ``redis-server`` and skip when it is not installed.
 from __future__ import annotations
 
 import random
+import time
 import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -17,10 +18,10 @@ import pytest
 
 from conftest import CHUNK, payload_for, small_namespace
 from kvtier.config import ConfigError, KVTierConfig, load_config
-from kvtier.serde.base import Buffer
+from kvtier.storage.lower_tiers import chunk_spec, open_lower_tiers
 from kvtier.storage.manager import StorageManager
-from kvtier.storage.remote import chunk_spec
-from kvtier.tiers.base import RemoteTier, TierCounters
+from kvtier.testing.memory_tier import MemoryStore, MemoryTier
+from kvtier.tiers.base import ChunkWrite, LowerTier
 
 CB = 2048
 
@@ -48,76 +49,22 @@ def store(mgr: StorageManager, tokens: Sequence[int], flush_each: bool = False) 
     return keys
 
 
-class MemoryTier(RemoteTier):
-    """An in-memory remote tier whose calls can be gated (blocked) or failed, and which counts calls."""
-
-    name = "memory-test"
-
-    def __init__(self) -> None:
-        self.data: dict[bytes, bytes] = {}
-        self.counters = TierCounters()
-        self.gate = threading.Event()
-        self.gate.set()
-        self.fail = False
-        self.calls: dict[str, int] = {}
-        self.closed = False
-        self._lock = threading.Lock()
-
-    def _call(self, name: str) -> bool:
-        with self._lock:
-            self.calls[name] = self.calls.get(name, 0) + 1
-        self.gate.wait()
-        return not (self.fail or self.closed)
-
-    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        if not self._call("contains_many"):
-            return [False] * len(keys)
-        return [k in self.data for k in keys]
-
-    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
-        ok = self._call("put_many")
-        if ok:
-            for k, v in items:
-                self.data[k] = bytes(memoryview(v).cast("B"))
-        self.counters.add(puts=len(items), put_ok=len(items) if ok else 0, put_failed=0 if ok else len(items))
-        return [ok] * len(items)
-
-    def get_many_into(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
-        if not self._call("get_many_into"):
-            return [False] * len(items)
-        out = []
-        for k, dst in items:
-            v = self.data.get(k)
-            if v is not None:
-                np.frombuffer(memoryview(dst).cast("B"), np.uint8)[:] = np.frombuffer(v, np.uint8)
-            out.append(v is not None)
-        return out
-
-    def delete_many(self, keys: Sequence[bytes]) -> int:
-        return sum(self.data.pop(k, None) is not None for k in keys)
-
-    def clear(self) -> int:
-        n = len(self.data)
-        self.data.clear()
-        return n
-
-    def close(self) -> None:
-        self.closed = True
-
-    def stats(self) -> dict[str, Any]:
-        return {**self.counters.snapshot(), "breakers": {"x": "open" if self.fail else "closed"}, "codec": "raw"}
+def fill(mem: MemoryTier, keys: Sequence[bytes]) -> None:
+    """Store ``keys``' payloads in ``mem`` directly (as another engine's write-behind would have)."""
+    assert all(mem.put_many([ChunkWrite(k, None, payload_for(k, CB)) for k in keys]))
 
 
 @pytest.fixture
 def managers():
     made: list[StorageManager] = []
 
-    def make(config: KVTierConfig, remote: RemoteTier | None = None) -> StorageManager:
-        m = StorageManager(config, small_namespace())
-        if remote is not None:  # swap in a test tier (same wiring as a configured one)
-            assert m.remote is not None
-            m.remote.close()
-            m.remote = remote
+    def make(config: KVTierConfig, remote: LowerTier | None = None) -> StorageManager:
+        ns = small_namespace()
+        if remote is None:
+            m = StorageManager(config, ns)
+        else:  # a test tier in place of the configured remote (same wiring otherwise)
+            local = config.model_copy(update={"remote_url": None})
+            m = StorageManager(config, ns, lower=lambda pinned: [*open_lower_tiers(local, ns, pinned), remote])
         made.append(m)
         return m
 
@@ -169,10 +116,11 @@ def test_lookup_finds_remote_chunks_in_one_call(managers, make_config, fs_url) -
     assert res.num_tokens == 5 * CHUNK and res.tiers == ["remote"] * 5 and res.keys == keys
     # Exactly one batched existence call for all of them.
     c = managers(remote_only(make_config, fs_url), remote=mem)
-    mem.data = {k: payload_for(k, CB).tobytes() for k in keys[:3]}
+    fill(mem, keys[:3])
+    mem.calls.clear()
     res = c.lookup(tokens)
     assert res.tiers == ["remote"] * 3
-    assert mem.calls == {"contains_many": 1}
+    assert mem.calls.get("contains_many") == 1 and "get_many_into" not in mem.calls
 
 
 def test_lookup_mixes_local_and_remote_and_keeps_faster_label(managers, make_config, fs_url) -> None:
@@ -180,7 +128,7 @@ def test_lookup_mixes_local_and_remote_and_keeps_faster_label(managers, make_con
     mem = MemoryTier()
     m = managers(remote_only(make_config, fs_url), remote=mem)
     keys = m.keys(tokens)
-    mem.data = {k: payload_for(k, CB).tobytes() for k in keys}
+    fill(mem, keys)
     for i in (0, 2):  # chunks 0 and 2 also in CPU
         buf = m.open_write(keys[i])
         buf[:] = payload_for(keys[i], CB)
@@ -203,15 +151,14 @@ def test_open_read_promotes_remote_chunk_into_cpu(managers, make_config, fs_url)
     assert b.lookup(tokens).tiers == ["cpu"] * 3
     s = b.stats()
     assert s["promoted_chunks_remote"] == 3 and s["referenced_chunks"] == 0
-    b.record_load("r", "remote", CHUNK)
-    assert b.stats()["hit_tokens_remote"] == CHUNK
 
 
 def test_open_read_many_uses_one_batched_get(managers, make_config, fs_url) -> None:
     mem = MemoryTier()
     m = managers(remote_only(make_config, fs_url), remote=mem)
     keys = m.keys(prompt(4, 4 * CHUNK))
-    mem.data = {k: payload_for(k, CB).tobytes() for k in keys[:3]}
+    fill(mem, keys[:3])
+    mem.calls.clear()
     handles = m.open_read_many([(k, None) for k in keys])
     assert [h.source if h else None for h in handles] == ["remote", "remote", "remote", None]
     assert mem.calls.get("get_many_into") == 1
@@ -226,9 +173,9 @@ def test_failed_remote_get_is_a_miss_and_leaves_nothing(managers, make_config, f
     mem = MemoryTier()
     m = managers(remote_only(make_config, fs_url), remote=mem)
     keys = m.keys(prompt(5, 2 * CHUNK + 1))
-    mem.data = {k: payload_for(k, CB).tobytes() for k in keys}
+    fill(mem, keys)
     assert m.lookup_keys(keys).tiers == ["remote", "remote"]
-    mem.data.clear()  # restarted empty between lookup and load
+    mem.store.clear(mem.namespace)  # restarted empty between lookup and load
     assert m.open_read(keys[0]) is None
     s = m.stats()
     assert s["remote_promote_failures"] == 1 and s["cpu_chunks"] == 0 and s["referenced_chunks"] == 0
@@ -240,7 +187,7 @@ def test_failing_remote_is_a_miss_never_an_exception(managers, make_config, fs_u
     m = managers(remote_only(make_config, fs_url), remote=mem)
     tokens = prompt(6, 3 * CHUNK + 1)
     keys = m.keys(tokens)
-    mem.data = {k: payload_for(k, CB).tobytes() for k in keys}
+    fill(mem, keys)
     mem.fail = True
     assert m.lookup(tokens).num_tokens == 0
     assert m.open_read(keys[0]) is None
@@ -256,9 +203,10 @@ def test_disk_read_failure_falls_back_to_remote(managers, make_config, fs_url) -
     m = managers(make_config(cpu_chunks=4, disk_chunks=8, remote_url=fs_url), remote=mem)
     keys = store(m, prompt(7, 4 * CHUNK))
     assert m.flush(10)
-    assert set(mem.data) == set(keys)
-    assert m.cpu.delete(keys[0])  # as if evicted from CPU
-    path = m.disk._file(keys[0])  # and its disk copy broken
+    assert mem.contains_many(keys) == [True] * 4
+    assert m.cpu.delete(keys[-1])  # as if evicted from CPU (a leaf: the CPU tier is prefix-closed)
+    keys = keys[::-1]
+    path = m.disk.file_of(keys[0])  # and its disk copy broken
     path.write_bytes(b"garbage")
     h = m.open_read(keys[0])
     assert h is not None and h.source == "remote"
@@ -279,7 +227,8 @@ def test_commit_never_waits_for_the_remote_and_drops_when_full(managers, make_co
     assert not m.flush(0.2)
     mem.gate.set()
     assert m.flush(10)
-    assert set(mem.data) <= set(keys) and len(mem.data) == m.stats()["remote_queued_chunks"]
+    held = mem.contains_many(keys)
+    assert sum(held) == m.stats()["remote_queued_chunks"]
     assert m.stats()["referenced_chunks"] == 0  # every queued reference released
 
 
@@ -314,7 +263,7 @@ def test_prefetch_promotes_disk_chunks_and_stops_at_a_gap(managers, make_config,
     m = managers(cfg)
     keys = store(m, tokens, flush_each=True)
     assert m.lookup(tokens).tiers == ["disk"] * 4 + ["cpu"] * 2
-    m.disk.delete(keys[2])  # a gap: chunks after it are unreachable
+    m.disk.delete_many([keys[2]])  # a gap: chunks after it are unreachable
     assert m.prefetch(tokens) == 2  # chunks 0, 1 (on disk); the walk stops at 2
     assert m.flush(10)
     s = m.stats()
@@ -326,7 +275,7 @@ def test_prefetch_does_not_block_on_a_hung_remote(managers, make_config, fs_url)
     mem = MemoryTier()
     m = managers(remote_only(make_config, fs_url), remote=mem)
     tokens = prompt(12, 3 * CHUNK + 1)
-    mem.data = {k: payload_for(k, CB).tobytes() for k in m.keys(tokens)}
+    fill(mem, m.keys(tokens))
     mem.gate.clear()
     assert m.prefetch(tokens) == 3  # returns at once
     mem.gate.set()
@@ -384,3 +333,103 @@ def test_redis_remote_tier_end_to_end(managers, make_config, redis_server) -> No
     redis_server.kill()
     assert c.lookup(tokens).num_tokens == 0 and c.open_read(keys[0]) is None
     assert c.stats()["remote_errors"] >= 1
+
+
+# -- one promotion path ---------------------------------------------------------------------------
+def test_remote_hit_is_promoted_and_written_behind_to_disk(managers, make_config) -> None:
+    """Lower tier -> CPU slot -> commit -> write-behind to the faster lower tiers that lack it."""
+    mem = MemoryTier()
+    m = managers(make_config(cpu_chunks=8, disk_chunks=8, remote_url="fs:///unused"), remote=mem)
+    assert [t.kind for t in m.lower] == ["disk", "remote"]
+    tokens = prompt(20, 3 * CHUNK + 1)
+    keys = m.keys(tokens)
+    fill(mem, keys)
+    assert m.lookup(tokens).tiers == ["remote"] * 3
+    handles = m.open_read_many([(k, keys[i - 1] if i else None) for i, k in enumerate(keys)])
+    assert [h.source for h in handles] == ["remote"] * 3
+    for h in handles:
+        h.close()
+    assert m.flush(10)
+    assert m.disk.contains_many(keys) == [True] * 3  # the remote hits reached disk too
+    assert mem.stats()["puts"] == 3  # and were not written back to the tier they came from
+    assert m.cpu.clear() == 3
+    assert m.lookup(tokens).tiers == ["disk"] * 3
+    s = m.stats()
+    assert s["promoted_chunks_remote"] == 3 and s["disk_written_chunks"] == 3 and s["referenced_chunks"] == 0
+    m.check_invariants()
+
+
+# -- shared Redis: namespaces and TTLs (issue 8, failing inputs 4 and 6) -----------------------------
+STANDALONE = ("127.0.0.1", 6399)
+
+
+@pytest.fixture
+def shared_redis_url() -> str:
+    from kvtier.testing.redis_server import ping
+
+    if not ping(*STANDALONE):
+        pytest.skip("no Redis on 127.0.0.1:6399; start the CI servers with `.ci/redis.sh start`")
+    import uuid
+
+    return f"redis://{STANDALONE[0]}:{STANDALONE[1]}/0?key_prefix=kvtier-test-{uuid.uuid4().hex[:10]}:"
+
+
+def test_clear_removes_only_this_namespace_in_a_shared_redis(make_config, shared_redis_url) -> None:
+    """Two models on one Redis each store N chunks; clearing one removes exactly N (was 2N: every
+    key under the shared prefix) and the other model's chunks still load."""
+    cfg = remote_only(make_config, shared_redis_url, remote_timeout_s=2.0)
+    a = StorageManager(cfg, small_namespace(model="test/model-a"))
+    b = StorageManager(cfg, small_namespace(model="test/model-b"))
+    c = None
+    try:
+        tokens = prompt(21, 6 * CHUNK + 1)
+        ka, kb = store(a, tokens), store(b, tokens)
+        assert set(ka).isdisjoint(kb) and len(ka) == 6
+        assert a.flush(10) and b.flush(10)
+        out = a.clear()
+        assert out["remote"] == 6 and out["cpu"] == 6
+        assert a.lookup(tokens).num_tokens == 0
+        c = StorageManager(cfg, small_namespace(model="test/model-b"))  # fresh CPU: remote only
+        assert c.lookup(tokens).tiers == ["remote"] * 6
+        for i, h in enumerate(c.open_read_many([(k, None) for k in kb])):
+            assert h is not None and h.source in ("remote", "cpu")
+            with h:
+                assert np.array_equal(h.buffer, payload_for(kb[i], CB))
+        assert b.clear()["remote"] == 6
+    finally:
+        for m in (a, b, c):
+            if m is not None:
+                m.close()
+
+
+def test_remote_ttl_keeps_hot_heads_alive(make_config, shared_redis_url) -> None:
+    """A hot head (served from CPU, shared by later prompts) must not expire in Redis before
+    its tails: writes refresh the parent's TTL, lookups refresh the whole hit chain."""
+    ttl = 1.5
+    cfg = remote_only(make_config, shared_redis_url + f"&ttl_s={ttl}", remote_timeout_s=2.0)
+    m = StorageManager(cfg, small_namespace(model="test/model-ttl"))
+    probe = None
+    try:
+        head = prompt(22, CHUNK)
+        x = head + prompt(23, CHUNK)
+        y = head + prompt(24, CHUNK)
+        kx = store(m, x)
+        assert m.flush(10)
+        time.sleep(0.9 * ttl)
+        ky = store(m, y)  # head is PRESENT (CPU): only y's tail is written, with head as parent
+        assert ky[0] == kx[0]
+        assert m.flush(10)
+        time.sleep(0.6 * ttl)  # past the head's first expiry
+        probe = StorageManager(cfg, small_namespace(model="test/model-ttl"))
+        assert probe.lookup(y + [1]).tiers == ["remote"] * 2  # head and y's tail
+        # Lookups (hits served from CPU) refresh the chain in Redis too.
+        for _ in range(3):
+            time.sleep(0.4 * ttl)
+            assert m.lookup(y + [1]).tiers == ["cpu", "cpu"]
+            assert m.flush(10)
+        assert probe.lookup(y + [1]).tiers == ["remote"] * 2
+    finally:
+        for mgr in (m, probe):
+            if mgr is not None:
+                mgr.clear()
+                mgr.close()

@@ -17,6 +17,7 @@ import pytest
 
 from kvtier.testing import bf16_payload
 from kvtier.testing.redis_server import RedisServerProcess, ping, redis_server_binary
+from kvtier.tiers.base import ChunkWrite
 from kvtier.tiers.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from kvtier.tiers.redis_tier import RedisTier
 
@@ -53,6 +54,11 @@ def _timed(fn, *args):
 def _items(n: int, seed: int = 0):
     keys = [os.urandom(32) for _ in range(n)]
     return keys, [bf16_payload(VALUE, seed + i) for i in range(n)]
+
+
+def _writes(keys, values, parents=None):
+    parents = parents or [None] * len(keys)
+    return [ChunkWrite(k, p, v) for k, p, v in zip(keys, parents, values)]
 
 
 def _wait_until(cond, limit_s: float = 10.0) -> None:
@@ -131,7 +137,7 @@ def test_unreachable_redis_is_a_bounded_miss():
     t = _tier(f"redis://127.0.0.1:{port}/0")
     keys, values = _items(2)
     for _ in range(4):
-        out, dt = _timed(t.put_many, list(zip(keys, values)))
+        out, dt = _timed(t.put_many, _writes(keys, values))
         assert out == [False, False] and dt < TIMEOUT_S + SLACK_S
         assert t.contains_many(keys) == [False, False]
     s = t.stats()
@@ -143,7 +149,7 @@ def test_unreachable_redis_is_a_bounded_miss():
 def test_killed_mid_workload_then_restarted(server):
     tier = _tier(server.url)
     keys, values = _items(4)
-    assert all(tier.put_many(list(zip(keys, values))))
+    assert all(tier.put_many(_writes(keys, values)))
     outs = [np.zeros_like(v) for v in values]
     durations: list[float] = []
     results: list[list[bool]] = []
@@ -171,7 +177,7 @@ def test_killed_mid_workload_then_restarted(server):
     assert s["breaker_trips"] >= 1 and s["skipped_calls"] > 0 and s["errors"] >= 2
 
     server.start()  # restarted, empty
-    _wait_until(lambda: tier.put_many(list(zip(keys, values))) == [True] * 4)
+    _wait_until(lambda: tier.put_many(_writes(keys, values)) == [True] * 4)
     assert tier.get_many_into(list(zip(keys, outs))) == [True] * 4
     assert all(np.array_equal(o, v) for o, v in zip(outs, values))
     assert tier.stats()["breakers"]["standalone"] == CLOSED
@@ -182,7 +188,7 @@ def test_killed_mid_workload_then_restarted(server):
 def test_restarted_empty_gets_are_counted_misses(server):
     tier = _tier(server.url, breaker_failures=5)
     keys, values = _items(3)
-    assert all(tier.put_many(list(zip(keys, values))))
+    assert all(tier.put_many(_writes(keys, values)))
     assert tier.contains_many(keys) == [True] * 3
     server.kill()
     server.start()
@@ -201,14 +207,14 @@ def test_restarted_empty_gets_are_counted_misses(server):
 def test_paused_server_calls_return_within_timeout(server):
     tier = _tier(server.url)
     keys, values = _items(2)
-    assert all(tier.put_many(list(zip(keys, values))))
+    assert all(tier.put_many(_writes(keys, values)))
     outs = [np.zeros_like(v) for v in values]
     server.pause()  # SIGSTOP: connections stay open, nothing answers
     try:
         for op, args, miss in [
             (tier.get_many_into, (list(zip(keys, outs)),), [False, False]),
             (tier.contains_many, (keys,), [False, False]),
-            (tier.put_many, (list(zip(keys, values)),), [False, False]),
+            (tier.put_many, (_writes(keys, values),), [False, False]),
             (tier.get_many_into, (list(zip(keys, outs)),), [False, False]),
         ]:
             out, dt = _timed(op, *args)
@@ -246,7 +252,7 @@ def test_full_redis_drops_writes_without_opening_breaker():
     with RedisServerProcess(maxmemory="4mb", policy="noeviction") as srv:
         tier = _tier(srv.url, breaker_failures=1)
         keys, values = _items(8)
-        out = tier.put_many(list(zip(keys, values)))
+        out = tier.put_many(_writes(keys, values))
         assert not all(out)  # 8 MiB never fit in 4 MiB
         s = tier.stats()
         assert s["put_failed"] == out.count(False) and s["errors"] == 0
@@ -261,7 +267,7 @@ def test_ttl_is_set_on_remote_keys(server):
     (key,), (value,) = _items(1)
     assert tier.put(key, value)
     client = redis.Redis("127.0.0.1", server.port, protocol=2)
-    assert 0 < client.pttl("ttl:" + key.hex()) <= 30_000
+    assert 0 < client.pttl(tier.redis_key(key)) <= 30_000
     client.close()
     tier.close()
 
@@ -271,7 +277,7 @@ def test_clear_leaves_other_prefixes_alone(server):
     a = _tier(server.url, key_prefix="a:")
     b = _tier(server.url, key_prefix="b:")
     keys, values = _items(3)
-    assert all(a.put_many(list(zip(keys, values)))) and all(b.put_many(list(zip(keys, values))))
+    assert all(a.put_many(_writes(keys, values))) and all(b.put_many(_writes(keys, values)))
     assert a.clear() == 3
     assert a.contains_many(keys) == [False] * 3 and b.contains_many(keys) == [True] * 3
     a.close()
@@ -289,16 +295,16 @@ needs_cluster = pytest.mark.skipif(
 def test_cluster_spreads_keys_and_recovers_from_stale_slot_map():
     tier = _tier("redis+cluster://127.0.0.1:7100", key_prefix="kvtier-test-moved:", timeout_s=2.0)
     keys, values = _items(12)
-    assert all(tier.put_many(list(zip(keys, values))))
+    assert all(tier.put_many(_writes(keys, values)))
     from redis.cluster import RedisCluster
 
     rc = RedisCluster(*CLUSTER, protocol=2)
-    owners = {rc.get_node_from_key("kvtier-test-moved:" + k.hex()).port for k in keys}
+    owners = {rc.get_node_from_key(tier.redis_key(k)).port for k in keys}
     assert len(owners) >= 2  # one batch really went to several nodes
     rc.close()
     # Pretend the cluster resharded: every slot now "belongs" to one node.
-    node = tier._slots[0]
-    tier._slots = [node] * len(tier._slots)
+    node = tier.nodes.slots[0]
+    tier.nodes.slots = [node] * len(tier.nodes.slots)
     got = tier.contains_many(keys)
     assert not all(got)  # keys on other nodes answered MOVED: misses, not errors
     assert tier.stats()["redirects"] > 0 and tier.stats()["errors"] == 0
@@ -307,4 +313,43 @@ def test_cluster_spreads_keys_and_recovers_from_stale_slot_map():
     assert tier.get_many_into(list(zip(keys, outs))) == [True] * 12
     assert all(np.array_equal(o, v) for o, v in zip(outs, values))
     tier.clear()
+    tier.close()
+
+
+@needs_server
+def test_clear_removes_only_this_namespace(server):
+    """Issue 8, failing input 6: two models share the key prefix; clear removes only the caller's."""
+    a = _tier(server.url, namespace=b"a" * 32)
+    b = _tier(server.url, namespace=b"b" * 32)
+    keys, values = _items(4)
+    assert all(a.put_many(_writes(keys, values))) and all(b.put_many(_writes(keys, values)))
+    client = redis.Redis("127.0.0.1", server.port, protocol=2)
+    assert len(list(client.scan_iter(match="kvtier:*"))) == 8  # one shared prefix
+    assert a.clear() == 4
+    assert a.contains_many(keys) == [False] * 4 and b.contains_many(keys) == [True] * 4
+    assert a.redis_key(keys[0]).startswith(b"kvtier:" + (b"a" * 32).hex()[:16].encode() + b":")
+    client.close()
+    a.close()
+    b.close()
+
+
+@needs_server
+def test_ttl_heads_outlive_tails(server):
+    """Issue 8, failing input 4 (remote part): a batch is written tail first, each write refreshes
+    its parent's TTL, and touch_many refreshes a whole chain, so a head never expires first."""
+    tier = _tier(server.url, ttl_s=0.8)
+    keys, values = _items(3)
+    client = redis.Redis("127.0.0.1", server.port, protocol=2)
+    assert all(tier.put_many(_writes(keys, values, [None, keys[0], keys[1]])))
+    ttls = [client.pttl(tier.redis_key(k)) for k in keys]
+    assert ttls[0] >= ttls[1] >= ttls[2] > 0, ttls
+    time.sleep(0.5)
+    (tail,), (tail_value,) = _items(1, seed=9)
+    assert tier.put_many(_writes([tail], [tail_value], [keys[0]]))  # a new tail under the old head
+    assert client.pttl(tier.redis_key(keys[0])) >= client.pttl(tier.redis_key(tail)) > 0
+    time.sleep(0.5)  # the head's first expiry has passed
+    assert tier.contains_many([keys[0], tail]) == [True, True]
+    tier.touch_many([keys[0], keys[1], keys[2]])  # chain refresh (keys 1, 2 expired already: harmless)
+    assert client.pttl(tier.redis_key(keys[0])) > 600
+    client.close()
     tier.close()

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import small_namespace
 from kvtier.memory.pool import ChunkPool
-from kvtier.service import protocol as P
+from kvtier import protocol as P
 from kvtier.service.shm import SharedSegment
 from kvtier.tiers.cpu import CpuTier
 
@@ -40,18 +40,16 @@ def roundtrip(req: P.Request, noreply: bool = False) -> tuple[P.Envelope, P.Requ
         P.Abort(K1),
         P.Load(K2, K1),
         P.LoadMany([K1, K2], [None, K1]),
+        P.ReserveMany([K1, K2]),
+        P.ReserveMany([K1, K2], [None, K1]),
         P.Unload(5),
-        P.RecordRequest("r", 512, 128, 256, {"cpu": 256}),
-        P.RecordLoad("r", "disk", 128),
-        P.RecordLoadFailure(),
-        P.GetRequest("r"),
         P.Flush(2.5),
         P.Stats(),
         P.Clear(),
         P.Health(),
         P.CudaRegister(b"h" * 64, 1 << 20, "bfloat16", 0),
     ],
-    ids=lambda r: r.OP,
+    ids=lambda r: r.OP + ("+parents" if getattr(r, "parents", None) else ""),
 )
 def test_every_request_round_trips(req: P.Request) -> None:
     env, back = roundtrip(req)
@@ -68,14 +66,15 @@ def test_one_way_flag_only_for_one_way_ops() -> None:
 
 
 def body(**fields: object) -> dict:
-    return {"v": 1, "id": 1, **fields}
+    return {"v": P.PROTOCOL_VERSION, "id": 1, **fields}
 
 
 @pytest.mark.parametrize(
     "obj, code",
     [
-        ({"v": 1, "op": "health"}, "bad_message"),  # no id
-        (body(op="health", v=2), "bad_version"),
+        ({"v": P.PROTOCOL_VERSION, "op": "health"}, "bad_message"),  # no id
+        (body(op="health", v=1), "bad_version"),  # version 1 had the accounting ops
+        (body(op="health", v=P.PROTOCOL_VERSION + 1), "bad_version"),
         (body(op="nope"), "unknown_op"),
         (body(op=3), "unknown_op"),
         (body(op="contains", key=b"short"), "bad_message"),
@@ -86,13 +85,16 @@ def body(**fields: object) -> dict:
         (body(op="unload", handle=True), "bad_message"),  # bool is not an int
         (body(op="unload", handle=-1), "bad_message"),
         (body(op="flush", timeout_s=1e9), "bad_message"),
-        (body(op="record_request", request_id="r", prompt_tokens=1, tiers={"cpu": -1}), "bad_message"),
-        (body(op="record_request", request_id="r", prompt_tokens=1, tiers=[1]), "bad_message"),
+        (body(op="record_request", request_id="r", prompt_tokens=1), "unknown_op"),  # accounting: the connector's
+        (body(op="get_request", request_id="r"), "unknown_op"),
+        (body(op="flush", timeout_s=float("nan")), "bad_message"),
         (body(op="register", client_id="a", pid=1, namespace={"model": "m"}, namespace_digest=b"d" * 32,
               chunk_bytes=1), "bad_message"),
         (body(op="health", noreply=1), "bad_message"),
         (body(op="commit", key=K1, parent=K1), "bad_message"),  # found by the fuzz test
         (body(op="load_many", keys=K1 + K2, parents=[None]), "bad_message"),
+        (body(op="reserve_many", keys=K1 + K2, parents=[None]), "bad_message"),
+        (body(op="reserve_many", keys=K1 + K2, parents=[None, K2]), "bad_message"),  # own parent
     ],
 )
 def test_invalid_messages_are_refused_with_a_code(obj: dict, code: str) -> None:
@@ -182,3 +184,45 @@ def test_cpu_tier_uses_an_injected_pool() -> None:
     assert len(tier) == 2
     with pytest.raises(ValueError):
         CpuTier(1024, 4096, pool=pool)
+
+
+# -- the one tier table --------------------------------------------------------------------
+def test_tier_table_covers_every_tier_kind() -> None:
+    from kvtier.storage.types import TIER_KINDS
+
+    assert set(P.TIER_CODES) == set(TIER_KINDS)  # remote and peer included: the lookup RPC's table had neither
+    codes = P.encode_tiers(list(TIER_KINDS))
+    assert len(codes) == len(TIER_KINDS) and P.decode_tiers(codes) == list(TIER_KINDS)
+    assert P.decode_tiers(b"cx") is None  # an unknown code voids the reply, never a guessed tier
+    with pytest.raises(P.ProtocolError) as e:
+        P.encode_tiers(["cpu", "tape"])
+    assert e.value.code == "internal"
+
+
+def test_backoff_doubles_with_jitter_and_resets() -> None:
+    b = P.Backoff(0.1, 0.4)
+    delays = [b.next_delay() for _ in range(4)]
+    assert 0.05 <= delays[0] <= 0.1 and 0.1 <= delays[1] <= 0.2 and all(0.2 <= d <= 0.4 for d in delays[2:])
+    assert b.waiting()
+    b.reset()
+    assert not b.waiting() and b.next_delay() <= 0.1
+    with pytest.raises(ValueError):
+        P.Backoff(0.0, 1.0)
+
+
+def test_socket_dir_must_be_private(tmp_path) -> None:
+    d = tmp_path / "run"
+    P.make_socket_dir(str(d / "s.sock"))
+    assert (d.stat().st_mode & 0o777) == 0o700
+    d.chmod(0o770)
+    with pytest.raises(P.UnsafeSocketDir, match="group/other-writable"):
+        P.check_socket_dir(str(d / "s.sock"))
+    d.chmod(0o1777)  # a shared /tmp-like directory
+    with pytest.raises(P.UnsafeSocketDir):
+        P.check_socket_dir(str(d / "s.sock"))
+
+
+def test_service_protocol_module_still_importable() -> None:
+    from kvtier.service import protocol as old
+
+    assert old.Lookup is P.Lookup and old.TIER_CODES is P.TIER_CODES

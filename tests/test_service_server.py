@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from conftest import payload_for, small_namespace
-from kvtier.service import protocol as P
+from kvtier import protocol as P
 from kvtier.service.client import ServiceClient
-from kvtier.storage.manager import RequestRecord
+from kvtier.storage.types import WriteSkip
 from service_helpers import connect, short_dir, start_server, wait_until  # noqa: F401 (fixture)
 
 KEYS = [bytes([i + 1]) * 32 for i in range(8)]
@@ -109,7 +109,7 @@ def test_only_own_reservations_can_be_committed(short_dir: Path) -> None:
         a = connect(short_dir / "s.sock", sync_commit=True)
         b = connect(short_dir / "s.sock", client_id="engine-b", sync_commit=True)
         assert a.open_write(KEYS[0]) is not None
-        b._writes[KEYS[0]] = b._conn.gen  # forge: b pretends it reserved a's key
+        b._writes[KEYS[0]] = b._link.conn.gen  # forge: b pretends it reserved a's key
         b.commit(KEYS[0])
         assert b.counters.lost_stores == 1  # refused by the server
         assert not srv.hosts()[0].manager.contains(KEYS[0])
@@ -124,13 +124,14 @@ def test_reserve_many_in_one_round_trip(short_dir: Path) -> None:
         a = connect(short_dir / "s.sock")
         store(a, KEYS[:1])
         bufs = a.open_write_many(KEYS[:3])
-        assert bufs[0] is None and bufs[1] is not None and bufs[2] is not None  # KEYS[0] already stored
+        assert bufs[0] is WriteSkip.PRESENT  # KEYS[0] already stored: the reply says why
+        assert isinstance(bufs[1], np.ndarray) and isinstance(bufs[2], np.ndarray)
         for k, b in zip(KEYS[1:3], bufs[1:]):
             b[:] = payload_for(k, a.chunk_bytes)
             a.commit(k)
         a.flush()  # commits are one-way: wait until they are applied
         over = a.open_write_many(KEYS[3:8])  # more than the holds bound (4): refused whole
-        assert len(over) == 5 and all(x is None for x in over)
+        assert over == [WriteSkip.NO_ROOM] * 5  # a refused call: stop storing
         b = connect(short_dir / "s.sock")
         with b.open_read(KEYS[2]) as h:
             assert np.array_equal(h.buffer, payload_for(KEYS[2], b.chunk_bytes))
@@ -213,7 +214,6 @@ def test_unreachable_server_gives_misses_within_the_timeout(short_dir: Path) -> 
     assert not c.contains(KEYS[0])
     c.commit(KEYS[0])
     c.release("r")
-    c.record_load("r", "cpu", 32)
     assert c.flush(0.1) is False
     assert c.stats()["client_connected"] == 0
     assert time.monotonic() - t0 < 5  # hang guard: calls do not wait for the server
@@ -227,27 +227,23 @@ def test_a_hung_server_gives_misses_within_the_timeout(short_dir: Path) -> None:
         store(c, KEYS[:1])
         c.flush(1)
         stall = threading.Event()
-        original = srv._lookup
-        srv._handlers["lookup"] = lambda s, r: (stall.wait(10), original(s, r))[1]
+        table = srv._handlers.table
+        original = table["lookup"]
+        table["lookup"] = lambda h, reg, r: (stall.wait(10), original(h, reg, r))[1]
         t0 = time.monotonic()
         assert c.lookup_keys(KEYS[:1]).num_tokens == 0
         assert time.monotonic() - t0 < 5  # hang guard (the bound is timeout_s)
         assert c.counters.timeouts == 1 and not c.connected
         stall.set()
-        srv._handlers["lookup"] = original
+        table["lookup"] = original
         wait_until(lambda: c.connected, what="reconnect")
         assert c.lookup_keys(KEYS[:1]).num_tokens == 32
         c.close()
 
 
-def test_request_records_prefetch_and_clear(short_dir: Path) -> None:
+def test_prefetch_and_clear(short_dir: Path) -> None:
     with start_server(short_dir, cpu_chunks=2, disk=True) as srv:
         a = connect(short_dir / "s.sock")
-        a.record_request("r1", RequestRecord(100, engine_hit_tokens=10))
-        a.record_load("r1", "cpu", 32)
-        rec = a.request_record("r1")
-        assert rec == {"prompt_tokens": 100, "engine_hit_tokens": 10, "kvtier_hit_tokens": 32, "tiers": {"cpu": 32}}
-        assert connect(short_dir / "s.sock", client_id="other").request_record("r1") is None
         for k in KEYS[:3]:  # 2 CPU slots: the first chunk ends up on disk only
             store(a, [k])
             assert a.flush(5)
@@ -300,3 +296,66 @@ def test_open_read_many_in_one_round_trip(short_dir: Path) -> None:
         a.flush(1)
         assert srv.total_holds() == 0
         a.close()
+
+
+def chain_store(c: ServiceClient, keys: list[bytes]) -> int:
+    """Store a prompt's chain as the connector does: one reserve_many, fill, commit; a chunk being
+    written by someone else (IN_FLIGHT) is skipped, anything else that got no slot ends the chain."""
+    stored, parent = 0, None
+    for key, got in zip(keys, c.open_write_many(keys)):
+        if isinstance(got, np.ndarray):
+            got[:] = payload_for(key, c.chunk_bytes)
+            c.commit(key, parent)
+            stored += 1
+        elif got is not WriteSkip.IN_FLIGHT and got is not WriteSkip.PRESENT:
+            break
+        parent = key
+    return stored
+
+
+def test_concurrent_writer_does_not_drop_the_rest_of_the_chain(short_dir: Path) -> None:
+    """Issue 8, failing input 5: A holds an uncommitted reservation of the shared head; B stores
+    head + 2 unique chunks. B's unique chunks were dropped (a third client found 1 of 3); right: 3 of 3."""
+    with start_server(short_dir) as srv:
+        a = connect(short_dir / "s.sock", client_id="engine-a", sync_commit=True)
+        b = connect(short_dir / "s.sock", client_id="engine-b", sync_commit=True)
+        c = connect(short_dir / "s.sock", client_id="engine-c")
+        head, u1, u2 = KEYS[0], KEYS[1], KEYS[2]
+        (slot,) = a.open_write_many([head])
+        assert isinstance(slot, np.ndarray)
+        got = b.open_write_many([head, u1, u2])
+        assert got[0] is WriteSkip.IN_FLIGHT  # was a bare None: indistinguishable from "no room"
+        for g in got[1:]:
+            assert isinstance(g, np.ndarray)
+        b.abort(u1)
+        b.abort(u2)
+        assert chain_store(b, [head, u1, u2]) == 2
+        slot[:] = payload_for(head, a.chunk_bytes)
+        a.commit(head)
+        res = c.lookup_keys([head, u1, u2])
+        assert res.num_tokens == 3 * 32 and res.keys == [head, u1, u2]
+        for k in (head, u1, u2):
+            with c.open_read(k) as h:
+                assert np.array_equal(h.buffer, payload_for(k, c.chunk_bytes))
+        srv.check_invariants()
+        assert b.open_write_many([head, u1]) == [WriteSkip.PRESENT, WriteSkip.PRESENT]
+        for x in (a, b, c):
+            x.close()
+        wait_until(lambda: srv.total_holds() == 0)
+
+
+def test_socket_dir_must_be_private_to_the_server_and_clients(short_dir: Path) -> None:
+    """Issue 14, failing input 2: a group/other-writable socket directory is refused on both sides."""
+    shared = short_dir / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(P.UnsafeSocketDir):
+        start_server(shared)
+    with start_server(short_dir):
+        short_dir.chmod(0o775)
+        try:
+            c = ServiceClient(str(short_dir / "s.sock"), small_namespace(), "x", wait_connected_s=1.0)
+            assert not c.connected and c.counters.connect_failures >= 1
+            c.close()
+        finally:
+            short_dir.chmod(0o700)

@@ -1,4 +1,4 @@
-"""The tier contract (kvtier.testing) run against every built-in remote tier.
+"""The lower-tier contract (kvtier.testing) run against the remote tiers: fs, Redis, Redis Cluster.
 
 Redis classes use the CI servers started by ``.ci/redis.sh start`` (standalone on
 127.0.0.1:6399, cluster on 127.0.0.1:7100-7102) and skip when they are not
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.testing import TierContract, TierHarness
+from kvtier.testing import NS_A, TierContract, TierHarness
 from kvtier.testing.redis_server import RedisServerProcess, ping, redis_server_binary
-from kvtier.tiers.fs_tier import SUFFIX, FsTier
+from kvtier.tiers.fs_tier import FsTier
 from kvtier.tiers.redis_tier import RedisTier
 
 redis = pytest.importorskip("redis")
@@ -33,20 +33,20 @@ class TestFsContract(TierContract):
         away = tmp_path / "share.unmounted"
         root.mkdir()
 
-        def path(key: bytes) -> Path:
-            return root / key.hex()[:2] / (key.hex() + SUFFIX)
-
-        def read_raw(key: bytes) -> bytes | None:
-            p = path(key)
+        def read_raw(tier, key: bytes) -> bytes | None:
+            p = tier.path_of(key)
             return p.read_bytes() if p.exists() else None
 
-        def write_raw(key: bytes, data: bytes) -> None:
-            path(key).parent.mkdir(exist_ok=True)
-            path(key).write_bytes(data)
+        def write_raw(tier, key: bytes, data: bytes) -> None:
+            tier.path_of(key).parent.mkdir(parents=True, exist_ok=True)
+            tier.path_of(key).write_bytes(data)
+
+        def make(namespace: bytes = NS_A, **kw) -> FsTier:
+            # create=False: a missing root is an unmounted share, not something to recreate.
+            return FsTier(root, namespace=namespace, create=False, **kw)
 
         return TierHarness(
-            # create=False: a missing root is an unmounted share, not something to recreate.
-            make=lambda **kw: FsTier(root, create=False, **kw),
+            make=make,
             read_raw=read_raw,
             write_raw=write_raw,
             break_store=lambda: os.rename(root, away),
@@ -58,13 +58,15 @@ class TestFsContract(TierContract):
 def _redis_harness(url: str, raw_client, **extra) -> TierHarness:
     prefix = f"kvtier-test:{uuid.uuid4().hex[:12]}:"
 
-    def rkey(key: bytes) -> str:
-        return prefix + key.hex()
+    def make(namespace: bytes = NS_A, **kw) -> RedisTier:
+        return RedisTier.from_url(
+            url, key_prefix=prefix, namespace=namespace, timeout_s=2.0, breaker_backoff_s=0.1, **kw
+        )
 
     return TierHarness(
-        make=lambda **kw: RedisTier.from_url(url, key_prefix=prefix, timeout_s=2.0, breaker_backoff_s=0.1, **kw),
-        read_raw=lambda key: raw_client.get(rkey(key)),
-        write_raw=lambda key, data: raw_client.set(rkey(key), data),
+        make=make,
+        read_raw=lambda tier, key: raw_client.get(tier.redis_key(key)),
+        write_raw=lambda tier, key, data: raw_client.set(tier.redis_key(key), data),
         **extra,
     )
 

@@ -51,5 +51,5 @@ def test_third_party_entry_point_is_found(monkeypatch, tmp_path: Path):
     monkeypatch.setattr(registry, "entry_points", lambda group: [ep, not_a_tier] if group == ENTRY_POINT_GROUP else [])
     assert "plugin" in available_tiers() and "redis" in available_tiers()
     assert isinstance(open_tier("plugin://x", root=tmp_path), _PluginTier)
-    with pytest.raises(ValueError, match="not a RemoteTier"):
+    with pytest.raises(ValueError, match="not a LowerTier"):
         open_tier("bogus")

@@ -72,7 +72,8 @@ def test_no_leases_or_references_left(inprocess) -> None:
     assert stats["leases"] == 0
     assert stats["pinned_chunks"] == 0
     assert stats["referenced_chunks"] == 0
-    assert stats["load_failures"] == 0
+    r = inprocess[0]
+    assert r["cold_hits"]["load_failures"] == 0 and r["warm_hits"]["load_failures"] == 0
 
 
 def test_restart_reuses_disk_tier(inprocess) -> None:
@@ -88,3 +89,17 @@ def test_multiprocess_engine_core(tmp_path) -> None:
     # After the engine's prefix cache is reset, cached tokens can only be kvtier's.
     assert r["warm_cached"] == (r["prompt_tokens"] - 1) // 256 * 256
     assert r["warm"] == r["cold"]
+
+
+def test_lora_adapters_never_share_kv(tmp_path) -> None:
+    """Issue 8, failing input 2, in vLLM: KV stored under adapter A is promised to neither adapter B
+    nor the base model (engine prefix cache reset in between); A itself hits, and its answer equals
+    vLLM's own prefix-cache hit under A at the same split."""
+    r = _run("lora", tmp_path / "disk")
+    split = (r["prompt_tokens"] - 1) // 128 * 128
+    assert r["a_cold_hits"]["kvtier_hit_tokens"] == 0
+    assert r["b_hits"]["kvtier_hit_tokens"] == 0
+    assert r["base_hits"]["kvtier_hit_tokens"] == 0
+    assert r["a_ref_cached"] == split
+    assert r["a_again_hits"]["kvtier_hit_tokens"] == split and r["a_again_hits"]["engine_hit_tokens"] == 0
+    assert r["a_again"] == r["a_ref"]

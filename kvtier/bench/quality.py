@@ -194,7 +194,7 @@ def measure(questions: int = 1, max_tokens: int = 32, log: Any = print) -> dict[
     from kvtier.integrations.vllm import flush_all, request_hits
     from kvtier.integrations.vllm_engine import build_llm
     from kvtier.storage import registry
-    from kvtier.storage.remote import chunk_spec
+    from kvtier.storage.lower_tiers import chunk_spec
     from kvtier.tiers.registry import load_tier_class
 
     model = prepare_model().path
@@ -239,7 +239,9 @@ def measure(questions: int = 1, max_tokens: int = 32, log: Any = print) -> dict[
             figures = codec_figures(list(chunks.values()), spec, codec, **options)
             manager.clear()
             # (open_tier cannot pass "spec": its first parameter has that name.)
-            tier = load_tier_class("fs").from_url(url, codec=make_codec(codec, **options), spec=spec)
+            tier = load_tier_class("fs").from_url(
+                url, codec=make_codec(codec, **options), spec=spec, namespace=manager.namespace.digest()
+            )
             stored = tier.put_many(list(chunks.items()))
             tier.close()
             if not all(stored):

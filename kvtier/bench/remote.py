@@ -92,6 +92,7 @@ def measure(url: str, num_chunks: int = 16, reps: int = 5) -> dict[str, Any]:
     Raises:
         RuntimeError: the server is unreachable or a round trip returned wrong bytes.
     """
+    from kvtier.tiers.base import ChunkWrite
     from kvtier.tiers.redis_tier import RedisTier
 
     run_id = uuid.uuid4().hex[:12]
@@ -106,9 +107,10 @@ def measure(url: str, num_chunks: int = 16, reps: int = 5) -> dict[str, Any]:
     for o in outs:
         o.fill(0)  # pre-touched, like CPU tier slots
     total = num_chunks * CHUNK_BYTES
+    writes = [ChunkWrite(k, None, p) for k, p in zip(keys, payloads)]  # built once, not timed
     try:
         raw.ping()
-        if not all(tier.put_many(list(zip(keys, payloads)))):
+        if not all(tier.put_many(writes)):
             raise RuntimeError(f"kvtier could not write to {tier.url}")
         if not all(tier.get_many_into(list(zip(keys, outs)))) or not all(
             np.array_equal(o, p) for o, p in zip(outs, payloads)
@@ -117,7 +119,7 @@ def measure(url: str, num_chunks: int = 16, reps: int = 5) -> dict[str, Any]:
 
         def k_put() -> float:
             t0 = time.perf_counter()
-            ok = tier.put_many(list(zip(keys, payloads)))
+            ok = tier.put_many(writes)
             dt = time.perf_counter() - t0
             assert all(ok)
             return dt
@@ -173,7 +175,7 @@ def measure(url: str, num_chunks: int = 16, reps: int = 5) -> dict[str, Any]:
             found = tier.contains_many(ex_keys)
         server_exists = _exists_calls(raw) - before
         # One round trip per node: 1 on a standalone server, at most the node count on a cluster.
-        nodes = len(set(tier._slots or ())) if tier.cluster else 1
+        nodes = len(set(tier.nodes.slots or ())) if tier.cluster else 1
         if found[: min(num_chunks, EXISTS_KEYS)] != [True] * min(num_chunks, EXISTS_KEYS):
             raise RuntimeError("contains_many missed chunks that were stored")
     finally:

@@ -10,11 +10,11 @@ dim 64, bf16: 5,898,240 bytes per 256-token chunk, 128-token engine blocks).
   Baseline: the faster of two plain numpy gathers (``np.take``; one
   ``np.copyto`` per block) into a pre-allocated, pre-touched buffer.
 - CPU get: ``open_read`` + the connector's per-layer scatter into blocks +
-  ``record_load`` + close, lease released at the end. Baseline: the faster of
+  close, lease released at the end. Baseline: the faster of
   two plain numpy scatters (fancy assignment; one assignment per block) from a
   pre-touched buffer.
-- Disk put: ``DiskTier.put`` (what the write-behind thread runs: header with
-  xxh3 checksum, ``.tmp`` file, rename) from CPU slots. Baseline: one plain
+- Disk put: ``DiskTier.put_many`` of one chunk at a time (what the write-behind
+  thread runs: record header with xxh3 checksum, ``.tmp`` file, rename) from CPU slots. Baseline: one plain
   file per chunk (``open``/``write``/``close``). Both without fsync, then both
   with fsync, then (if the disk tier has ``direct_io`` and the file system
   accepts it) both with ``O_DIRECT``.
@@ -152,8 +152,8 @@ def bench_cpu(prompt_tokens: int, reps: int, paged: PagedKV, seed: int = 0) -> d
     put_keys: list[bytes] = []
 
     def kv_put() -> float:
-        for k in put_keys:  # untimed: make room for this repetition's fresh keys
-            mgr.cpu.delete(k)
+        for k in reversed(put_keys):  # untimed: make room for this repetition's fresh keys
+            mgr.cpu.delete(k)  # tail first: the CPU tier never drops a resident chunk's parent
         put_keys[:] = _fresh_keys(n_chunks, rng)
         with Stopwatch() as sw:
             parent = None
@@ -189,7 +189,6 @@ def bench_cpu(prompt_tokens: int, reps: int, paged: PagedKV, seed: int = 0) -> d
                     raise RuntimeError("CPU tier missed a stored chunk in the benchmark")
                 with handle:
                     load_chunk_blocks(chunk_view(handle.buffer, nl, bpc), layers, blocks, 0)
-                    mgr.record_load("bench", handle.source, len(blocks) * layout.block_size)
                 parent = key
             mgr.release("bench")
         return sw.s

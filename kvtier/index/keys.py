@@ -8,7 +8,20 @@ The key of chunk ``i`` is::
 
 where tokens are encoded as fixed-width little-endian uint32 and ``root`` is a
 digest of the :class:`KeyNamespace` (model identity, KV layout signature, world
-size, rank, chunk size) and the optional per-request ``cache_salt``. The encoding
+size, rank, chunk size) and the optional per-request ``cache_salt``.
+
+Per-request :class:`KeyExtras` carry what else decides a chunk's KV besides its
+tokens (as the engine's own block hash does): the LoRA adapter identity is
+folded into the root (every chunk differs), and each multimodal item's content
+hash is appended to the hash input of every chunk overlapping its placeholder
+range (so that chunk and, through the chain, every later chunk differ)::
+
+    root'  = blake3(EXTRA_DOMAIN || root || "a" || len || adapter)   (adapter set)
+    key[i] = blake3(key[i-1] || tokens[i*C:(i+1)*C] || "m" || n || item...)
+
+where each overlapping item is ``len || identifier || offset - i*C (int64) ||
+length`` (little endian). Without extras (or with empty extras) keys are exactly
+the scheme-1 keys above: the golden vectors in the tests pin both. The encoding
 is canonical JSON (sorted keys, no whitespace) so the same tokens and config give
 the same key in every process, on every machine and across restarts. Python's
 ``hash()`` is never used: it is salted per process.
@@ -32,6 +45,57 @@ KEY_SCHEME_VERSION = 1
 #: Bytes per chunk key.
 KEY_BYTES = 32
 _ROOT_DOMAIN = b"kvtier/root/v1\x00"
+_EXTRA_DOMAIN = b"kvtier/extras/v1\x00"
+
+
+def _lp(data: bytes) -> bytes:
+    """Length-prefixed bytes (8-byte little-endian length): unambiguous concatenation."""
+    return len(data).to_bytes(8, "little") + data
+
+
+@dataclass(frozen=True)
+class MMItem:
+    """One multimodal input item of a prompt, as it decides the KV of its placeholder tokens.
+
+    Attributes:
+        identifier: content hash of the item (vLLM's ``MultiModalFeatureSpec.identifier``),
+            non-empty. Items with equal identifiers have equal embeddings.
+        offset: first placeholder token of the item in the prompt (tokens, >= 0).
+        length: placeholder tokens of the item (> 0).
+    """
+
+    identifier: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if not self.identifier:
+            raise ValueError("MMItem.identifier must be a non-empty content hash")
+        if self.offset < 0 or self.length <= 0:
+            raise ValueError(f"MMItem placeholder range must have offset >= 0, length > 0; got "
+                             f"offset={self.offset} length={self.length}")
+
+    def encode(self, chunk_start: int) -> bytes:
+        """Bytes folded into a chunk starting at token ``chunk_start`` that overlaps this item."""
+        return (_lp(self.identifier.encode()) + (self.offset - chunk_start).to_bytes(8, "little", signed=True)
+                + self.length.to_bytes(8, "little"))
+
+
+@dataclass(frozen=True)
+class KeyExtras:
+    """Per-request inputs besides tokens and cache salt that decide the KV (part of the key).
+
+    Attributes:
+        adapter: LoRA adapter identity (name plus a fingerprint of its weights), or None
+            for the base model. Distinct strings never share chunks.
+        mm_items: multimodal items, in any order (sorted by offset when hashing).
+    """
+
+    adapter: str | None = None
+    mm_items: tuple[MMItem, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.adapter is not None or bool(self.mm_items)
 
 
 @dataclass(frozen=True)
@@ -160,14 +224,17 @@ class ChunkHasher:
     def __init__(self, namespace: KeyNamespace):
         self.namespace = namespace
         self.chunk_size = namespace.chunk_size
-        self._roots: dict[str | None, bytes] = {}
+        self._roots: dict[tuple[str | None, str | None], bytes] = {}
 
-    def _root(self, cache_salt: str | None) -> bytes:
-        root = self._roots.get(cache_salt)
+    def _root(self, cache_salt: str | None, adapter: str | None = None) -> bytes:
+        memo = (cache_salt, adapter)
+        root = self._roots.get(memo)
         if root is None:
             root = self.namespace.root(cache_salt)
-            if len(self._roots) < 4096:  # bounded memo; salts are per tenant
-                self._roots[cache_salt] = root
+            if adapter is not None:
+                root = blake3.blake3(_EXTRA_DOMAIN).update(root).update(b"a" + _lp(adapter.encode())).digest()
+            if len(self._roots) < 4096:  # bounded memo; salts are per tenant, adapters per deployment
+                self._roots[memo] = root
         return root
 
     def num_full_chunks(self, num_tokens: int) -> int:
@@ -178,6 +245,7 @@ class ChunkHasher:
         tokens: Sequence[int] | np.ndarray,
         cache_salt: str | None = None,
         max_chunks: int | None = None,
+        extras: KeyExtras | None = None,
     ) -> list[bytes]:
         """Keys of the full chunks of ``tokens`` (at most ``max_chunks``).
 
@@ -185,6 +253,8 @@ class ChunkHasher:
             tokens: token ids, each in ``[0, 2**32)``.
             cache_salt: optional tenant salt.
             max_chunks: stop after this many chunks.
+            extras: adapter identity and multimodal items of the request (None or empty:
+                the plain scheme-1 keys).
 
         Returns:
             ``len(tokens) // chunk_size`` keys (or fewer with ``max_chunks``), 32 bytes each.
@@ -205,9 +275,27 @@ class ChunkHasher:
             arr = arr.astype("<u4")
         buf = memoryview(arr.tobytes())
         step = self.chunk_size * 4
-        parent = self._root(cache_salt)
+        parent = self._root(cache_salt, extras.adapter if extras else None)
+        mm = self._mm_suffixes(extras.mm_items, n) if extras and extras.mm_items else {}
         out: list[bytes] = []
         for i in range(n):
-            parent = blake3.blake3(parent).update(buf[i * step : (i + 1) * step]).digest()
+            h = blake3.blake3(parent).update(buf[i * step : (i + 1) * step])
+            suffix = mm.get(i)
+            if suffix is not None:
+                h.update(suffix)
+            parent = h.digest()
             out.append(parent)
         return out
+
+    def _mm_suffixes(self, items: tuple[MMItem, ...], n: int) -> dict[int, bytes]:
+        """Chunk index -> bytes of the multimodal items overlapping that chunk (first ``n`` chunks)."""
+        per_chunk: dict[int, list[bytes]] = {}
+        C = self.chunk_size
+        for item in sorted(items, key=lambda it: (it.offset, it.length, it.identifier)):
+            first = item.offset // C
+            last = min(n - 1, (item.offset + item.length - 1) // C)
+            for i in range(first, last + 1):
+                per_chunk.setdefault(i, []).append(item.encode(i * C))
+        return {
+            i: b"m" + len(parts).to_bytes(8, "little") + b"".join(parts) for i, parts in per_chunk.items()
+        }

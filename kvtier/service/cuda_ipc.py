@@ -6,7 +6,7 @@ PCIe-side host memory per chunk. The design for such machines:
 
 1. At start, each engine exports its paged KV cache allocation with CUDA IPC
    (``cudaIpcGetMemHandle`` via ``torch.UntypedStorage._share_cuda_``) and sends
-   the handle in a ``cuda_register`` request (:class:`kvtier.service.protocol.CudaRegister`:
+   the handle in a ``cuda_register`` request (:class:`kvtier.protocol.CudaRegister`:
    handle bytes, size in bytes, dtype name, device index).
 2. The server opens the handle once (``cudaIpcOpenMemHandle``), giving it a
    device pointer to the engine's KV cache, and registers its shared segment as

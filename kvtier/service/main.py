@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 from kvtier.config import ConfigError, load_config
+from kvtier.protocol.transport import private_runtime_dir
 from kvtier.service.server import CacheServer, ServerOptions
 
 log = logging.getLogger(__name__)
@@ -18,10 +18,7 @@ log = logging.getLogger(__name__)
 
 def default_socket_path() -> str:
     """``$XDG_RUNTIME_DIR/kvtier.sock``, else ``<tmp>/kvtier-<uid>/kvtier.sock`` (directory 0700)."""
-    run = os.environ.get("XDG_RUNTIME_DIR")
-    if run:
-        return os.path.join(run, "kvtier.sock")
-    return os.path.join(tempfile.gettempdir(), f"kvtier-{os.getuid()}", "kvtier.sock")
+    return os.path.join(private_runtime_dir(), "kvtier.sock")
 
 
 def run_server(
@@ -38,7 +35,9 @@ def run_server(
     """Run the cache service until SIGTERM/SIGINT; returns the exit code.
 
     ``overrides`` are tier settings (``cpu_capacity``, ``disk_path``...) on top
-    of ``KVTIER_*`` environment variables and ``config_file``.
+    of ``KVTIER_*`` environment variables and ``config_file``. Exit codes: 0
+    after a clean stop, 2 for a setting that cannot work (the message names the
+    key and its source; "ready" is never printed), 1 when it cannot listen.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -48,22 +47,35 @@ def run_server(
         return 2
     token = None
     if token_file is not None:
-        token = token_file.read_text().strip()
+        try:
+            token = token_file.read_text().strip()
+        except OSError as exc:
+            log.error("cannot read token file %s: %s", token_file, exc.strerror or exc)
+            return 2
         if not token:
             log.error("token file %s is empty", token_file)
             return 2
-    options = ServerOptions(
-        socket_path=socket_path or default_socket_path(),
-        tcp_host=tcp_host,
-        tcp_port=tcp_port,
-        token=token,
-        metrics_host=metrics_host,
-        metrics_port=metrics_port,
-        max_clients=max_clients,
-        max_namespaces=max_namespaces,
-    )
     try:
-        server = CacheServer(config, options).start()
+        options = ServerOptions(
+            socket_path=socket_path or default_socket_path(),
+            tcp_host=tcp_host,
+            tcp_port=tcp_port,
+            token=token,
+            metrics_host=metrics_host,
+            metrics_port=metrics_port,
+            max_clients=max_clients,
+            max_namespaces=max_namespaces,
+        )
+    except ValueError as exc:
+        log.error("cannot start kvtier server: %s", exc)
+        return 2
+    try:
+        server = CacheServer(config, options)
+    except (ConfigError, RuntimeError) as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        server.start()
     except (RuntimeError, OSError) as exc:
         log.error("cannot start kvtier server: %s", exc)
         return 1

@@ -1,10 +1,12 @@
 """The storage interface an engine connector programs against.
 
 Implemented by :class:`kvtier.storage.manager.StorageManager` (embedded tiers in
-the engine's process) and by the cache service client (tiers in a standalone
-``kvtier server`` shared by every engine on the machine). Buffers are
-``uint8 [chunk_bytes]`` numpy arrays the caller copies into or out of; no
-method raises for a tier failure (it is a miss, or a skipped store).
+the engine's process) and by :class:`kvtier.service.client.ServiceClient` (tiers
+in a standalone ``kvtier server`` shared by every engine on the machine).
+Buffers are ``uint8 [chunk_bytes]`` numpy arrays the caller copies into or out
+of; no method raises for a tier failure (it is a miss, or a skipped store).
+Request accounting (where a request's tokens came from) is the connector's, not
+the store's.
 """
 
 from __future__ import annotations
@@ -13,11 +15,23 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from kvtier.storage.manager import LookupResult, ReadHandle, RequestRecord
+from kvtier.storage.types import LookupResult, ReadHandle, WriteSkip
 
 
 class KVStore(Protocol):
     chunk_bytes: int
+
+    def keys(self, tokens: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
+        """Chunk keys (32-byte digests) of every full chunk of ``tokens``."""
+
+    def lookup(
+        self,
+        tokens: Sequence[int],
+        cache_salt: str | None = None,
+        lease_owner: str | None = None,
+        keys: Sequence[bytes] | None = None,
+    ) -> LookupResult:
+        """Longest cached prefix of ``tokens`` (never the whole prompt); leased to ``lease_owner`` if given."""
 
     def lookup_keys(self, keys: Sequence[bytes], lease_owner: str | None = None) -> LookupResult:
         """Longest prefix of ``keys`` held by any tier; leased to ``lease_owner`` if given."""
@@ -25,13 +39,23 @@ class KVStore(Protocol):
     def release(self, lease_owner: str) -> None:
         """End ``lease_owner``'s lease."""
 
-    def contains(self, key: bytes) -> bool: ...
+    def contains(self, key: bytes) -> bool:
+        """True if the CPU or a local lower tier holds ``key`` (never a remote round trip)."""
 
-    def open_write(self, key: bytes) -> np.ndarray | None:
-        """A buffer to fill for ``key``, or None (already stored, or no room)."""
+    def where(self, key: bytes) -> str | None:
+        """Fastest local tier kind holding ``key`` (``"cpu"``, ``"disk"``), or None."""
 
-    def open_write_many(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
-        """``open_write`` for many distinct keys, in order, in as few round trips as possible."""
+    def open_write(self, key: bytes, parent: bytes | None = None) -> np.ndarray | None:
+        """A buffer to fill for ``key``, or None (already stored, being written, or no room)."""
+
+    def open_write_many(
+        self, keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None
+    ) -> list[np.ndarray | WriteSkip]:
+        """Per key a buffer to fill, or why not (:class:`WriteSkip`), in as few round trips as possible.
+
+        ``parents`` (optional; default: each key's predecessor in ``keys``): the key
+        each will be committed with; room is never made by evicting it.
+        """
 
     def commit(self, key: bytes, parent: bytes | None = None) -> None:
         """Publish a buffer filled after ``open_write``."""
@@ -45,13 +69,13 @@ class KVStore(Protocol):
     def open_read_many(self, items: Sequence[tuple[bytes, bytes | None]]) -> list[ReadHandle | None]:
         """``open_read`` for many ``(key, parent)`` pairs, in order, in as few round trips as possible."""
 
-    def record_request(self, request_id: str, record: RequestRecord) -> None: ...
-
-    def record_load(self, request_id: str, tier: str, num_tokens: int) -> None: ...
-
-    def record_load_failure(self) -> None: ...
+    def prefetch(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
+        """Queue promotion of a prompt's lower-tier chunks; returns chunks queued."""
 
     def flush(self, timeout_s: float | None = None) -> bool: ...
+
+    def clear(self) -> dict[str, int]:
+        """Remove this namespace's chunks from every tier; chunks removed per tier."""
 
     def stats(self) -> dict[str, int | float]: ...
 

@@ -80,12 +80,27 @@ class LeaseTable:
     def pinned_keys(self) -> int:
         return len(self._pins)
 
+    def check_invariants(self) -> None:
+        """Assert pin counts equal the live leases that list each key (tests; O(leased keys)).
+
+        Raises:
+            AssertionError: an invariant is broken.
+        """
+        with self._lock:
+            counts: dict[bytes, int] = {}
+            for lease in self._leases.values():
+                assert lease.keys, "an empty lease is kept"
+                for k in lease.keys:
+                    counts[k] = counts.get(k, 0) + 1
+            assert counts == self._pins, "pin counts disagree with the live leases"
+
     def _end_locked(self, owner: str) -> bool:
         lease = self._leases.pop(owner, None)
         if lease is None:
             return False
         for k in lease.keys:
             n = self._pins[k] - 1
+            assert n >= 0, "a pin count went negative"
             if n:
                 self._pins[k] = n
             else:

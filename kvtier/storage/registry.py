@@ -4,7 +4,7 @@ vLLM builds two connector objects per engine: the scheduler side (lookup,
 leases) and the worker side (copies, owner of the tiers). When both live in one
 process (in-process engine core) the scheduler side finds the worker's manager
 here and calls it directly; otherwise it reaches it over the lookup RPC
-(``kvtier.integrations.lookup_rpc``). This map is the only process-wide state
+(``kvtier.service.lookup_endpoint``). This map is the only process-wide state
 in kvtier. The last ``release`` of a manager closes it (flushes write-behind).
 """
 

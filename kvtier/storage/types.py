@@ -1,4 +1,5 @@
-"""Value types of the storage layer, shared by every caller (leaf module: imports nothing of kvtier).
+"""Value types of the storage layer, shared by every caller (a leaf of the storage package: it
+imports only the CPU tier's ``WriteSkip``, below it in the layering).
 
 Engine connectors, the cache service, its client and the (future) controller
 all speak these types; none of them may import the storage manager just to
@@ -7,31 +8,20 @@ name a result.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from kvtier.tiers.cpu import WriteSkip  # the CPU tier's reservation outcomes
+
 #: Tier labels a lookup reports, fastest first. ``cpu`` is the CPU DRAM tier; every
 #: lower tier reports its ``kind`` (:class:`kvtier.tiers.base.LowerTier`).
 TIER_KINDS: tuple[str, ...] = ("cpu", "disk", "remote", "peer")
 
-
-class WriteSkip(enum.IntEnum):
-    """Why ``open_write_many`` gave no buffer for a key.
-
-    - ``PRESENT``: a tier already holds the chunk (nothing to store).
-    - ``IN_FLIGHT``: another writer (this or another engine) holds an uncommitted
-      reservation of it; the chain stays reachable once that writer commits, so a
-      caller storing a prompt goes on with the rest of its chain.
-    - ``NO_ROOM``: no CPU slot could be freed (or the store failed): the caller
-      stops storing that chain (later chunks would be unreachable without it).
-    """
-
-    PRESENT = 1
-    IN_FLIGHT = 2
-    NO_ROOM = 3
+#: Lower-tier kinds on this machine: asking them is a local call, never a network
+#: round trip (``contains``/``where`` and lookups ask them chunk by chunk).
+LOCAL_TIER_KINDS: tuple[str, ...] = ("disk",)
 
 
 @dataclass

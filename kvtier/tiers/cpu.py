@@ -12,10 +12,18 @@ Invariants (kept under ``self._lock``):
   ``refs > 0``, or whose key is pinned (leased by a lookup), is never evicted:
   eviction skips it and tries the next candidate of the policy.
 - Bytes in use never exceed the pool, which is the tier's byte bound.
+- Prefix-closed: a chunk that is the recorded parent of a resident chunk is
+  never dropped (the chain-aware policy never offers it for eviction; ``delete``
+  refuses it; ``clear`` keeps the ancestors of chunks it must keep), so the tier
+  never holds a chunk whose parent it dropped, whatever its capacity.
+
+:meth:`CpuTier.check_invariants` checks all of these (tests call it from their
+state machines); cheap asserts guard each transition.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 from typing import Callable
 
@@ -26,6 +34,22 @@ from kvtier.tiers.policies import EvictionPolicy, LRUPolicy
 
 WRITING = 0
 READY = 1
+
+
+class WriteSkip(enum.IntEnum):
+    """Why ``open_write_many`` gave no buffer for a key.
+
+    - ``PRESENT``: a tier already holds the chunk (nothing to store).
+    - ``IN_FLIGHT``: another writer (this or another engine) holds an uncommitted
+      reservation of it; the chain stays reachable once that writer commits, so a
+      caller storing a prompt goes on with the rest of its chain.
+    - ``NO_ROOM``: no CPU slot could be freed (or the store failed): the caller
+      stops storing that chain (later chunks would be unreachable without it).
+    """
+
+    PRESENT = 1
+    IN_FLIGHT = 2
+    NO_ROOM = 3
 
 
 class CpuTier:
@@ -102,19 +126,35 @@ class CpuTier:
             return sum(1 for slot in self._entries.values() if self._refs[slot])
 
     # -- write path --------------------------------------------------------
-    def reserve(self, key: bytes) -> np.ndarray | None:
-        """Reserve a slot for ``key`` and return it for the caller to fill.
+    def reserve(self, key: bytes, parent: bytes | None = None) -> np.ndarray | None:
+        """Reserve a slot for ``key`` and return it (uint8 ``[chunk_bytes]``) for the caller to fill.
 
         Returns ``None`` if the key is already present (or being written) or no
         slot can be freed (everything pinned or referenced). The caller must
-        follow with :meth:`commit` or :meth:`abort`.
+        follow with :meth:`commit` or :meth:`abort`. :meth:`try_reserve` says which.
+        """
+        got = self.try_reserve(key, parent)
+        return None if isinstance(got, WriteSkip) else got
+
+    def try_reserve(self, key: bytes, parent: bytes | None = None) -> np.ndarray | WriteSkip:
+        """Like :meth:`reserve`, but a refusal says why.
+
+        ``parent`` (the key the chunk will be committed with) is never evicted to
+        make room for it: the new chunk would be orphaned at birth.
+
+        Returns:
+            The slot view (uint8 ``[chunk_bytes]``) to fill, or
+            ``WriteSkip.PRESENT`` (committed here), ``WriteSkip.IN_FLIGHT`` (another
+            writer holds an uncommitted reservation) or ``WriteSkip.NO_ROOM``
+            (every slot is referenced, pinned or the parent of a resident chunk).
         """
         with self._lock:
-            if key in self._entries:
-                return None
-            slot = self._alloc_locked()
+            slot = self._entries.get(key)
+            if slot is not None:
+                return WriteSkip.PRESENT if self._state[slot] == READY else WriteSkip.IN_FLIGHT
+            slot = self._alloc_locked(parent)
             if slot is None:
-                return None
+                return WriteSkip.NO_ROOM
             self._entries[key] = slot
             self._state[slot] = WRITING
             self._refs[slot] = 1
@@ -127,9 +167,10 @@ class CpuTier:
         the first): chain-aware policies evict a chain's tail before its head.
         """
         with self._lock:
-            slot = self._entries[key]
-            if self._state[slot] != WRITING:
+            slot = self._entries.get(key)
+            if slot is None or self._state[slot] != WRITING:
                 raise RuntimeError("commit of a chunk that is not being written")
+            assert self._refs[slot] >= 1, "a WRITING entry holds its writer's reference"
             if parent == key:
                 parent = None  # a chunk cannot be its own parent (malformed caller input)
             self.policy.insert(key, parent)  # first: if it raises, the chunk stays unpublished
@@ -160,48 +201,99 @@ class CpuTier:
     def release(self, key: bytes) -> None:
         """Drop a read reference taken by :meth:`acquire`."""
         with self._lock:
-            slot = self._entries[key]
-            if self._refs[slot] <= 0:
+            slot = self._entries.get(key)
+            if slot is None or self._refs[slot] <= 0:
                 raise RuntimeError("release without acquire")
             self._refs[slot] -= 1
 
     # -- removal -----------------------------------------------------------
     def delete(self, key: bytes) -> bool:
-        """Remove an unreferenced chunk; returns False if absent or in use."""
+        """Remove an unreferenced chunk; returns False if absent, in use, or the parent
+        of a resident chunk (removing it would orphan that chunk)."""
         with self._lock:
             slot = self._entries.get(key)
             if slot is None or self._refs[slot] or self._state[slot] != READY:
+                return False
+            if self.policy.num_children(key):
                 return False
             self._drop_locked(key, slot)
             return True
 
     def clear(self) -> int:
-        """Remove every unreferenced chunk; returns how many were removed."""
+        """Remove every chunk that is not in use; returns how many were removed.
+
+        Chunks being read or written stay, and so do their ancestors (the tier
+        stays prefix-closed).
+        """
         with self._lock:
             refs, state = self._refs, self._state
-            victims = [k for k, slot in self._entries.items() if not refs[slot] and state[slot] == READY]
-            for k in victims:
-                self._drop_locked(k, self._entries[k])
-            return len(victims)
+            keep = {k for k, slot in self._entries.items() if refs[slot] or state[slot] != READY}
+            for k in list(keep):
+                parent = self.policy.parent_of(k)
+                while parent is not None and parent in self._entries and parent not in keep:
+                    keep.add(parent)
+                    parent = self.policy.parent_of(parent)
+            victims = [k for k in self._entries if k not in keep]
+            # Leaf-first: drop a chunk only after every resident child of it.
+            done = 0
+            while victims:
+                rest = []
+                for k in victims:
+                    if self.policy.num_children(k):
+                        rest.append(k)
+                    else:
+                        self._drop_locked(k, self._entries[k])
+                        done += 1
+                if len(rest) == len(victims):  # pragma: no cover - a parent cycle; cannot happen
+                    break
+                victims = rest
+            return done
 
     def _drop_locked(self, key: bytes, slot: int) -> None:
+        assert self._refs[slot] == 0, "dropping a chunk in use"
+        assert self.policy.num_children(key) == 0, "dropping the parent of a resident chunk"
         del self._entries[key]
         self.policy.remove(key)
         self.pool.free(slot)
 
-    def _alloc_locked(self) -> int | None:
+    def check_invariants(self) -> None:
+        """Assert the module's invariants (O(entries); for tests and debugging).
+
+        Raises:
+            AssertionError: an invariant is broken.
+        """
+        with self._lock:
+            slots = list(self._entries.values())
+            assert len(set(slots)) == len(slots), "two entries share a slot"
+            assert len(slots) <= self.pool.num_slots
+            assert self.used_bytes <= self.capacity_bytes
+            for key, slot in self._entries.items():
+                assert 0 <= slot < self.pool.num_slots
+                assert self._refs[slot] >= 0, "negative reference count"
+                if self._state[slot] == WRITING:
+                    assert self._refs[slot] >= 1, "a WRITING entry without its writer reference"
+                    assert key not in self.policy, "an unpublished entry is in the eviction order"
+                else:
+                    assert self._state[slot] == READY
+                    assert key in self.policy, "a published entry is missing from the eviction order"
+            assert self.pool.num_free + len(slots) == self.pool.num_slots, "a slot leaked or is double-owned"
+            ready = sum(1 for s in slots if self._state[s] == READY)
+            assert len(self.policy) == ready, "eviction order and entries disagree"
+            self.policy.check_invariants()
+
+    def _alloc_locked(self, keep: bytes | None = None) -> int | None:
         try:
             return self.pool.alloc()
         except PoolExhausted:
             pass
         victim = None
         for key in self.policy.candidates():
-            if self._refs[self._entries[key]] == 0 and not self._is_pinned(key):
+            if key != keep and self._refs[self._entries[key]] == 0 and not self._is_pinned(key):
                 victim = key
                 break
         if victim is None:
             return None
-        self._drop_locked(victim, self._entries[victim])
+        self._drop_locked(victim, self._entries[victim])  # asserts: a leaf, unreferenced
         self.evicted_chunks += 1
         self.evicted_bytes += self.chunk_bytes
         return self.pool.alloc()

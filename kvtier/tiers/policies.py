@@ -75,6 +75,20 @@ class EvictionPolicy(ABC):
     def __len__(self) -> int:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def __contains__(self, key: object) -> bool:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def num_children(self, key: bytes) -> int:
+        """Resident keys whose recorded parent is ``key`` (0 for a policy without chains)."""
+        return 0
+
+    def parent_of(self, key: bytes) -> bytes | None:
+        """The parent recorded when ``key`` was inserted (None: a head, or unknown)."""
+        return None
+
+    def check_invariants(self) -> None:
+        """Assert the policy's bookkeeping is consistent (tests; O(keys))."""
+
 
 class ChainAwarePolicy(EvictionPolicy):
     """Base of every policy here: applies the chain rule of the module doc.
@@ -153,6 +167,20 @@ class ChainAwarePolicy(EvictionPolicy):
         """Resident keys whose parent is ``key``."""
         return self._children.get(key, 0)
 
+    def parent_of(self, key: bytes) -> bytes | None:
+        return self._parent.get(key)
+
+    def check_invariants(self) -> None:
+        counts: dict[bytes, int] = {}
+        for parent in self._parent.values():
+            if parent is not None:
+                counts[parent] = counts.get(parent, 0) + 1
+        assert counts == self._children, "child counts disagree with the recorded parents"
+        assert self._deferred <= self._parent.keys(), "a deferred key is not resident"
+        order = self._members()
+        assert not (order & self._deferred), "a key is both deferred and in the order"
+        assert order | self._deferred == self._parent.keys(), "a resident key is in neither the order nor deferred"
+
     # -- chain rule ------------------------------------------------------------
     def _use_resident(self, key: bytes) -> None:
         if key in self._deferred:
@@ -208,6 +236,10 @@ class ChainAwarePolicy(EvictionPolicy):
     @abstractmethod
     def _order(self) -> Iterator[bytes]:
         """Keys in the order, best victim first."""
+
+    def _members(self) -> set[bytes]:
+        """Keys in the order, as a set, without changing it (for ``check_invariants``)."""
+        return set(self._order())
 
 
 class LRUPolicy(ChainAwarePolicy):
@@ -404,6 +436,9 @@ class S3FIFOPolicy(ChainAwarePolicy):
                 self._ghost.popitem(last=False)
         else:
             self._main.pop(key, None)
+
+    def _members(self) -> set[bytes]:
+        return set(self._small) | set(self._main)
 
     def _order(self) -> Iterator[bytes]:
         # Mutates the queues as the algorithm does, so it never holds an

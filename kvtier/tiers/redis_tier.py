@@ -5,9 +5,24 @@ URLs: ``redis://[user:pass@]host:port/db``, ``rediss://`` (TLS), ``unix:///path.
 more via ``seeds=``). Tier options may also be given as query parameters
 (``?ttl_s=3600&codec=shuffle-zstd``); other query parameters go to redis-py.
 
-Data model: one string value per chunk under ``key_prefix + key.hex()``, holding
-the checksummed envelope of :mod:`kvtier.serde.envelope`; optional TTL (``SET ..
-PX``). **Capacity is Redis's own**: set ``maxmemory`` and ``maxmemory-policy
+Data model: one string value per chunk under
+``<key_prefix><namespace-hex[:16]>:<key.hex()>`` (e.g.
+``kvtier:3fa9c0d1e2b4a577:9c41...``), holding the checksummed envelope of
+:mod:`kvtier.serde.envelope` whose key field is the first 8 bytes of the
+namespace digest followed by the chunk key (so a value copied under another
+namespace's name is a miss); optional TTL (``SET .. PX``). ``clear`` removes
+only this namespace's keys (``SCAN MATCH <key_prefix><namespace-hex[:16]>:*`` on
+every primary), never other models sharing the Redis.
+
+To wipe every kvtier key deliberately (all models), use Redis itself:
+``redis-cli --scan --pattern 'kvtier:*' | xargs -r redis-cli unlink`` (each
+primary of a cluster), or ``FLUSHDB`` when the database holds nothing else.
+
+Prefix closure under TTLs (``ttl_s``): a chunk must not expire before the chunks
+that extend it. ``put_many`` sends a batch tail first and refreshes each written
+chunk's parent right after it (``PEXPIRE parent``), so a head gets the later
+expiry; ``touch_many`` (the manager calls it for every lookup's hit chain)
+refreshes a whole chain tail first in one pipelined batch. **Capacity is Redis's own**: set ``maxmemory`` and ``maxmemory-policy
 allkeys-lru`` (or ``volatile-lru`` with a TTL) on the server; kvtier does no
 remote accounting. Under ``noeviction`` a full Redis answers writes with an OOM
 error: those writes are dropped and counted (``put_failed``).
@@ -42,7 +57,6 @@ with its retries disabled); kvtier speaks RESP on the connected socket.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,22 +65,17 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.crc import key_slot
 from redis.retry import Retry
 
 from kvtier.serde.base import Buffer, Codec, ValueSpec
 from kvtier.serde.envelope import ValueMiss, encode_value, read_value_into
 from kvtier.serde.registry import decoders_with, make_codec
-from kvtier.tiers.base import RemoteTier, TierCounters, check_key, writable_view
-from kvtier.tiers.breaker import CircuitBreaker
-from kvtier.tiers.resp import CommandPacker, ProtocolError, RespError, Wire
+from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, check_key, writable_view
+from kvtier.tiers.redis_nodes import Addr, Batch, NodeSettings, RedisNodes, glob_escape
+from kvtier.tiers.resp import RespError, Wire
 
 log = logging.getLogger(__name__)
 
-Addr = tuple[str, int]  # (host, port); ("unix", 0) for a Unix socket
-_STANDALONE: Addr = ("", 0)
-_TRANSPORT_ERRORS = (OSError, ProtocolError, ValueError, redis.RedisError)
-_NUM_SLOTS = 16384
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,10 @@ class RedisTierOptions:
         codec_options: options of the named codec, e.g. ``{"level": 3}``.
         spec: dtype and shape hint of the payloads (for codecs).
         ttl_s: expiry of stored chunks in Redis; None keeps them until Redis evicts.
-        key_prefix: prefix of every Redis key this tier writes; ``clear`` removes only these.
+        key_prefix: prefix of every Redis key this tier writes.
+        namespace: key namespace digest (32 bytes,
+            :meth:`kvtier.index.keys.KeyNamespace.digest`); part of every Redis key,
+            and ``clear`` removes only its keys. Default: 32 zero bytes.
         timeout_s: bound on one call, all round trips included.
         connect_timeout_s: bound on opening one connection (within ``timeout_s``).
         breaker_failures: consecutive failures that open a node's circuit breaker.
@@ -92,6 +104,7 @@ class RedisTierOptions:
     spec: ValueSpec = ValueSpec()
     ttl_s: float | None = None
     key_prefix: str = "kvtier:"
+    namespace: bytes = bytes(32)
     timeout_s: float = 1.0
     connect_timeout_s: float = 0.5
     breaker_failures: int = 3
@@ -105,6 +118,8 @@ class RedisTierOptions:
             raise ValueError("timeout_s and connect_timeout_s must be positive")
         if self.ttl_s is not None and self.ttl_s <= 0:
             raise ValueError("ttl_s must be positive (or None for no expiry)")
+        if not isinstance(self.namespace, (bytes, bytearray)) or not 8 <= len(self.namespace) <= 64:
+            raise ValueError("namespace must be 8..64 bytes (a KeyNamespace digest)")
 
 
 _FLOAT_OPTS = {"ttl_s", "timeout_s", "connect_timeout_s", "breaker_backoff_s", "breaker_max_backoff_s"}
@@ -112,60 +127,7 @@ _INT_OPTS = {"breaker_failures", "max_idle_connections"}
 _STR_OPTS = {"codec", "key_prefix"}
 
 
-class _NodePool:
-    """Idle connections to one node; connects lazily within the caller's deadline."""
-
-    def __init__(self, factory: Callable[[], redis.connection.AbstractConnection], opts: RedisTierOptions):
-        self._factory = factory
-        self._opts = opts
-        self._idle: list[redis.connection.AbstractConnection] = []
-        self._lock = threading.Lock()
-        self.breaker = CircuitBreaker(opts.breaker_failures, opts.breaker_backoff_s, opts.breaker_max_backoff_s)
-
-    def acquire(self, deadline: float) -> redis.connection.AbstractConnection:
-        with self._lock:
-            conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = self._factory()
-        if getattr(conn, "_sock", None) is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise socket.timeout("kvtier: deadline passed before connecting")
-            conn.socket_connect_timeout = min(self._opts.connect_timeout_s, remaining)
-            conn.socket_timeout = remaining
-            conn.connect()
-        return conn
-
-    def release(self, conn: redis.connection.AbstractConnection, healthy: bool) -> None:
-        if healthy:
-            with self._lock:
-                if len(self._idle) < self._opts.max_idle_connections:
-                    self._idle.append(conn)
-                    return
-        conn.disconnect()
-
-    def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.disconnect()
-
-
-class _Batch:
-    """Commands for one node in one call, with a reply handler per command."""
-
-    __slots__ = ("addr", "commands", "handlers", "conn", "wire", "failed")
-
-    def __init__(self, addr: Addr):
-        self.addr = addr
-        self.commands: list[list[Any]] = []
-        self.handlers: list[Callable[[Wire], None]] = []
-        self.conn = None
-        self.wire: Wire | None = None
-        self.failed = False
-
-
-class RedisTier(RemoteTier):
+class RedisTier(LowerTier):
     """Chunk payloads in Redis (standalone or cluster). See the module doc for semantics.
 
     Args:
@@ -179,6 +141,7 @@ class RedisTier(RemoteTier):
     """
 
     name = "redis"
+    kind = "remote"
     schemes = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
     def __init__(self, url: str, decoders: Mapping[str, Codec] | None = None, **options: Any):
@@ -189,13 +152,15 @@ class RedisTier(RemoteTier):
         self.codec = make_codec(opts.codec, **dict(opts.codec_options))
         self.decoders = decoders_with(decoders)
         self.counters = TierCounters()
-        self._prefix = opts.key_prefix.encode()
+        ns = bytes(opts.namespace)
+        #: Prefix of every Redis key of this tier's namespace (``clear`` scans it).
+        self.namespace_prefix = opts.key_prefix.encode() + ns.hex()[:16].encode() + b":"
+        self._prefix = self.namespace_prefix
+        self._ns_tag = ns[:8]  # carried in each envelope's key field
         self._ttl_ms = None if opts.ttl_s is None else max(1, int(opts.ttl_s * 1000))
         self._tls = threading.local()
         self._lock = threading.Lock()
         self._closed = False
-        self.redirects = 0
-        self.topology_refreshes = 0
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in self.schemes:
@@ -213,26 +178,28 @@ class RedisTier(RemoteTier):
             )
         except (ValueError, TypeError) as exc:
             raise ValueError(f"bad Redis URL {url!r}: {exc}") from None
-        self._conn_class = proto.connection_class
-        self._conn_kwargs = dict(proto.connection_kwargs)
-        self._pools: dict[Addr, _NodePool] = {}
-        self._slots: list[Addr] | None = None
-        self._slots_stale = True
-        self._seeds: list[Addr] = []
+        conn_kwargs = dict(proto.connection_kwargs)
+        seeds: list[Addr] = []
         if self.cluster:
-            if self._conn_kwargs.get("db", 0) != 0:
+            if conn_kwargs.get("db", 0) != 0:
                 raise ValueError("Redis Cluster has only database 0")
             if not parts.hostname:
                 raise ValueError(f"cluster URL {url!r} needs host:port")
-            self._seeds.append((parts.hostname, parts.port or 6379))
+            seeds.append((parts.hostname, parts.port or 6379))
             for s in opts.seeds:
                 host, _, port = s.rpartition(":")
                 if not host or not port.isdigit():
                     raise ValueError(f"cluster seed {s!r} is not host:port")
-                self._seeds.append((host, int(port)))
-            self._topology_breaker = CircuitBreaker(
-                opts.breaker_failures, opts.breaker_backoff_s, opts.breaker_max_backoff_s
-            )
+                seeds.append((host, int(port)))
+        settings = NodeSettings(
+            opts.connect_timeout_s,
+            opts.max_idle_connections,
+            opts.breaker_failures,
+            opts.breaker_backoff_s,
+            opts.breaker_max_backoff_s,
+        )
+        #: Connections, cluster routing and pipelined round trips.
+        self.nodes = RedisNodes((proto.connection_class, conn_kwargs), settings, self.counters, seeds)
         #: The URL with any password masked (for logs).
         self.url = url.replace(f":{parts.password}@", ":***@") if parts.password else url
 
@@ -256,135 +223,21 @@ class RedisTier(RemoteTier):
         return cls(base + ("?" + urlencode(rest) if rest else ""), **options)
 
     # -- plumbing ----------------------------------------------------------------
-    def _rkey(self, key: bytes) -> bytes:
+    def redis_key(self, key: bytes) -> bytes:
+        """The Redis key that holds chunk ``key`` of this tier's namespace."""
         return self._prefix + key.hex().encode()
 
-    def _pool(self, addr: Addr) -> _NodePool:
-        with self._lock:
-            pool = self._pools.get(addr)
-            if pool is None:
-                kwargs = dict(self._conn_kwargs)
-                if addr != _STANDALONE:
-                    kwargs["host"], kwargs["port"] = addr
-                    kwargs.pop("orig_host_address", None)
-                cls = self._conn_class
-                pool = self._pools[addr] = _NodePool(lambda: cls(**kwargs), self.options)
-            return pool
+    _rkey = redis_key
+
+    def _ekey(self, key: bytes) -> bytes:
+        """The key field of ``key``'s envelope: namespace tag + chunk key."""
+        return self._ns_tag + key
 
     def _scratch(self, n: int) -> memoryview:
         buf = getattr(self._tls, "buf", None)
         if buf is None or len(buf) < n:
             buf = self._tls.buf = bytearray(n)
         return memoryview(buf)
-
-    def _refresh_slots(self, deadline: float) -> bool:
-        """Load the cluster slot map (CLUSTER SLOTS) from any reachable node."""
-        if not self._topology_breaker.allow():
-            return False
-        with self._lock:
-            candidates = list(dict.fromkeys(self._seeds + [a for a in self._pools if a != _STANDALONE]))
-        for addr in candidates:
-            pool = self._pool(addr)
-            conn = None
-            try:
-                conn = pool.acquire(deadline)
-                wire = Wire(conn._sock, deadline)
-                wire.send(_packed([[b"CLUSTER", b"SLOTS"]]))
-                reply = wire.read_reply()
-            except _TRANSPORT_ERRORS as exc:
-                log.debug("kvtier redis: CLUSTER SLOTS from %s:%d failed: %s", *addr, exc)
-                if conn is not None:
-                    pool.release(conn, healthy=False)
-                continue
-            pool.release(conn, healthy=True)
-            if not isinstance(reply, list) or not reply:
-                continue
-            slots: list[Addr] = [_STANDALONE] * _NUM_SLOTS
-            for entry in reply:
-                start, end, primary = entry[0], entry[1], entry[2]
-                host = primary[0].decode() if primary[0] else addr[0]
-                node = (host, int(primary[1]))
-                for s in range(int(start), int(end) + 1):
-                    slots[s] = node
-            with self._lock:
-                self._slots = slots
-                self._slots_stale = False
-                self.topology_refreshes += 1
-            self._topology_breaker.success()
-            return True
-        self._topology_breaker.failure()
-        return False
-
-    def _group(self, rkeys: Sequence[bytes], deadline: float) -> dict[Addr, list[int]] | None:
-        """Indices of ``rkeys`` per owning node; None if the cluster topology is unknown."""
-        if not self.cluster:
-            return {_STANDALONE: list(range(len(rkeys)))}
-        if self._slots_stale or self._slots is None:
-            self._refresh_slots(deadline)
-        slots = self._slots
-        if slots is None:
-            return None
-        groups: dict[Addr, list[int]] = {}
-        for i, rk in enumerate(rkeys):
-            node = slots[key_slot(rk)]
-            if node == _STANDALONE:  # slot not served (cluster incomplete)
-                return None
-            groups.setdefault(node, []).append(i)
-        return groups
-
-    def _run(self, batches: Sequence[_Batch], deadline: float) -> None:
-        """Send every node's pipeline, then read every node's replies.
-
-        A node whose breaker is open, or that fails, leaves its handlers unrun
-        (their results keep the default miss); transport failures feed its breaker.
-        """
-        live: list[_Batch] = []
-        for b in batches:
-            pool = self._pool(b.addr)
-            if not pool.breaker.allow():
-                b.failed = True
-                self.counters.add(skipped_calls=1)
-                continue
-            try:
-                b.conn = pool.acquire(deadline)
-                b.wire = Wire(b.conn._sock, deadline)
-                b.wire.send(_packed(b.commands))
-            except Exception as exc:  # transport errors, and any bug: never raise to the engine
-                self._node_failed(b, pool, exc)
-                continue
-            live.append(b)
-        for b in live:
-            pool = self._pool(b.addr)
-            try:
-                for handler in b.handlers:
-                    handler(b.wire)
-            except Exception as exc:  # the stream position is unknown: drop the connection
-                self._node_failed(b, pool, exc)
-                continue
-            pool.release(b.conn, healthy=True)
-            pool.breaker.success()
-
-    def _node_failed(self, b: _Batch, pool: _NodePool, exc: BaseException) -> None:
-        b.failed = True
-        if b.conn is not None:
-            pool.release(b.conn, healthy=False)
-            b.conn = None
-        pool.breaker.failure()
-        self.counters.add(errors=1)
-        if self.cluster:
-            self._slots_stale = True
-        if isinstance(exc, _TRANSPORT_ERRORS):
-            log.debug("kvtier redis: node %s failed: %r", b.addr, exc)
-        else:
-            log.error("kvtier redis: unexpected error talking to %s", b.addr, exc_info=exc)
-
-    def _note_error(self, reply: RespError) -> None:
-        if reply.is_redirect:
-            self._slots_stale = True
-            with self._lock:
-                self.redirects += 1
-        else:
-            log.debug("kvtier redis: error reply %s", reply.message)
 
     def _unavailable(self, n: int) -> bool:
         if self._closed:
@@ -401,16 +254,16 @@ class RedisTier(RemoteTier):
             return out
         deadline = time.monotonic() + self.options.timeout_s
         rkeys = [self._rkey(k) for k in keys]
-        groups = self._group(rkeys, deadline)
+        groups = self.nodes.group(rkeys, deadline)
         if groups is not None:
             batches = []
             for addr, idx in groups.items():
-                b = _Batch(addr)
+                b = Batch(addr)
                 for i in idx:
                     b.commands.append([b"EXISTS", rkeys[i]])
                     b.handlers.append(self._exists_handler(out, i))
                 batches.append(b)
-            self._run(batches, deadline)
+            self.nodes.run(batches, deadline)
         else:
             self.counters.add(skipped_calls=1)
         self.counters.add(contains_keys=len(keys), contains_hits=sum(out))
@@ -420,46 +273,51 @@ class RedisTier(RemoteTier):
         def handle(wire: Wire) -> None:
             reply = wire.read_reply()
             if isinstance(reply, RespError):
-                self._note_error(reply)
+                self.nodes.note_error(reply)
             else:
                 out[i] = reply == 1
 
         return handle
 
-    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
-        for k, _ in items:
-            check_key(k)
+    def put_many(self, items: Sequence[ChunkWrite]) -> list[bool]:
+        for item in items:
+            if not isinstance(item, ChunkWrite):
+                raise TypeError(f"put_many takes ChunkWrite items, got {type(item).__name__}")
+            check_key(item.key)
         out = [False] * len(items)
         if self._unavailable(len(items)):
             self.counters.add(puts=len(items), put_failed=len(items))
             return out
         deadline = time.monotonic() + self.options.timeout_s
-        rkeys = [self._rkey(k) for k, _ in items]
         encoded: list[Any] = []
-        for key, payload in items:
+        for item in items:
             try:
-                encoded.append(encode_value(key, payload, self.codec, self.options.spec))
+                encoded.append(encode_value(self._ekey(item.key), item.payload, self.codec, self.options.spec))
             except ValueError as exc:  # CodecError is a ValueError: bad payload, not a store failure
-                log.warning("kvtier redis: chunk %s not stored: %s", key.hex()[:16], exc)
+                log.warning("kvtier redis: chunk %s not stored: %s", item.key.hex()[:16], exc)
                 encoded.append(None)
-        groups = self._group(rkeys, deadline)
+        # Tail first, each write followed by a TTL refresh of its parent: a chain's
+        # head always expires after its tails (prefix closure under TTLs).
+        rkeys: list[bytes] = []
+        commands: list[list[Any]] = []
+        handlers: list[Callable[[Wire], None]] = []
+        px = [b"PX", b"%d" % self._ttl_ms] if self._ttl_ms is not None else []
+        for i in reversed(range(len(items))):
+            ev = encoded[i]
+            if ev is None:
+                continue
+            rkeys.append(self._rkey(items[i].key))
+            commands.append([b"SET", rkeys[-1], ev.parts, *px])
+            handlers.append(self._set_handler(out, i))
+            parent = items[i].parent
+            if self._ttl_ms is not None and parent is not None and len(parent) and len(parent) <= 255:
+                rkeys.append(self._rkey(parent))
+                commands.append([b"PEXPIRE", rkeys[-1], b"%d" % self._ttl_ms])
+                handlers.append(self._ignore_handler)
+        groups = self.nodes.group(rkeys, deadline) if rkeys else {}
         written = 0
         if groups is not None:
-            batches = []
-            for addr, idx in groups.items():
-                b = _Batch(addr)
-                for i in idx:
-                    ev = encoded[i]
-                    if ev is None:
-                        continue
-                    cmd: list[Any] = [b"SET", rkeys[i], ev.parts]
-                    if self._ttl_ms is not None:
-                        cmd += [b"PX", b"%d" % self._ttl_ms]
-                    b.commands.append(cmd)
-                    b.handlers.append(self._set_handler(out, i))
-                if b.commands:
-                    batches.append(b)
-            self._run(batches, deadline)
+            self.nodes.run(self._batches(groups, commands, handlers), deadline)
             written = sum(encoded[i].nbytes for i in range(len(items)) if out[i])
         else:
             self.counters.add(skipped_calls=1)
@@ -467,11 +325,51 @@ class RedisTier(RemoteTier):
         self.counters.add(puts=len(items), put_ok=ok, put_failed=len(items) - ok, bytes_written=written)
         return out
 
+    @staticmethod
+    def _batches(
+        groups: dict[Addr, list[int]], commands: list[list[Any]], handlers: list[Callable[[Wire], None]]
+    ) -> list[Batch]:
+        batches = []
+        for addr, idx in groups.items():
+            b = Batch(addr)
+            for i in idx:
+                b.commands.append(commands[i])
+                b.handlers.append(handlers[i])
+            batches.append(b)
+        return batches
+
+    def _ignore_handler(self, wire: Wire) -> None:
+        reply = wire.read_reply()
+        if isinstance(reply, RespError):
+            self.nodes.note_error(reply)
+
+    @property
+    def touch_needed(self) -> bool:
+        """True if :meth:`touch_many` does anything (only with ``ttl_s``); the manager skips it otherwise."""
+        return self._ttl_ms is not None
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """Refresh the TTL of a prompt's chunks (prompt order), tail first, in one
+        pipelined round trip per node. Nothing without ``ttl_s``; never raises for a
+        store failure."""
+        for k in keys:
+            check_key(k)
+        if self._ttl_ms is None or self._unavailable(len(keys)):
+            return
+        deadline = time.monotonic() + self.options.timeout_s
+        rkeys = [self._rkey(k) for k in reversed(keys)]
+        commands = [[b"PEXPIRE", rk, b"%d" % self._ttl_ms] for rk in rkeys]
+        groups = self.nodes.group(rkeys, deadline)
+        if groups is None:
+            self.counters.add(skipped_calls=1)
+            return
+        self.nodes.run(self._batches(groups, commands, [self._ignore_handler] * len(commands)), deadline)
+
     def _set_handler(self, out: list[bool], i: int) -> Callable[[Wire], None]:
         def handle(wire: Wire) -> None:
             reply = wire.read_reply()
             if isinstance(reply, RespError):
-                self._note_error(reply)  # e.g. OOM under noeviction: the write is dropped
+                self.nodes.note_error(reply)  # e.g. OOM under noeviction: the write is dropped
             else:
                 out[i] = reply == b"OK"
 
@@ -488,18 +386,18 @@ class RedisTier(RemoteTier):
             return out
         deadline = time.monotonic() + self.options.timeout_s
         rkeys = [self._rkey(k) for k, _ in items]
-        groups = self._group(rkeys, deadline)
+        groups = self.nodes.group(rkeys, deadline)
         stats = {"hits": 0, "absent": 0, "corrupt": 0, "bytes": 0}
         corrupt: list[bytes] = []
         if groups is not None:
             batches = []
             for addr, idx in groups.items():
-                b = _Batch(addr)
+                b = Batch(addr)
                 for i in idx:
                     b.commands.append([b"GET", rkeys[i]])
                     b.handlers.append(self._get_handler(out, i, items[i][0], views[i], stats, corrupt))
                 batches.append(b)
-            self._run(batches, deadline)
+            self.nodes.run(batches, deadline)
         else:
             self.counters.add(skipped_calls=1)
         misses = len(items) - stats["hits"]
@@ -522,13 +420,13 @@ class RedisTier(RemoteTier):
         def handle(wire: Wire) -> None:
             n = wire.read_bulk_len()
             if isinstance(n, RespError):
-                self._note_error(n)
+                self.nodes.note_error(n)
                 return
             if n < 0:
                 stats["absent"] += 1
                 return
             try:
-                read_value_into(wire.read_exact_into, n, key, dst, self.decoders, self._scratch)
+                read_value_into(wire.read_exact_into, n, self._ekey(key), dst, self.decoders, self._scratch)
             except ValueMiss as miss:
                 wire.skip(n - miss.consumed)
                 wire.expect_crlf()
@@ -544,25 +442,25 @@ class RedisTier(RemoteTier):
         return handle
 
     def _delete_rkeys(self, rkeys: Sequence[bytes], deadline: float) -> int:
-        groups = self._group(rkeys, deadline)
+        groups = self.nodes.group(rkeys, deadline)
         if groups is None:
             return 0
         counts = [0] * len(rkeys)
         batches = []
         for addr, idx in groups.items():
-            b = _Batch(addr)
+            b = Batch(addr)
             for i in idx:
                 b.commands.append([b"UNLINK", rkeys[i]])
                 b.handlers.append(self._count_handler(counts, i))
             batches.append(b)
-        self._run(batches, deadline)
+        self.nodes.run(batches, deadline)
         return sum(counts)
 
     def _count_handler(self, counts: list[int], i: int) -> Callable[[Wire], None]:
         def handle(wire: Wire) -> None:
             reply = wire.read_reply()
             if isinstance(reply, RespError):
-                self._note_error(reply)
+                self.nodes.note_error(reply)
             elif isinstance(reply, int):
                 counts[i] = reply
 
@@ -578,39 +476,37 @@ class RedisTier(RemoteTier):
         return n
 
     def clear(self) -> int:
-        """Remove every key under ``key_prefix`` on every node (SCAN + UNLINK).
+        """Remove every key of this tier's namespace on every primary (SCAN MATCH + UNLINK).
+
+        Other namespaces (other models) sharing the Redis keep theirs; see the
+        module doc for wiping everything deliberately.
 
         Each round trip has its own ``timeout_s`` deadline; a node that fails
         mid-way keeps its remaining keys (the count says how many went).
         """
         if self._unavailable(1):
             return 0
-        if self.cluster:
-            if not self._refresh_slots(time.monotonic() + self.options.timeout_s) and self._slots is None:
-                return 0
-            nodes = sorted(set(self._slots or ()) - {_STANDALONE})
-        else:
-            nodes = [_STANDALONE]
-        pattern = _glob_escape(self._prefix) + b"*"
+        nodes = self.nodes.primaries(time.monotonic() + self.options.timeout_s)
+        pattern = glob_escape(self._prefix) + b"*"
         removed = 0
         for addr in nodes:
             cursor = b"0"
             while True:
                 reply: list[Any] = []
-                b = _Batch(addr)
+                b = Batch(addr)
                 b.commands.append([b"SCAN", cursor, b"MATCH", pattern, b"COUNT", b"1000"])
                 b.handlers.append(lambda wire, r=reply: r.append(wire.read_reply()))
-                self._run([b], time.monotonic() + self.options.timeout_s)
+                self.nodes.run([b], time.monotonic() + self.options.timeout_s)
                 if b.failed or not reply or not isinstance(reply[0], list):
                     break
                 cursor, found = reply[0][0], reply[0][1]
                 if found:
                     counts = [0] * len(found)
-                    d = _Batch(addr)
+                    d = Batch(addr)
                     for i, rk in enumerate(found):
                         d.commands.append([b"UNLINK", rk])
                         d.handlers.append(self._count_handler(counts, i))
-                    self._run([d], time.monotonic() + self.options.timeout_s)
+                    self.nodes.run([d], time.monotonic() + self.options.timeout_s)
                     removed += sum(counts)
                 if cursor == b"0":
                     break
@@ -619,36 +515,13 @@ class RedisTier(RemoteTier):
 
     def close(self) -> None:
         self._closed = True
-        with self._lock:
-            pools = list(self._pools.values())
-        for pool in pools:
-            pool.close()
+        self.nodes.close()
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = self.counters.snapshot()
-        with self._lock:
-            pools = dict(self._pools)
-        out["breakers"] = {
-            ("standalone" if a == _STANDALONE else f"{a[0]}:{a[1]}"): p.breaker.state for a, p in pools.items()
-        }
-        out["breaker_trips"] = sum(p.breaker.trips for p in pools.values())
-        out["redirects"] = self.redirects
-        out["topology_refreshes"] = self.topology_refreshes
+        out["breakers"] = self.nodes.breaker_states()
+        out["breaker_trips"] = self.nodes.breaker_trips()
+        out["redirects"] = self.nodes.redirects
+        out["topology_refreshes"] = self.nodes.topology_refreshes
         out["codec"] = self.codec.name
         return out
-
-
-def _packed(commands: Sequence[Sequence[Any]]) -> list[Buffer]:
-    packer = CommandPacker()
-    for cmd in commands:
-        packer.add(cmd)
-    return packer.finish()
-
-
-def _glob_escape(prefix: bytes) -> bytes:
-    out = bytearray()
-    for ch in prefix:
-        if ch in b"*?[]\\":
-            out += b"\\"
-        out.append(ch)
-    return bytes(out)

@@ -1,9 +1,9 @@
-"""Finding remote tier implementations: the ``kvtier.tiers`` entry-point group.
+"""Finding lower-tier implementations: the ``kvtier.tiers`` entry-point group.
 
 A package adds a tier by declaring, in its ``pyproject.toml``::
 
     [project.entry-points."kvtier.tiers"]
-    mystore = "mypkg.tier:MyStoreTier"   # a RemoteTier subclass
+    mystore = "mypkg.tier:MyStoreTier"   # a LowerTier subclass
 
 The entry-point name is the URL scheme (or plain name) that selects it:
 ``open_tier("mystore://host/x")`` calls ``MyStoreTier.from_url(url, **options)``;
@@ -21,7 +21,7 @@ from importlib.metadata import entry_points
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from kvtier.tiers.base import RemoteTier
+from kvtier.tiers.base import LowerTier
 
 ENTRY_POINT_GROUP = "kvtier.tiers"
 
@@ -46,12 +46,12 @@ def available_tiers() -> dict[str, str]:
     return found
 
 
-def load_tier_class(name: str) -> type[RemoteTier]:
+def load_tier_class(name: str) -> type[LowerTier]:
     """The tier class registered under ``name`` (a scheme or plain name).
 
     Raises:
         ValueError: no tier has that name (the message lists the known ones), or
-            the registered object is not a :class:`RemoteTier` subclass.
+            the registered object is not a :class:`LowerTier` subclass.
         ImportError: the registered module cannot be imported (e.g. a missing extra).
     """
     tiers = available_tiers()
@@ -62,13 +62,13 @@ def load_tier_class(name: str) -> type[RemoteTier]:
     obj: Any = importlib.import_module(module)
     for part in attr.split("."):
         obj = getattr(obj, part)
-    if not (isinstance(obj, type) and issubclass(obj, RemoteTier)):
-        raise ValueError(f"kvtier tier {name!r} -> {target} is not a RemoteTier subclass")
+    if not (isinstance(obj, type) and issubclass(obj, LowerTier)):
+        raise ValueError(f"kvtier tier {name!r} -> {target} is not a LowerTier subclass")
     return obj
 
 
-def open_tier(spec: str, **options: Any) -> RemoteTier:
-    """Open a remote tier from a URL (selected by scheme) or a registered name.
+def open_tier(spec: str, **options: Any) -> LowerTier:
+    """Open a lower tier from a URL (selected by scheme) or a registered name.
 
     Examples: ``open_tier("redis://127.0.0.1:6379/0", ttl_s=3600)``,
     ``open_tier("redis+cluster://10.0.0.5:7000")``, ``open_tier("fs:///mnt/kv")``.

@@ -7,7 +7,7 @@ Usage::
 
 Prints ``ready <direct_io>`` once the tier is open. Chunk ``i`` has key
 ``key_for(SEED, i)`` and payload ``payload_for_key(key)``; every third chunk is
-written with ``put`` (synchronous), the others with ``put_async``. After a chunk
+written with ``put``, the others with ``put_many`` in pairs. After a chunk
 is on disk under its final name, its key (hex) is appended to LOG with a single
 unbuffered ``write`` (a SIGKILL cannot leave half a line in the kernel).
 With ``--count N`` it stops after N chunks; with ``--clean`` it then closes the
@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fault_helpers.payloads import CRASH_NS, key_for, payload_for_key  # noqa: E402
 
+from kvtier.tiers.base import ChunkWrite  # noqa: E402
 from kvtier.tiers.disk import DiskTier, FileOps  # noqa: E402
 
 
@@ -65,7 +66,6 @@ def main() -> None:
         a.dir,
         a.capacity,
         CRASH_NS,
-        write_queue=16,
         fsync=a.fsync,
         direct_io=a.direct,
         fs=PiecewiseFileOps(a.piece, a.piece_delay) if a.piece else None,
@@ -79,17 +79,24 @@ def main() -> None:
 
     print("ready", int(tier.direct_io), flush=True)
     i = 0
+    batch: list[ChunkWrite] = []
     while a.count is None or i < a.count:
         key = key_for(a.seed, i)
         payload = payload_for_key(key)
         if i % 3 == 0:
             if tier.put(key, payload):
                 record(key)
-        else:
-            while tier.pending_writes >= 12:  # backpressure instead of dropping most async puts
-                time.sleep(0.001)
-            tier.put_async(key, payload, lambda k=key: record(k) if tier.contains(k) else None)
+        else:  # the rest in batches of two (what the storage manager's write-behind sends)
+            batch.append(ChunkWrite(key, None, payload))
+            if len(batch) == 2:
+                for w, ok in zip(batch, tier.put_many(batch)):
+                    if ok:
+                        record(w.key)
+                batch = []
         i += 1
+    for w, ok in zip(batch, tier.put_many(batch)):
+        if ok:
+            record(w.key)
     if a.clean:
         tier.close()
         print("closed", flush=True)

@@ -1,6 +1,6 @@
 """Two vLLM engine processes sharing one ``kvtier server``: cross-engine and cross-restart hits.
 
-Run: ``kvtier demo-server [--json PATH]`` (or ``python -m kvtier.service.demo_two_engines``).
+Run: ``kvtier demo-server [--json PATH]`` (or ``python -m kvtier.demo.two_engines``).
 
 Steps (each engine run is a fresh process, so nothing survives in engine memory):
 1. start ``kvtier server`` with a disk tier and metrics on a free loopback port;
@@ -15,8 +15,9 @@ Steps (each engine run is a fresh process, so nothing survives in engine memory)
 Every hit run's greedy token ids must equal the reference. (A cold prefill in bf16
 may differ from any prefix-cache hit, vLLM's own included, because the split
 changes the floating-point reduction order; the report says how many equal the
-cold answers too.) Hit tokens come from the server's Prometheus counter
-``kvtier_lookup_hit_tokens_total{tier=...}``.
+cold answers too.) Hit tokens are the tokens kvtier loaded into each engine, by
+tier, as that engine's connector accounted them (``request_hits``: engines run
+in-process in their child, which reports its totals to this parent).
 """
 
 from __future__ import annotations
@@ -44,16 +45,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _hit_tokens(metrics_port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kvtier_lookup_hit_tokens_total{"):
-            tier = line.split('tier="', 1)[1].split('"', 1)[0]
-            out[tier] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def _start_server(sock: str, disk: str, metrics_port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvtier.cli", "server", "--socket", sock, "--cpu-capacity", "1GiB",
@@ -71,9 +62,11 @@ def _start_server(sock: str, disk: str, metrics_port: int) -> subprocess.Popen:
 
 
 def engine_main(model: str, sock: str, engine_id: str, prompts_path: str, out_path: str, repeat: str = "0") -> None:
-    """One engine process: greedy token ids for every prompt (twice each if ``repeat``), as JSON."""
+    """One engine process: greedy token ids for every prompt (twice each if ``repeat``) and the
+    tokens kvtier loaded into this engine by tier (first pass), as JSON ``{"answers", "hits"}``."""
     from vllm import SamplingParams
 
+    from kvtier.integrations.vllm import request_hits
     from kvtier.integrations.vllm_engine import build_llm, kv_transfer_config
 
     prompts = json.loads(Path(prompts_path).read_text())
@@ -86,23 +79,29 @@ def engine_main(model: str, sock: str, engine_id: str, prompts_path: str, out_pa
     )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     runs: list[list[list[int]]] = [[], []] if repeat == "1" else [[]]
+    hits: dict[str, int] = {}
     for ids in prompts:
-        for answers in runs:  # the second pass of a prompt hits vLLM's own prefix cache
+        for i, answers in enumerate(runs):  # the second pass of a prompt hits vLLM's own prefix cache
             out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
             answers.append(list(out.outputs[0].token_ids))
-    Path(out_path).write_text(json.dumps(runs))
+            info = request_hits(out.request_id) if i == 0 else None
+            for tier, n in ((info or {}).get("tiers") or {}).items():
+                hits[tier] = hits.get(tier, 0) + int(n)
+    Path(out_path).write_text(json.dumps({"answers": runs, "hits": hits}))
 
 
 def _run_engine(
     model: str, sock: str, engine_id: str, prompts_path: str, work: Path, tag: str, repeat: bool = False
-) -> list[list[list[int]]]:
+) -> tuple[list[list[list[int]]], dict[str, int]]:
+    """Run one engine process: (answers per pass, tokens kvtier loaded into it by tier)."""
     out = work / f"answers-{tag}.json"
     subprocess.run(
-        [sys.executable, "-m", "kvtier.service.demo_two_engines", "--engine", model, sock, engine_id,
+        [sys.executable, "-m", "kvtier.demo.two_engines", "--engine", model, sock, engine_id,
          prompts_path, str(out), "1" if repeat else "0"],
         check=True,
     )
-    return json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    return doc["answers"], {str(t): int(n) for t, n in doc["hits"].items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,21 +130,19 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     server = _start_server(sock, disk, port)
     try:
-        cold, reference = _run_engine(model, sock, "engine-a", str(prompts_path), work, "A-cold", repeat=True)
+        (cold, reference), _ = _run_engine(model, sock, "engine-a", str(prompts_path), work, "A-cold", repeat=True)
         rows.append({"run": "A cold (+ engine-hit reference)", "hits": {}, "answers_identical": True})
         plan = [("B (A's documents)", "engine-b"), ("A restarted", "engine-a")]
         for label, eid in plan:
-            before = _hit_tokens(port)
-            (answers,) = _run_engine(model, sock, eid, str(prompts_path), work, eid + str(len(rows)))
-            after = _hit_tokens(port)
-            rows.append({"run": label, "hits": {t: after.get(t, 0) - before.get(t, 0) for t in after},
+            (answers,), hits = _run_engine(model, sock, eid, str(prompts_path), work, eid + str(len(rows)))
+            rows.append({"run": label, "hits": hits,
                          "answers_identical": answers == reference, "equal_to_cold": sum(
                              a == c for a, c in zip(answers, cold))})
         server.terminate()
         server.wait(timeout=60)
         server = _start_server(sock, disk, port)
-        (answers,) = _run_engine(model, sock, "engine-b", str(prompts_path), work, "B-after-restart")
-        rows.append({"run": "B after server restart", "hits": _hit_tokens(port),
+        (answers,), hits = _run_engine(model, sock, "engine-b", str(prompts_path), work, "B-after-restart")
+        rows.append({"run": "B after server restart", "hits": hits,
                      "answers_identical": answers == reference,
                      "equal_to_cold": sum(a == c for a, c in zip(answers, cold))})
     finally:

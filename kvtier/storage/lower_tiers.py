@@ -1,19 +1,24 @@
-"""Opening the storage manager's remote tier from the config.
+"""Opening the storage manager's lower tiers from the config, fastest first.
 
-The remote tier is found by URL scheme through :mod:`kvtier.tiers.registry`
-(built-ins and ``kvtier.tiers`` entry points) and given the chunk's dtype and
-shape (:func:`chunk_spec`), so codecs can exploit the KV structure.
+- the disk tier when ``disk_path`` is set (:class:`kvtier.tiers.disk.DiskTier`);
+- the remote tier named by ``remote_url``, found by URL scheme through
+  :mod:`kvtier.tiers.registry` (built-ins and ``kvtier.tiers`` entry points),
+  given the namespace digest (``namespace``: its ``clear`` removes only this
+  model's chunks) and the chunk's dtype and shape (:func:`chunk_spec`), so codecs
+  can exploit the KV structure.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+from typing import Callable
 
 from kvtier.config import KVTierConfig, mask_url
 from kvtier.index.keys import KeyNamespace
 from kvtier.serde.base import DTYPE_ITEMSIZE, ValueSpec
-from kvtier.tiers.base import RemoteTier
+from kvtier.tiers.base import LowerTier
+from kvtier.tiers.policies import make_policy
 from kvtier.tiers.registry import load_tier_class
 
 log = logging.getLogger(__name__)
@@ -57,11 +62,56 @@ def _accepts(cls: type, name: str) -> bool:
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def open_remote_tier(config: KVTierConfig, namespace: KeyNamespace) -> RemoteTier | None:
+def open_lower_tiers(
+    config: KVTierConfig, namespace: KeyNamespace, is_pinned: Callable[[bytes], bool]
+) -> list[LowerTier]:
+    """The lower tiers ``config`` names, fastest first: disk (if ``disk_path``), then remote.
+
+    ``is_pinned`` tells the disk tier which keys leases hold (never evicted).
+
+    Raises:
+        ValueError: see :func:`open_remote_tier`.
+        DiskTierLocked: the disk directory is owned by another live process.
+        OSError: the disk directory cannot be created or listed.
+    """
+    tiers: list[LowerTier] = []
+    try:
+        if config.disk_path is not None:
+            tiers.append(open_disk_tier(config, namespace, is_pinned))
+        remote = open_remote_tier(config, namespace)
+        if remote is not None:
+            tiers.append(remote)
+    except BaseException:
+        for t in tiers:
+            t.close()
+        raise
+    return tiers
+
+
+def open_disk_tier(config: KVTierConfig, namespace: KeyNamespace, is_pinned: Callable[[bytes], bool]) -> LowerTier:
+    """The disk tier at ``config.disk_path`` (its index rebuilt from the files there)."""
+    from kvtier.tiers.disk import DiskTier  # the disk module is only needed with a disk tier
+
+    assert config.disk_path is not None
+    tier = DiskTier(
+        config.disk_path,
+        int(config.disk_capacity),
+        namespace.digest(),
+        make_policy(config.disk_eviction),
+        is_pinned,
+        fsync=config.disk_fsync,
+        direct_io=config.disk_direct_io,
+    )
+    log.info("kvtier disk tier %s opened", config.disk_path)
+    return tier
+
+
+def open_remote_tier(config: KVTierConfig, namespace: KeyNamespace) -> LowerTier | None:
     """The remote tier named by ``config.remote_url`` (None when unset).
 
-    Passes ``codec``, ``spec``, ``ttl_s`` (if set) and ``timeout_s`` (to tiers that
-    take it; the fs tier's calls are bounded by the filesystem instead).
+    Passes ``namespace`` (the 32-byte namespace digest, to tiers that take it),
+    ``codec``, ``spec``, ``ttl_s`` (if set) and ``timeout_s`` (to tiers that take
+    it; the fs tier's calls are bounded by the filesystem instead).
 
     Raises:
         ValueError: unknown scheme or options the tier refuses (a configuration
@@ -74,6 +124,12 @@ def open_remote_tier(config: KVTierConfig, namespace: KeyNamespace) -> RemoteTie
     options: dict[str, object] = {"codec": config.remote_codec, "spec": chunk_spec(namespace)}
     if config.remote_ttl_s is not None:
         options["ttl_s"] = config.remote_ttl_s
+    if _accepts(cls, "namespace"):
+        options["namespace"] = namespace.digest()
+    else:
+        log.warning(
+            "kvtier remote tier %s takes no namespace: its clear() may remove other models' chunks", cls.__name__
+        )
     if _accepts(cls, "timeout_s"):
         options["timeout_s"] = config.remote_timeout_s
     else:

@@ -1,0 +1,45 @@
+"""vLLM v1 KV connector: ``KVTierConnector``.
+
+Load it with::
+
+    LLM(model, kv_transfer_config={
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_capacity": "4GiB", "disk_path": "/var/cache/kvtier"},
+    })
+
+Modules (the shape of vLLM's ``OffloadingConnector``):
+
+- ``connector``: the facade vLLM instantiates, one per role, delegating every hook;
+- ``scheduler``: request state, lookup and lease, per-step load and save planning,
+  preemption, async-load bookkeeping, invalid blocks, request accounting;
+- ``worker``: KV layout registration, sync and async loads, saves, load errors;
+- ``types``: metadata value types (leaf); ``modes``: where the tiers live
+  (embedded, in-process direct, RPC, kvtier server); ``extras``: LoRA and
+  multimodal key inputs; ``accounting``: per-request hit records;
+  ``inspection``: helpers for in-process engines (``request_hits``, ``flush_all``,
+  ``stats_all``).
+
+Scheduler side: looks up the longest cached prefix of each new prompt beyond
+what vLLM's own prefix cache holds, leases those chunks, and after block
+allocation plans which chunks to load into which blocks and which newly
+computed full prompt chunks to save. Worker side: loads planned chunks before
+the forward pass (chunks held only by a lower tier asynchronously, while the
+request waits in WAITING_FOR_REMOTE_KVS) and saves planned chunks after it.
+"""
+
+from kvtier.integrations.vllm.connector import KVTierConnector
+from kvtier.integrations.vllm.inspection import flush_all, request_hits, stats_all
+from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, RequestHits, TransferSpec
+
+__all__ = [
+    "ChunkCopy",
+    "KVTierConnector",
+    "KVTierMetadata",
+    "RequestHits",
+    "TransferSpec",
+    "flush_all",
+    "request_hits",
+    "stats_all",
+]

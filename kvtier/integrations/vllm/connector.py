@@ -1,0 +1,162 @@
+"""``KVTierConnector``: the thin facade vLLM instantiates; delegates to the scheduler or worker half.
+
+vLLM builds one connector per role: ``SCHEDULER`` (in the engine core's
+scheduler) and ``WORKER`` (in each model worker). Each instance creates only
+its half: :class:`~kvtier.integrations.vllm.scheduler.KVTierScheduler` or
+:class:`~kvtier.integrations.vllm.worker.KVTierWorker`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvtier.config import KVTierConfig, load_config
+from kvtier.integrations.vllm.extras import check_engine_extra_keys
+from kvtier.integrations.vllm.scheduler import KVTierScheduler
+from kvtier.integrations.vllm.types import KVTierMetadata
+from kvtier.integrations.vllm.worker import KVTierWorker
+from kvtier.integrations.vllm_layout import namespace_from_vllm
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvtier.vllm")
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """kvtier's vLLM v1 KV connector (CPU tier plus lower tiers, embedded or in a shared server).
+
+    Raises:
+        ValueError: tensor-parallel size > 1 in embedded mode, or the engine keys its
+            blocks on an input kvtier cannot key (see ``extras.check_engine_extra_keys``).
+    """
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.config: KVTierConfig = load_config(extra)
+        if vllm_config.parallel_config.world_size > 1:
+            raise ValueError(
+                "kvtier embedded mode runs the tiers inside the engine-core process and needs "
+                "tensor_parallel_size=1 (one worker in that process)"
+            )
+        check_engine_extra_keys()
+        self._force_recompute_policy()
+        self.namespace = namespace_from_vllm(vllm_config, self.config.chunk_size, self.config.model_id)
+        self.chunk_size = self.namespace.chunk_size
+        engine_id = str(self._kv_transfer_config.engine_id or "default")
+        self.scheduler: KVTierScheduler | None = None
+        self.worker: KVTierWorker | None = None
+        if role == KVConnectorRole.WORKER:
+            self.worker = KVTierWorker(self.config, self.namespace, engine_id)
+        else:
+            self.scheduler = KVTierScheduler(self.config, self.namespace, engine_id)
+        log.info(
+            "kvtier connector (%s) ready: model=%s layout=%s chunk=%d tokens (%d bytes)",
+            role.name,
+            self.namespace.model,
+            self.namespace.layout,
+            self.chunk_size,
+            self.namespace.chunk_bytes,
+        )
+
+    def _force_recompute_policy(self) -> None:
+        """vLLM's default ("fail") fails the whole request when a load fails; for a cache a
+        failed load is a miss, so the blocks are recomputed instead. The scheduler reads this
+        right after creating its connector (vLLM 0.32)."""
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") == "recompute":
+            return
+        try:
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            log.info("kvtier: kv_load_failure_policy set to 'recompute' (a failed load is recomputed)")
+        except Exception:  # a frozen config: say what the user must set
+            log.warning(
+                "kvtier: set kv_transfer_config kv_load_failure_policy='recompute'; with 'fail' a "
+                "failed kvtier load fails the request instead of recomputing it"
+            )
+
+    @property
+    def manager(self) -> Any:
+        """The worker side's store (None on the scheduler side or when disabled)."""
+        return self.worker.store if self.worker is not None else None
+
+    # ================================ scheduler side ================================
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        assert self.scheduler is not None
+        return self.scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def check_invariants(self) -> None:
+        """Assert the scheduler side's request-state invariants (no-op on the worker side)."""
+        if self.scheduler is not None:
+            self.scheduler.check_invariants()
+
+    # ================================= worker side ==================================
+    def _step_meta(self) -> KVTierMetadata | None:
+        if self.worker is None or not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta if isinstance(meta, KVTierMetadata) else None
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        if self.worker is not None:
+            self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._step_meta()
+        if meta is not None:
+            self.worker.start_load_kv(meta)  # type: ignore[union-attr]
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the first layer runs
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole chunks are saved after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._step_meta()
+        if meta is not None:
+            self.worker.wait_for_save(meta)  # type: ignore[union-attr]
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            return None, None
+        return self.worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()

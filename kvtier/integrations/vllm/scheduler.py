@@ -1,0 +1,340 @@
+"""Scheduler side of the connector: request state, lookup and lease, load and save planning, accounting.
+
+Per request a :class:`_Tracker` lives from its first lookup to
+``request_finished``. Invariants (checked by :meth:`KVTierScheduler.check_invariants`
+and asserted at each transition):
+
+- **Lease**: ``lease_held`` iff a lookup hit is leased on the index and its load has
+  not been handed to the worker (which releases it after the load) nor dropped.
+  A tracker whose lookup found nothing usable holds no lease.
+- A planned load not yet sent (``pending_load`` or a queued async spec) implies
+  ``lease_held``; ``async_inflight`` implies the load was sent as an async load.
+- No tracker outlives ``request_finished``; nothing queued for a finished request
+  is sent to the worker.
+- Loads start at the first block past the engine's (block-aligned) local prefix
+  hit: kvtier never writes into blocks vLLM already holds. Saves cover only full
+  prompt chunks computed by the engine, each once, in prompt order.
+
+Accounting (:class:`~kvtier.integrations.vllm.accounting.RequestLedger`): engine
+hit = ``num_computed_tokens`` at lookup; kvtier hit = tokens of loads sent to the
+worker, by tier, minus blocks the worker reported failed (``invalid_block_ids``,
+which vLLM delivers after ``request_finished`` for a request that finished in
+the same step: such outcomes are settled from ``_unsettled`` at the next output,
+or for an async load at the output reporting it finished).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvtier.config import KVTierConfig
+from kvtier.index.keys import ChunkHasher, KeyNamespace
+from kvtier.integrations.vllm.accounting import RequestLedger
+from kvtier.integrations.vllm.extras import AdapterFingerprints, UnkeyableRequest, request_extras
+from kvtier.integrations.vllm.modes import LookupIndex, close_scheduler_index, open_scheduler_index
+from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, TransferSpec
+from kvtier.storage.types import LookupResult
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvtier.vllm")
+
+
+@dataclass
+class _Tracker:
+    req_id: str
+    tokens: list[int]
+    keys: list[bytes]
+    block_ids: list[int] = field(default_factory=list)
+    saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or known cached
+    lookup: LookupResult | None = None
+    lease_held: bool = False  # see the module invariants
+    pending_load: TransferSpec | None = None  # a sync load to send with this step's metadata
+    loaded_blocks: dict[int, int] = field(default_factory=dict)  # engine block id -> chunk index loaded
+    load_async: bool = False  # the last lookup asked vLLM for an asynchronous load
+    async_inflight: bool = False  # an async load was sent and its completion not yet seen
+
+    def check(self, queued_async: bool) -> None:
+        assert not (self.pending_load is not None and queued_async), f"{self.req_id}: two loads planned"
+        if self.pending_load is not None or queued_async:
+            assert self.lease_held, f"{self.req_id}: a load is planned without a lease"
+        if self.lease_held:
+            assert self.lookup is not None and self.lookup.num_tokens > 0, f"{self.req_id}: lease without a hit"
+        assert not (self.async_inflight and not self.load_async), f"{self.req_id}: async flag mismatch"
+        assert 0 <= self.saved_chunks <= len(self.keys), f"{self.req_id}: saved_chunks out of range"
+
+
+class KVTierScheduler:
+    """The scheduler-role half of :class:`~kvtier.integrations.vllm.KVTierConnector`."""
+
+    def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str):
+        self.config = config
+        self.namespace = namespace
+        self.engine_id = engine_id
+        self.chunk_size = namespace.chunk_size
+        self.block_size = namespace.layout.block_size
+        self.blocks_per_chunk = namespace.blocks_per_chunk
+        self.ledger = RequestLedger()
+        self._hasher = ChunkHasher(namespace)
+        self._adapters = AdapterFingerprints()
+        self._refused: set[str] = set()  # reasons already logged
+        self._index: LookupIndex | None = None
+        self._trackers: dict[str, _Tracker] = {}
+        self._async_to_send: list[TransferSpec] = []
+        # finished requests whose load outcome is not reported yet: req -> (block -> tier, async)
+        self._unsettled: dict[str, tuple[dict[int, str], bool]] = {}
+
+    # -- index and leases ----------------------------------------------------------------------
+    def _lookup_index(self) -> LookupIndex | None:
+        if self._index is None and self.config.enabled:
+            self._index = open_scheduler_index(self.config, self.namespace, self.engine_id)
+        return self._index
+
+    def _drop_lease(self, tr: _Tracker) -> None:
+        """End ``tr``'s lease (a failed release is logged: the lease then ends at its TTL)."""
+        tr.lease_held = False
+        self._release(tr.req_id)
+
+    def _release(self, req_id: str) -> None:
+        try:
+            index = self._lookup_index()
+            if index is not None:
+                index.release(req_id)
+        except Exception:  # kvtier must never take the engine down
+            log.exception("kvtier: releasing the lease of %s failed", req_id)
+
+    # -- request state -------------------------------------------------------------------------
+    def _tracker(self, request: "Request") -> _Tracker | None:
+        tr = self._trackers.get(request.request_id)
+        if tr is None:
+            tokens = request.prompt_token_ids
+            if tokens is None:  # prompt embeddings only: nothing to key on
+                return None
+            try:
+                extras = request_extras(request, self._adapters)
+            except UnkeyableRequest as exc:  # a miss, and nothing stored
+                if str(exc) not in self._refused:
+                    self._refused.add(str(exc))
+                    log.warning("kvtier: requests not cached (%s); first: %s", exc, request.request_id)
+                return None
+            tokens = list(tokens)
+            keys = self._hasher.keys(tokens, request.cache_salt, extras=extras)
+            tr = _Tracker(request.request_id, tokens, keys)
+            self._trackers[request.request_id] = tr
+        return tr
+
+    def check_invariants(self) -> None:
+        """Assert the module invariants over every live request (cheap; called by tests)."""
+        queued = {s.req_id for s in self._async_to_send}
+        assert queued <= self._trackers.keys(), f"async loads queued for finished requests: {queued - self._trackers.keys()}"
+        for tr in self._trackers.values():
+            tr.check(tr.req_id in queued)
+        assert not self._unsettled.keys() & self._trackers.keys(), "a live request is also settled as finished"
+
+    # -- vLLM hooks ----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        index = self._lookup_index()
+        if index is None:
+            return 0, False
+        tr = None
+        try:
+            tr = self._tracker(request)
+            if tr is None or not self.config.load:
+                return 0, False
+            assert tr.pending_load is None and not tr.async_inflight, f"{tr.req_id}: looked up with a load planned"
+            self.ledger.on_lookup(tr.req_id, len(tr.tokens), num_computed_tokens)
+            # Never the whole prompt: the chunk holding the last token is left out.
+            candidates = tr.keys[: max(0, (len(tr.tokens) - 1) // self.chunk_size)]
+            res = index.lookup_keys(candidates, request.request_id)  # replaces an earlier lease of this id
+            tr.lookup = res
+            tr.lease_held = res.num_tokens > 0
+            tr.saved_chunks = max(tr.saved_chunks, res.num_tokens // self.chunk_size)  # already stored
+            if res.num_tokens <= num_computed_tokens:
+                if tr.lease_held:
+                    self._drop_lease(tr)
+                return 0, False
+            first = num_computed_tokens // self.chunk_size
+            tr.load_async = self.config.async_load and any(t != "cpu" for t in res.tiers[first:])
+            return res.num_tokens - num_computed_tokens, tr.load_async
+        except Exception:  # kvtier must never take the engine down: a failure is a miss
+            log.exception("kvtier lookup failed; treating as a miss")
+            if tr is not None:
+                tr.lookup = None
+                self._drop_lease(tr)
+            else:
+                self._release(request.request_id)
+            return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        tr = self._trackers.get(request.request_id)
+        if tr is None:
+            return
+        if num_external_tokens <= 0 or tr.lookup is None or not tr.lease_held:
+            if tr.lease_held:
+                self._drop_lease(tr)
+            return
+        block_ids = blocks.get_block_ids()[0]
+        hit = tr.lookup.num_tokens
+        start = hit - num_external_tokens  # block-aligned local hit
+        assert start >= 0 and start % self.block_size == 0, f"{tr.req_id}: load starts at token {start}"
+        bpc, bs = self.blocks_per_chunk, self.block_size
+        chunks = []
+        for ci in range(start // self.chunk_size, hit // self.chunk_size):
+            first = ci * bpc
+            offset = max(0, start // bs - first)
+            parent = tr.keys[ci - 1] if ci else None
+            blocks_of_chunk = tuple(block_ids[first + offset : first + bpc])
+            chunks.append(ChunkCopy(tr.keys[ci], blocks_of_chunk, offset, parent))
+        spec = TransferSpec(request.request_id, chunks, is_async=tr.load_async)
+        if tr.load_async:
+            self._async_to_send.append(spec)  # not scheduled until the load completes: send it now
+        else:
+            tr.pending_load = spec
+        tr.saved_chunks = max(tr.saved_chunks, hit // self.chunk_size)
+
+    def _hand_over(self, tr: _Tracker, spec: TransferSpec) -> None:
+        """A load leaves with this step's metadata: the worker now owns its lease and outcome."""
+        assert tr.lease_held and tr.lookup is not None, f"{tr.req_id}: load sent without a lease"
+        tr.lease_held = False
+        first = tr.keys.index(spec.chunks[0].key) if spec.chunks else 0  # chunks are consecutive
+        for ci, ch in enumerate(spec.chunks, start=first):
+            assert tr.keys[ci] == ch.key
+            tr.loaded_blocks.update((b, ci) for b in ch.block_ids)
+            self.ledger.on_load_planned(tr.req_id, tr.lookup.tiers[ci], len(ch.block_ids) * self.block_size)
+        if spec.is_async:
+            tr.async_inflight = True
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVTierMetadata:
+        meta = KVTierMetadata()
+        if not self.config.enabled:
+            return meta
+        for spec in self._async_to_send:
+            self._hand_over(self._trackers[spec.req_id], spec)
+            meta.loads.append(spec)
+        self._async_to_send = []
+        for preempted in scheduler_output.preempted_req_ids or ():
+            tr = self._trackers.get(preempted)
+            if tr is not None:  # its blocks are freed; it is looked up again on resume
+                if tr.pending_load is not None:
+                    tr.pending_load = None
+                    self._drop_lease(tr)
+                tr.block_ids = []
+                tr.loaded_blocks = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            tr = self._trackers.get(new.req_id)
+            if tr is None:
+                continue
+            tr.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            self._emit(tr, new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tr = self._trackers.get(req_id)
+            if tr is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tr.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                tr.block_ids.extend(new_blocks[0])
+            self._emit(
+                tr, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0), meta
+            )
+        return meta
+
+    def _emit(self, tr: _Tracker, computed_after_step: int, meta: KVTierMetadata) -> None:
+        """Add this step's load and save work for one request to ``meta``."""
+        if tr.pending_load is not None:
+            self._hand_over(tr, tr.pending_load)
+            meta.loads.append(tr.pending_load)
+            tr.pending_load = None
+        if not self.config.save:
+            return
+        full = min(computed_after_step, len(tr.tokens)) // self.chunk_size
+        full = min(full, len(tr.keys), len(tr.block_ids) // self.blocks_per_chunk)
+        if full <= tr.saved_chunks:
+            return
+        bpc = self.blocks_per_chunk
+        chunks = [
+            ChunkCopy(
+                tr.keys[ci], tuple(tr.block_ids[ci * bpc : (ci + 1) * bpc]), parent=tr.keys[ci - 1] if ci else None
+            )
+            for ci in range(tr.saved_chunks, full)
+        ]
+        meta.saves.append(TransferSpec(tr.req_id, chunks))
+        tr.saved_chunks = full
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        done = set(connector_output.finished_recving or ()) | set(connector_output.finished_sending or ())
+        for req_id in connector_output.finished_recving or ():
+            tr = self._trackers.get(req_id)
+            if tr is not None:
+                tr.async_inflight = False
+        invalid = set(connector_output.invalid_block_ids or ())
+        if invalid:
+            # vLLM recomputes from the first unfilled block; those chunks are not
+            # stored anywhere after all, so save them once they are recomputed.
+            for tr in self._trackers.values():
+                failed = [tr.loaded_blocks[b] for b in invalid if b in tr.loaded_blocks]
+                if failed:
+                    cut = min(failed)
+                    self._account_failure(tr.req_id, {b: tr.lookup.tiers[c] for b, c in tr.loaded_blocks.items()
+                                                      if c >= cut} if tr.lookup else {})
+                    tr.saved_chunks = min(tr.saved_chunks, cut)
+                    tr.loaded_blocks = {b: c for b, c in tr.loaded_blocks.items() if c < cut}
+            claimed = {b for tr in self._trackers.values() for b in tr.loaded_blocks}
+            for req_id, (tiers_by_block, _) in self._unsettled.items():
+                # a block reused by a live request's load is that load's failure
+                failed_blocks = {b: t for b, t in tiers_by_block.items() if b in invalid and b not in claimed}
+                if failed_blocks:
+                    self._account_failure(req_id, failed_blocks)
+        # Sync outcomes arrive in the output of the step that ran them; async ones no later
+        # than the output reporting the request finished.
+        self._unsettled = {r: v for r, v in self._unsettled.items() if v[1] and r not in done}
+
+    def _account_failure(self, req_id: str, tier_of_failed_block: dict[int, str]) -> None:
+        by_tier: dict[str, int] = {}
+        for tier in tier_of_failed_block.values():
+            by_tier[tier] = by_tier.get(tier, 0) + self.block_size
+        self.ledger.on_load_failed(req_id, by_tier)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        tr = self._trackers.pop(request.request_id, None)
+        if tr is None:
+            return False, None
+        self._async_to_send = [s for s in self._async_to_send if s.req_id != tr.req_id]
+        if tr.lease_held:  # a hit never handed to the worker
+            self._drop_lease(tr)
+        if tr.loaded_blocks and tr.lookup is not None:
+            tiers = {b: tr.lookup.tiers[c] for b, c in tr.loaded_blocks.items()}
+            self._unsettled[tr.req_id] = (tiers, tr.async_inflight)
+        # An async load may still be writing into this request's blocks: keep them
+        # until the worker reports the load over (as finished_sending).
+        return tr.async_inflight, None
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        tr = self._trackers.get(request.request_id)
+        if not num_external_tokens or tr is None or tr.lookup is None:
+            return {}
+        cs = self.chunk_size
+        start = tr.lookup.num_tokens - num_external_tokens
+        out: dict[CacheHitSource, int] = {}
+        for ci, tier in enumerate(tr.lookup.tiers):
+            n = max(0, min((ci + 1) * cs, tr.lookup.num_tokens) - max(ci * cs, start))
+            if n:
+                src = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}.get(
+                    tier, CacheHitSource.EXTERNAL_UNSPECIFIED
+                )
+                out[src] = out.get(src, 0) + n
+        return out
+
+    def shutdown(self) -> None:
+        if self._index is not None:
+            close_scheduler_index(self._index)
+        self._index = None

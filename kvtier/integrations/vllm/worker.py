@@ -1,0 +1,232 @@
+"""Worker side of the connector: KV layout registration, sync and async loads, saves, shutdown.
+
+Invariants:
+- A load either fills every planned block or reports the unfilled ones (every
+  block from the first unavailable chunk on) through
+  ``get_block_ids_with_load_errors`` so vLLM recomputes them: never a short or
+  silent wrong load. Errors of an async load are recorded before its id is
+  reported finished, so they reach vLLM no later than that report.
+- Every load ends its request's lease (``release``), whatever its outcome.
+- Blocks being filled by an asynchronous load are never freed under it: a
+  request vLLM finished mid-load is reported in ``finished_sending`` only after
+  the load ends (the scheduler side held its blocks).
+- Saves stop a prompt's chain only where a later chunk would become unreachable:
+  at ``NO_ROOM`` or a failed copy. A chunk already stored (``PRESENT``) or being
+  written by another writer (``IN_FLIGHT``) does not stop it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtier.config import KVTierConfig
+from kvtier.index.keys import KeyNamespace
+from kvtier.integrations.block_copy import load_blocks, save_blocks
+from kvtier.integrations.vllm.modes import close_worker_store, open_worker_store
+from kvtier.integrations.vllm.types import KVTierMetadata, TransferSpec
+from kvtier.integrations.vllm_layout import paged_views, stacked_view
+from kvtier.storage.backend import KVStore
+from kvtier.storage.types import WriteSkip
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+log = logging.getLogger("kvtier.vllm")
+
+
+class KVTierWorker:
+    """The worker-role half of :class:`~kvtier.integrations.vllm.KVTierConnector` (owns the store)."""
+
+    def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str):
+        self.config = config
+        self.namespace = namespace
+        self.block_size = namespace.layout.block_size
+        self.blocks_per_chunk = namespace.blocks_per_chunk
+        self.store: KVStore | None = None
+        self._lookup_server: Any = None
+        if config.enabled:
+            self.store, self._lookup_server = open_worker_store(config, namespace, engine_id)
+        self._layers: list[np.ndarray] = []
+        self._kv: np.ndarray | list[np.ndarray] = []  # stacked view if possible, else _layers
+        self._load_errors: set[int] = set()
+        self._lock = threading.Lock()  # guards the async-load sets and _load_errors
+        self._loader: ThreadPoolExecutor | None = None
+        self._async_active: set[str] = set()  # submitted, completion not yet reported
+        self._async_done: set[str] = set()  # finished, to report in get_finished
+        self._finished_while_loading: set[str] = set()  # vLLM finished them mid-load
+        self._failed_sync_loads: set[str] = set()  # requests whose load failed in this step
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        """Map the engine's paged KV tensors (per layer) as numpy views; disable kvtier on a mismatch."""
+        if self.store is None:
+            return
+        try:
+            self._layers = paged_views(kv_caches, self.namespace.layout)
+            stacked = stacked_view(kv_caches, self.namespace.layout)
+            self._kv = stacked if stacked is not None else self._layers
+        except ValueError as exc:
+            log.error("kvtier disabled: the engine's KV cache does not match the expected layout: %s", exc)
+            self.shutdown()
+
+    def _chunk_view(self, buf: np.ndarray) -> np.ndarray:
+        """A slot as ``uint8 [num_layers, blocks_per_chunk, block_bytes]``."""
+        return buf.reshape(len(self._layers), self.blocks_per_chunk, -1)
+
+    # -- loads ---------------------------------------------------------------------------------
+    def start_load_kv(self, meta: KVTierMetadata) -> None:
+        """Run this step's sync loads; submit its async loads to the loader thread."""
+        if self.store is None:
+            return
+        self._failed_sync_loads.clear()
+        for spec in meta.loads:
+            if spec.is_async:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+                with self._lock:
+                    self._async_active.add(spec.req_id)
+                self._loader.submit(self._load_async, spec)
+                continue
+            try:
+                if not self._load_request(spec):
+                    self._failed_sync_loads.add(spec.req_id)
+            finally:
+                self.store.release(spec.req_id)
+
+    def _load_async(self, spec: TransferSpec) -> None:
+        try:
+            self._load_request(spec)
+        except Exception:  # _load_request already reports failed blocks
+            log.exception("kvtier: async load for %s failed", spec.req_id)
+        finally:
+            if self.store is not None:
+                self.store.release(spec.req_id)
+            with self._lock:
+                self._async_done.add(spec.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Async loads that ended: ``(freed-after-finish ids, loaded ids)``.
+
+        A request vLLM finished while its load ran is reported as "sending" (its
+        blocks may be freed now); the others as "recving" (ready to schedule).
+        """
+        if self._async_active:
+            # vLLM polls here in a tight loop while a request waits for its load; give
+            # the GIL to the loader thread once per step, or each of its GIL hand-offs
+            # (file reads, checksums, copies) waits out the 5 ms switch interval.
+            time.sleep(0)
+        with self._lock:
+            self._finished_while_loading |= finished_req_ids & self._async_active
+            done, self._async_done = self._async_done, set()
+            self._async_active -= done
+            sending = done & self._finished_while_loading
+            self._finished_while_loading -= sending
+            recving = done - sending
+        return (sending or None), (recving or None)
+
+    def _load_request(self, spec: TransferSpec) -> bool:
+        """Fill the request's planned blocks; False (blocks reported) if a chunk is unavailable.
+
+        All chunks are opened in one call (remote hits come in one batched round
+        trip, bounded by the remote timeout), then copied in prompt order.
+        """
+        assert self.store is not None
+        try:
+            handles = self.store.open_read_many([(ch.key, ch.parent) for ch in spec.chunks])
+        except Exception:
+            log.exception("kvtier: opening %d chunks for %s failed", len(spec.chunks), spec.req_id)
+            handles = [None] * len(spec.chunks)
+        failed_at: int | None = None
+        try:
+            for i, (ch, handle) in enumerate(zip(spec.chunks, handles)):
+                if handle is None:
+                    failed_at = i
+                    break
+                try:
+                    load_blocks(self._chunk_view(handle.buffer), self._kv, ch.block_ids, ch.offset)
+                except Exception:
+                    log.exception("kvtier: loading chunk %s failed", ch.key.hex()[:16])
+                    failed_at = i
+                    break
+        finally:
+            for handle in handles:
+                if handle is not None:
+                    handle.close()
+        if failed_at is None:
+            return True
+        # Everything from this chunk on is unfilled: vLLM recomputes it.
+        with self._lock:
+            for later in spec.chunks[failed_at:]:
+                self._load_errors.update(later.block_ids)
+        log.warning(
+            "kvtier: request %s: chunk %d of %d unavailable, %d blocks reported for recompute",
+            spec.req_id,
+            failed_at,
+            len(spec.chunks),
+            sum(len(c.block_ids) for c in spec.chunks[failed_at:]),
+        )
+        return False
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves ---------------------------------------------------------------------------------
+    def wait_for_save(self, meta: KVTierMetadata) -> None:
+        """Store this step's newly computed chunks (after the forward pass)."""
+        if self.store is None:
+            return
+        for spec in meta.saves:
+            if spec.req_id in self._failed_sync_loads:
+                # This step's forward ran over unfilled blocks: what it computed
+                # past them is wrong, so it is not stored (vLLM recomputes it).
+                continue
+            self._save_request(spec)
+
+    def _save_request(self, spec: TransferSpec) -> None:
+        """Store a request's newly computed chunks (slots reserved in one call).
+
+        Goes on past chunks already stored or being written by another writer
+        (the chain stays reachable); stops at ``NO_ROOM`` or a failed copy,
+        aborting the reservations after it (later chunks would be unreachable).
+        """
+        assert self.store is not None
+        bufs = self.store.open_write_many([ch.key for ch in spec.chunks])
+        stop = False
+        for ch, buf in zip(spec.chunks, bufs):
+            if not isinstance(buf, np.ndarray):
+                if not stop and not self._skip_keeps_chain(buf):
+                    stop = True  # no room (or a failure): drop the rest of the chain
+                continue
+            if stop:
+                self.store.abort(ch.key)
+                continue
+            try:
+                save_blocks(self._kv, self._chunk_view(buf), ch.block_ids)
+            except Exception:
+                log.exception("kvtier: saving chunk %s failed", ch.key.hex()[:16])
+                self.store.abort(ch.key)
+                stop = True
+                continue
+            self.store.commit(ch.key, ch.parent)
+
+    @staticmethod
+    def _skip_keeps_chain(skip: WriteSkip) -> bool:
+        """True if the chunk ``open_write_many`` skipped stays reachable without this writer:
+        stored already, or another writer's reservation (it commits or aborts it)."""
+        return skip in (WriteSkip.PRESENT, WriteSkip.IN_FLIGHT)
+
+    def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
+        if self.store is not None:
+            store, self.store = self.store, None
+            close_worker_store(store, self._lookup_server)
+            self._lookup_server = None

@@ -1,0 +1,115 @@
+"""Framing of the control plane: a 4-byte big-endian body length, then a msgpack body.
+
+Bodies are msgpack maps (https://github.com/msgpack/msgpack/blob/master/spec.md),
+never pickle, decoded with hard bounds on every container and string.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from typing import Any
+
+import msgpack
+
+from kvtier.protocol.errors import ErrorCode, ProtocolError
+
+#: Largest frame body either side accepts (bytes); 1 MiB holds 32,000 keys.
+MAX_FRAME_BYTES = 1 << 20
+#: Frame header: body length, big-endian uint32.
+HEADER = struct.Struct(">I")
+
+
+def pack(obj: dict[str, Any]) -> bytes:
+    """One frame (header + msgpack body) for ``obj``.
+
+    Raises:
+        ProtocolError: ``TOO_LARGE`` if the body would exceed :data:`MAX_FRAME_BYTES`.
+    """
+    body = msgpack.packb(obj, use_bin_type=True)
+    if len(body) > MAX_FRAME_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {len(body)} B exceeds {MAX_FRAME_BYTES} B")
+    return HEADER.pack(len(body)) + body
+
+
+def unpack_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Decode a frame body with hard limits on every container and string.
+
+    Raises:
+        ProtocolError: ``BAD_MSGPACK`` (not msgpack, extension types, over a
+            bound) or ``BAD_MESSAGE`` (not a map).
+    """
+    try:
+        obj = msgpack.unpackb(
+            body,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_bin_len=MAX_FRAME_BYTES,
+            max_str_len=64 * 1024,
+            max_array_len=4096,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several types (ValueError, ExtraData, UnicodeDecodeError...)
+        raise ProtocolError(
+            ErrorCode.BAD_MSGPACK, f"body is not a valid bounded msgpack document: {type(exc).__name__}"
+        ) from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "a message must be a msgpack map")
+    return obj
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``; False on a clean EOF before it is full.
+
+    Raises:
+        OSError: the socket failed or timed out.
+    """
+    got = 0
+    n = len(view)
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            return False
+        got += k
+    return True
+
+
+def read_reply(sock: socket.socket, buf: bytearray, deadline: float) -> tuple[dict[str, Any], bool]:
+    """One reply frame from ``sock`` into ``buf``, finished by ``deadline`` (``time.monotonic``).
+
+    Returns the decoded body and whether the socket's timeout was changed (the
+    caller restores it).
+
+    Raises:
+        socket.timeout: the reply was not complete by ``deadline``.
+        ConnectionResetError: the peer closed the connection.
+        ProtocolError: ``TOO_LARGE`` (reply bigger than ``buf``), ``DESYNC``
+            (bytes after the reply), or a body that does not decode.
+    """
+    view = memoryview(buf)
+    got = 0
+    need = HEADER.size
+    body_len = -1
+    retimed = False
+    while got < need:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionResetError("peer closed the connection")
+        got += k
+        if body_len < 0 and got >= HEADER.size:
+            (body_len,) = HEADER.unpack_from(buf)
+            if body_len > len(buf) - HEADER.size:
+                raise ProtocolError(ErrorCode.TOO_LARGE, "reply larger than the client's buffer")
+            need = HEADER.size + body_len
+        if got < need:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("reply not complete within the timeout")
+            sock.settimeout(left)
+            retimed = True
+    if got > need:
+        raise ProtocolError(ErrorCode.DESYNC, "unexpected bytes after the reply")
+    return unpack_body(view[HEADER.size : need]), retimed

@@ -1,0 +1,253 @@
+"""The scheduler-to-worker lookup endpoint of one engine (the control plane's second speaker).
+
+vLLM's multi-process engine runs the scheduler and the model worker in
+different processes, but a lookup must be answered and leased by the manager
+that will serve the load. The worker runs a :class:`LookupServer` on an
+owner-only Unix socket; the scheduler calls it through :class:`LookupClient`.
+Both speak :mod:`kvtier.protocol` (same framing, messages, tier table, error
+codes and back-off as the cache service) and the server answers with the cache
+server's own lookup/release code path (:mod:`kvtier.service.lease_ops`). Only
+``lookup``, ``release`` and ``health`` are served; there is no ``register`` and
+lease owners are not prefixed (the worker releases them by the same name).
+
+Failure rule: a call never blocks longer than ``timeout_s``; a failed call is a
+miss, and its lease does not outlive it (the server ends it on a handler error;
+on a client timeout the connection is dropped, which ends every lease it was
+granted, and the client sends a release once it is back). After a failure the
+client reports misses without calling until the shared back-off passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any, Sequence
+
+from kvtier import protocol as P
+from kvtier.protocol import Backoff, ErrorCode, ProtocolError
+from kvtier.protocol.transport import check_socket_dir, private_runtime_dir
+from kvtier.service.lease_ops import LeaseManager, lookup_op, release_op
+from kvtier.service.listener import FrameServer, bind_unix, unlink_socket
+from kvtier.service.session import Holds
+from kvtier.storage.types import LookupResult
+
+log = logging.getLogger(__name__)
+
+#: Concurrent connections to one endpoint (a scheduler needs one; more are refused).
+_MAX_CONNECTIONS = 16
+
+
+def socket_path(engine_id: str) -> str:
+    """Owner-only Unix socket of one engine's lookup endpoint (in a 0700 per-user directory)."""
+    safe = "".join(c for c in engine_id if c.isalnum() or c in "-_")[:64] or "engine"
+    return os.path.join(private_runtime_dir(), f"kvtier-lookup-{safe}.sock")
+
+
+class LookupServer:
+    """Serves ``lookup``/``release``/``health`` for ``manager`` on ``path`` (background threads).
+
+    Args:
+        manager: the worker's storage manager (anything with ``lookup_keys``,
+            ``release`` and ``abort``).
+        path: Unix socket path; its directory is created 0700 and must be
+            private to this user.
+
+    Raises:
+        UnsafeSocketDir: the directory is another user's or group/other-writable.
+        RuntimeError: a live endpoint already listens on ``path``.
+        OSError: the socket cannot be bound.
+    """
+
+    def __init__(self, manager: LeaseManager, path: str):
+        self.manager = manager
+        self.path = path
+        self.errors = 0
+        self._lock = threading.Lock()
+        self._open = 0
+        self._frames: FrameServer[Holds] = FrameServer(self, "kvtier-lookup")
+        self._frames.listen(bind_unix(path))
+
+    # -- Endpoint --------------------------------------------------------------------------
+    def open(self, sock: socket.socket, kind: str) -> Holds | None:
+        with self._lock:
+            if self._open >= _MAX_CONNECTIONS:
+                return None
+            self._open += 1
+        return Holds(max_holds=0)
+
+    def frame_too_large(self, session: Holds) -> None:
+        self.errors += 1
+
+    def handle(self, holds: Holds, body: bytearray) -> tuple[dict[str, Any] | None, int | None]:
+        try:
+            env, req = P.decode_request(P.unpack_body(body))
+        except ProtocolError as exc:
+            self.errors += 1
+            return P.error_reply(exc.req_id, exc.code, str(exc)), None
+        try:
+            if isinstance(req, P.Lookup):
+                _, codes = lookup_op(self.manager, holds, "", req)
+                out: dict[str, Any] = {"tiers": codes}
+            elif isinstance(req, P.ReleaseLease):
+                release_op(self.manager, holds, "", req)
+                out = {}
+            elif isinstance(req, P.Health):
+                out = {"status": "ok", "pid": os.getpid()}
+            else:
+                raise ProtocolError(ErrorCode.UNSUPPORTED, f"the lookup endpoint does not serve {req.OP!r}")
+            reply = P.ok_reply(env.req_id, **out)
+        except ProtocolError as exc:
+            self.errors += 1
+            reply = P.error_reply(env.req_id, exc.code, str(exc))
+        except Exception as exc:  # a failing tier or a bug: an error reply, never a dead endpoint
+            self.errors += 1
+            log.exception("kvtier lookup endpoint: %s failed", req.OP)
+            reply = P.error_reply(env.req_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        return (None if env.noreply else reply), None
+
+    def drop(self, holds: Holds) -> None:
+        try:
+            holds.release_all(self.manager)
+        finally:
+            with self._lock:
+                self._open -= 1
+
+    def close(self) -> None:
+        """Stop serving (ending every lease granted over a connection still open) and remove the socket."""
+        self._frames.close()
+        unlink_socket(self.path)
+
+
+class LookupClient:
+    """Scheduler-side stub of the worker manager's lookup and lease release.
+
+    Args:
+        path: the endpoint's socket path.
+        chunk_size: tokens per chunk (to turn hit chunks into tokens).
+        timeout_s: bound on each call, seconds; a call that times out is a miss.
+        backoff_min_s / backoff_max_s: after a failure, calls are misses without
+            touching the network for a jittered delay that doubles from
+            ``backoff_min_s`` up to ``backoff_max_s`` (:class:`kvtier.protocol.Backoff`).
+
+    Raises:
+        ValueError: non-positive timeout or chunk size, or a bad back-off range.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        chunk_size: int,
+        timeout_s: float = 0.5,
+        backoff_min_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+    ):
+        if timeout_s <= 0 or chunk_size <= 0:
+            raise ValueError("timeout_s and chunk_size must be positive")
+        self.path = path
+        self.chunk_size = chunk_size
+        self.timeout_s = timeout_s
+        self._backoff = Backoff(backoff_min_s, backoff_max_s)
+        self._sock: socket.socket | None = None
+        self._buf = bytearray(64 * 1024)
+        self._next_id = 0
+        self._lock = threading.Lock()
+        self._unreleased: list[str] = []  # owners whose call failed: released when the endpoint is back
+        self.failures = 0
+
+    def lookup_keys(self, keys: Sequence[bytes], lease_owner: str | None) -> LookupResult:
+        """Longest prefix of ``keys`` the worker's tiers hold, leased to ``lease_owner`` if given.
+
+        Returns ``LookupResult(0)`` on any failure (and the lease does not outlive it).
+        """
+        keys = list(keys[: P.MAX_KEYS])
+        reply = self._call(P.Lookup(keys, lease_owner), lease_owner)
+        codes = None if reply is None else reply.get("tiers")
+        tiers = P.decode_tiers(codes) if isinstance(codes, bytes) and len(codes) <= len(keys) else None
+        if tiers is None:
+            if reply is not None and lease_owner is not None:
+                self._call(P.ReleaseLease(lease_owner), None)  # a reply we cannot use: give the lease back
+            return LookupResult(0)
+        return LookupResult(len(tiers) * self.chunk_size, keys[: len(tiers)], tiers)
+
+    def release(self, lease_owner: str) -> None:
+        """End ``lease_owner``'s lease (when unreachable, the dropped connection already ended it)."""
+        self._call(P.ReleaseLease(lease_owner), None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._disconnect()
+
+    # -- one call ------------------------------------------------------------------------------
+    def _call(self, req: P.Request, owner: str | None) -> dict[str, Any] | None:
+        deadline = time.monotonic() + self.timeout_s
+        if not self._lock.acquire(timeout=self.timeout_s):
+            return None
+        try:
+            if self._backoff.waiting():
+                return None  # not sent: no lease was granted
+            try:
+                sock = self._connected()
+                while self._unreleased:
+                    self._exchange(sock, P.ReleaseLease(self._unreleased[0]), deadline)
+                    self._unreleased.pop(0)
+                reply = self._exchange(sock, req, deadline)
+            except (OSError, ValueError) as exc:  # timeouts are OSError; ProtocolError is a ValueError
+                self._fail(exc)
+                self._remember(owner)
+                return None
+            self._backoff.reset()
+            if not reply.get("ok"):
+                log.warning("kvtier lookup endpoint refused %s: %s %s", req.OP, reply.get("code"), reply.get("error"))
+                return None
+            return reply
+        finally:
+            self._lock.release()
+
+    def _connected(self) -> socket.socket:
+        if self._sock is None:
+            check_socket_dir(self.path)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.settimeout(self.timeout_s)
+                s.connect(self.path)
+            except BaseException:
+                s.close()
+                raise
+            self._sock = s
+        return self._sock
+
+    def _exchange(self, sock: socket.socket, req: P.Request, deadline: float) -> dict[str, Any]:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("no time left for the call")
+        sock.settimeout(left)
+        self._next_id += 1
+        rid = self._next_id
+        sock.sendall(P.encode_request(req, rid))
+        reply, _ = P.read_reply(sock, self._buf, deadline)
+        if reply.get("id") != rid:
+            raise ProtocolError(ErrorCode.DESYNC, "reply for another request")
+        return reply
+
+    def _remember(self, owner: str | None) -> None:
+        if owner is not None and owner not in self._unreleased:
+            self._unreleased.append(owner)
+            del self._unreleased[:-1024]
+
+    def _fail(self, exc: BaseException) -> None:
+        # A timed-out exchange leaves the stream mid-reply: start a new connection.
+        self._disconnect()
+        self.failures += 1
+        delay = self._backoff.next_delay()
+        log.warning("kvtier lookup call failed (%s: %s); reporting misses for %.2f s", type(exc).__name__, exc, delay)
+
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None

@@ -1,0 +1,26 @@
+"""Local disk tier (a :class:`~kvtier.tiers.base.LowerTier`): one chunk record per file.
+
+- :mod:`.tier`: :class:`DiskTier` (reads, writes, eviction, faults).
+- :mod:`.index`: the in-memory index and its prefix-closure invariant.
+- :mod:`.scan`: the ownership lock and the index rebuild at open.
+- :mod:`.fileops`: the file-system seam (:class:`FileOps`) and O_DIRECT helpers.
+
+The record format is :mod:`kvtier.serde.record`.
+"""
+
+from kvtier.serde.record import ALIGN, HEADER_BYTES, SUFFIX, encode_payload_header, record_relpath
+from kvtier.tiers.disk.fileops import FileOps
+from kvtier.tiers.disk.scan import DiskTierLocked
+from kvtier.tiers.disk.tier import MAX_READ_ERRORS, DiskTier
+
+__all__ = [
+    "ALIGN",
+    "HEADER_BYTES",
+    "MAX_READ_ERRORS",
+    "SUFFIX",
+    "DiskTier",
+    "DiskTierLocked",
+    "FileOps",
+    "encode_payload_header",
+    "record_relpath",
+]

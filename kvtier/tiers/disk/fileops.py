@@ -1,0 +1,108 @@
+"""File-system calls of the disk tier (the fault-injection seam) and its low-level I/O helpers."""
+
+from __future__ import annotations
+
+import errno
+import io
+import mmap
+import os
+import threading
+
+import numpy as np
+
+#: ``os.O_DIRECT`` where the OS has it, else 0 (direct I/O then stays off).
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: Bytes of the per-thread aligned staging buffer used by direct I/O.
+SCRATCH_BYTES = 1 << 20
+#: Mode of every file the disk tier creates (owner only).
+FILE_MODE = 0o600
+#: Mode of every directory the disk tier creates (owner only).
+DIR_MODE = 0o700
+
+
+class FileOps:
+    """The file-system calls of the disk tier, one method per call.
+
+    This is the fault-injection seam: tests pass a subclass whose methods raise
+    ``OSError(errno.ENOSPC, ...)``, ``EROFS`` or ``EIO``. Each method behaves
+    (and raises ``OSError``) like the ``os``/``io`` call it wraps.
+    """
+
+    def open(self, path: str, flags: int, mode: int = FILE_MODE) -> int:
+        return os.open(path, flags, mode)
+
+    def write(self, fd: int, data: memoryview) -> int:
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def replace(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def mkdir(self, path: str) -> None:
+        os.mkdir(path, DIR_MODE)
+
+    def open_read(self, path: str, direct: bool) -> io.FileIO:
+        """An unbuffered binary reader positioned at offset 0 (O_DIRECT if ``direct``)."""
+        if not direct:
+            return open(path, "rb", buffering=0)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | O_DIRECT)
+        try:
+            return open(fd, "rb", buffering=0)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def readinto(self, f: io.FileIO, buf: memoryview) -> int:
+        """Read into ``buf`` at the current position (one ``read`` syscall, no copy)."""
+        return f.readinto(buf) or 0
+
+
+class Scratch(threading.local):
+    """A page-aligned staging buffer per thread (direct I/O of unaligned user buffers)."""
+
+    def view(self) -> memoryview:
+        buf = getattr(self, "buf", None)
+        if buf is None:
+            self.mm = mmap.mmap(-1, SCRATCH_BYTES)  # anonymous maps are page-aligned
+            buf = self.buf = memoryview(self.mm)
+        return buf
+
+
+def address(view: memoryview) -> int:
+    """The memory address of ``view``'s first byte."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def write_all(fs: FileOps, fd: int, data: memoryview) -> None:
+    """Write all of ``data`` (``OSError(EIO)`` if a write makes no progress)."""
+    view = data
+    while view:
+        n = fs.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.EIO, "write returned 0 bytes")
+        view = view[n:]
+
+
+def read_full(fs: FileOps, f: io.FileIO, buf: memoryview, direct: bool) -> int:
+    """Fill ``buf`` from the file's position; returns bytes read (short only at end of file).
+
+    With O_DIRECT one short read means end of file: a second read would start at an
+    unaligned offset, which O_DIRECT refuses.
+    """
+    total = 0
+    while total < len(buf):
+        n = fs.readinto(f, buf[total:])
+        if n <= 0:
+            break
+        total += n
+        if direct and total < len(buf):
+            break
+    return total

@@ -138,3 +138,19 @@ def test_miss_overhead_bench_tiny(tmp_path: Path) -> None:
     assert _positive(result["summary"]["cpu"]["median_connector_pct"])  # the hooks were timed
     stats = result["rounds"][0]["cpu"]["kvtier_stats"][0]
     assert stats["stored_chunks"] >= 1  # the connector really saved the prompt's chunk
+
+
+def test_remote_bench_tiny_counts_round_trips() -> None:
+    """bench remote moves the bytes and really counts the tier's round trips (a moved module once made it 0)."""
+    from kvtier.bench import remote
+
+    redis = pytest.importorskip("redis")
+    url = "redis://127.0.0.1:6399/0"
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+    except Exception:
+        pytest.skip("no Redis on 127.0.0.1:6399 (scripts/test.sh starts it)")
+    out = remote.measure(url, num_chunks=2, reps=1)
+    assert out["exists_32_round_trips"] == 1
+    for key in ("redis_put_ratio", "redis_get_ratio", "exists_32_us"):
+        assert _positive(out[key]), key

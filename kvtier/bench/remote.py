@@ -50,21 +50,21 @@ def _payloads(n: int, seed: int = 0) -> list[np.ndarray]:
 @contextmanager
 def count_round_trips() -> Iterator[list[int]]:
     """Count the Redis tier's pipeline sends (one per node per batched call) while active."""
-    from kvtier.tiers import redis_tier
+    from kvtier.tiers import redis_nodes  # where the tier opens its wires
 
     counter = [0]
-    original = redis_tier.Wire
+    original = redis_nodes.Wire
 
     class CountingWire(original):  # type: ignore[misc, valid-type]
         def send(self, parts: Any) -> None:
             counter[0] += 1
             super().send(parts)
 
-    redis_tier.Wire = CountingWire
+    redis_nodes.Wire = CountingWire
     try:
         yield counter
     finally:
-        redis_tier.Wire = original
+        redis_nodes.Wire = original
 
 
 def _raw_client(url: str) -> Any:

@@ -11,17 +11,16 @@ and the manager's own counters (:class:`Counters`).
 from __future__ import annotations
 
 import logging
-import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from kvtier.tiers.base import LowerTier
+from kvtier.tiers.base import AtomicCounters, LowerTier
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Counters:
+class Counters(AtomicCounters):
     """Monotonic counters of a storage manager (tokens, chunks, bytes)."""
 
     lookups: int = 0
@@ -30,19 +29,6 @@ class Counters:
     stored_bytes: int = 0
     store_skipped: int = 0
     prefetch_calls: int = 0
-
-    def __post_init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def add(self, **deltas: int) -> None:
-        """Add ``deltas`` atomically."""
-        with self._lock:
-            for name, value in deltas.items():
-                setattr(self, name, getattr(self, name) + value)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def tier_prefixes(tiers: list[LowerTier]) -> list[str]:

@@ -18,7 +18,25 @@ from kvtier.serde.base import Buffer
 
 
 @dataclass
-class TierCounters:
+class AtomicCounters:
+    """Base of counter dataclasses shared by caller threads: int fields, atomic ``add``, ``snapshot``."""
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def add(self, **deltas: int) -> None:
+        """Add ``deltas`` atomically (counters are shared by caller threads)."""
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class TierCounters(AtomicCounters):
     """Monotonic counters of a remote tier (chunks, bytes, calls).
 
     Attributes:
@@ -49,19 +67,6 @@ class TierCounters:
     deletes: int = 0
     errors: int = 0
     skipped_calls: int = 0
-
-    def __post_init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def add(self, **deltas: int) -> None:
-        """Add ``deltas`` atomically (counters are shared by caller threads)."""
-        with self._lock:
-            for name, value in deltas.items():
-                setattr(self, name, getattr(self, name) + value)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -233,3 +238,18 @@ def writable_view(out: Buffer) -> memoryview:
     if not mv.c_contiguous:
         raise ValueError("get destination buffer must be C-contiguous")
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+def as_chunk_write(item: "ChunkWrite | tuple[bytes, Buffer]") -> ChunkWrite:
+    """``item`` as a checked :class:`ChunkWrite` (a ``(key, payload)`` pair has no parent).
+
+    Raises:
+        TypeError/ValueError: a key the record cannot carry, or a chunk that is its own parent.
+    """
+    w = item if isinstance(item, ChunkWrite) else ChunkWrite(item[0], None, item[1])
+    check_key(w.key)
+    if w.parent is not None:
+        check_key(w.parent)
+        if w.parent == w.key:
+            raise ValueError("a chunk cannot be its own parent")
+    return w

@@ -63,7 +63,7 @@ from kvtier.serde.record import (
     record_relpath,
 )
 from kvtier.serde.registry import decoders_with, make_codec
-from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, check_key, writable_view
+from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, as_chunk_write, check_key, writable_view
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ class FsTier(LowerTier):
         Raises:
             TypeError/ValueError: a bad key or parent, or a payload that is not C-contiguous.
         """
-        writes = [_as_write(it) for it in items]
+        writes = [as_chunk_write(it) for it in items]
         views = [as_bytes_view(w.payload) for w in writes]
         out = [False] * len(writes)
         if self._closed:
@@ -454,17 +454,6 @@ class FsTier(LowerTier):
         out: dict[str, Any] = self.counters.snapshot()
         out["codec"] = self.codec.name
         return out
-
-
-def _as_write(item: ChunkWrite | tuple[bytes, Buffer]) -> ChunkWrite:
-    """``item`` as a checked :class:`ChunkWrite` (a ``(key, payload)`` pair has no parent)."""
-    w = item if isinstance(item, ChunkWrite) else ChunkWrite(item[0], None, item[1])
-    check_key(w.key)
-    if w.parent is not None:
-        check_key(w.parent)
-        if w.parent == w.key:
-            raise ValueError("a chunk cannot be its own parent")
-    return w
 
 
 def _writev_all(fd: int, parts: Sequence[Buffer]) -> None:

@@ -19,7 +19,6 @@ from kvtier.serde.record import (
     decode_header,
     read_and_checksum,
 )
-from kvtier.tiers.base import ChunkWrite, check_key
 from kvtier.tiers.disk.fileops import FILE_MODE, O_DIRECT, FileOps, Scratch, address, read_full, write_all
 from kvtier.tiers.disk.scan import TMP_SUFFIX
 
@@ -171,17 +170,6 @@ def unlink_quietly(fs: FileOps, path: str) -> None:
         fs.unlink(path)
     except OSError:
         pass
-
-
-def as_chunk_write(item: ChunkWrite | tuple[bytes, Buffer]) -> ChunkWrite:
-    """``item`` as a checked :class:`ChunkWrite` (a ``(key, payload)`` pair has no parent)."""
-    w = item if isinstance(item, ChunkWrite) else ChunkWrite(item[0], None, item[1])
-    check_key(w.key)
-    if w.parent is not None:
-        check_key(w.parent)
-        if w.parent == w.key:
-            raise ValueError("a chunk cannot be its own parent")
-    return w
 
 
 def payload_view(payload: Buffer) -> memoryview:

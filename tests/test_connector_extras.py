@@ -376,3 +376,50 @@ def test_load_failures_survive_the_lookup_that_follows_a_failed_load() -> None:
     led.on_lookup("r", 300, 0)  # looked up again after the rewind: nothing found this time
     rec = led.get("r")
     assert rec is not None and (rec.kvtier_hit_tokens, rec.load_failures, rec.computed_tokens) == (0, 1, 300)
+
+
+# -- kv_role gates save and load (issue 14, item 15) -------------------------------------------------
+def _fill(m: Any, keys: list[bytes]) -> None:
+    """Store ``keys`` as a chain straight into the manager (as another engine would have)."""
+    for i, k in enumerate(keys):
+        buf = m.open_write(k, keys[i - 1] if i else None)
+        assert buf is not None
+        buf[:] = 0
+        m.commit(k, keys[i - 1] if i else None)
+
+
+def test_kv_producer_stores_but_never_reports_hits(engine) -> None:
+    pair, eng = engine(kv_role="kv_producer")
+    m = pair.worker.manager
+    prompt = tokens_of(21, 3 * CHUNK + 1)
+    eng.serve(prompt)
+    assert m.flush(10)
+    assert m.lookup_keys(m.keys(prompt)[:3]).num_tokens == 3 * CHUNK  # stored
+    assert promised(pair, prompt) == 0  # but a producer does not load
+
+
+def test_kv_consumer_loads_but_never_stores(engine) -> None:
+    pair, eng = engine(kv_role="kv_consumer")
+    m = pair.worker.manager
+    prompt = tokens_of(22, 3 * CHUNK + 1)
+    eng.serve(prompt)
+    assert m.flush(10)
+    assert m.lookup_keys(m.keys(prompt)[:3]).num_tokens == 0  # nothing stored
+    _fill(m, m.keys(prompt)[:3])
+    assert promised(pair, prompt) == 3 * CHUNK  # what its tiers hold is loaded
+
+
+def test_vllm_kv_role_reaches_the_config() -> None:
+    """vLLM's own kv_transfer_config.kv_role is what gates kvtier (no separate setting needed)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from fake_vllm import make_vllm_config
+    from kvtier.integrations.vllm import KVTierConnector
+
+    cfg = make_vllm_config(GEOM, dict(chunk_size=CHUNK, cpu_capacity=32 * CHUNK_BYTES, model_id="fake/role"), "role")
+    cfg.kv_transfer_config.kv_role = "kv_consumer"
+    conn = KVTierConnector(cfg, KVConnectorRole.SCHEDULER, None)
+    try:
+        assert conn.config.kv_role == "kv_consumer" and not conn.config.should_save and conn.config.should_load
+    finally:
+        conn.shutdown()

@@ -274,8 +274,8 @@ def test_metrics_and_health_endpoints(short_dir: Path) -> None:
         }
         assert values['kvtier_lookup_hit_tokens_total{tier="cpu"}'] == 64
         assert values["kvtier_lookups_total"] == 1
-        assert values["kvtier_bytes_in_total"] == 2 * a.chunk_bytes
-        assert values["kvtier_bytes_out_total"] == a.chunk_bytes
+        assert values["kvtier_committed_bytes_total"] == 2 * a.chunk_bytes
+        assert values["kvtier_served_bytes_total"] == a.chunk_bytes
         assert values["kvtier_active_clients"] == 1
         assert values["kvtier_leases"] == 1
         assert values['kvtier_server_request_seconds_count{op="lookup"}'] == 1

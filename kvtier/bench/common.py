@@ -22,6 +22,14 @@ from kvtier.integrations.block_copy import load_blocks, save_blocks
 
 from kvtier.index.keys import KeyNamespace, LayoutSignature
 
+class BenchUsageError(Exception):
+    """A bench cannot run as asked (bad flag, unreachable target); the message names the flag or URL.
+
+    The CLI prints it as one line and exits with code 2 (0: every target met,
+    1: a target missed, 2: usage error).
+    """
+
+
 #: vLLM's CPU backend block size (tokens).
 BLOCK_SIZE = 128
 #: kvtier's default chunk size (tokens).

@@ -279,10 +279,11 @@ def run_miss_overhead(
     rounds: int | None = None,
     requests: int | None = None,
     sizes: MissBenchSizes | None = None,
+    enforce: bool = False,
 ) -> int:
     """``kvtier bench miss-overhead``: run, print the table, write JSON.
 
-    Returns 0: the target is reported (pass/FAIL), not enforced.
+    Returns 1 if ``enforce`` (the CLI) and the target was missed, else 0 (reported only).
     """
     from rich.console import Console
 
@@ -295,4 +296,4 @@ def run_miss_overhead(
     result["checks"] = [{**asdict(c), "passed": c.passed} for c in checks]
     print_checks("kvtier bench miss-overhead (no reuse; kvtier on / off, same prompts)", checks)
     write_json(json_path, result)
-    return 0
+    return 1 if enforce and not all(c.passed for c in checks) else 0

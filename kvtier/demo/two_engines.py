@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.terminate()
         server.wait(timeout=60)
+        shutil.rmtree(work, ignore_errors=True)  # the server's disk tier: ~285 MB of chunk files
     for r in rows:
         extra = f"  (equal to cold: {r['equal_to_cold']}/{len(prompts)})" if "equal_to_cold" in r else ""
         print(f"{r['run']:<32} hit tokens {r['hits']}  identical answers: {r['answers_identical']}{extra}")

@@ -22,7 +22,11 @@ class ErrorCode(str, enum.Enum):
 
     - ``NOT_REGISTERED``, ``BAD_STATE``, ``AUTH``, ``NAMESPACE_MISMATCH``,
       ``CAPACITY``, ``TOO_MANY_HOLDS``, ``NOT_RESERVED``, ``UNKNOWN_HANDLE``,
-      ``CUDA_UNAVAILABLE``, ``BUSY`` (too many clients).
+      ``CUDA_UNAVAILABLE``, ``BUSY`` (too many clients), ``BAD_NAMESPACE``
+      (a registration whose layout cannot be hosted: unknown dtype, geometry or
+      chunk bytes that disagree), ``NOT_ALLOWED`` (the server's allow-list or
+      per-client namespace cap refuses it), ``EXPIRED`` (a commit after the
+      reservation timed out).
 
     Server faults: ``INTERNAL`` (a bug or a failing tier; the op's lease, if it
     granted one, is released before this reply is sent).
@@ -46,6 +50,9 @@ class ErrorCode(str, enum.Enum):
     UNKNOWN_HANDLE = "unknown_handle"
     CUDA_UNAVAILABLE = "cuda_unavailable"
     BUSY = "busy"
+    BAD_NAMESPACE = "bad_namespace"
+    NOT_ALLOWED = "not_allowed"
+    EXPIRED = "expired"
     INTERNAL = "internal"
     DESYNC = "desync"
     BAD_REPLY = "bad_reply"

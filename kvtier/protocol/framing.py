@@ -49,7 +49,7 @@ def unpack_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
             max_bin_len=MAX_FRAME_BYTES,
             max_str_len=64 * 1024,
             max_array_len=4096,
-            max_map_len=64,
+            max_map_len=512,  # a stats reply has ~100 keys; the frame bound caps the total
             max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises several types (ValueError, ExtraData, UnicodeDecodeError...)

@@ -92,6 +92,7 @@ class DataHandlers:
         m = self.metrics
         m.lookups.inc()
         cs = reg.host.namespace.chunk_size
+        m.lookup_tokens.inc(cs * len(r.keys))
         for tier in set(res.tiers):
             m.lookup_hit_tokens.labels(tier).inc(cs * res.tiers.count(tier))
         return {"tiers": codes}
@@ -116,18 +117,26 @@ class DataHandlers:
         self, h: Holds, reg: Registered, keys: list[bytes], parents: list[bytes | None] | None = None
     ) -> tuple[list[int | None], list[int]]:
         if len(keys) > h.room():
-            raise ProtocolError(ErrorCode.TOO_MANY_HOLDS, f"at most {h.max_holds} reservations+reads")
+            raise ProtocolError(ErrorCode.TOO_MANY_HOLDS, f"at most {h.max_holds} reservations+reads per connection")
         if any(k in h.writes for k in keys):
             raise ProtocolError(ErrorCode.BAD_STATE, "key already reserved by this client")
+        n = _take_quota(h, reg, len(keys))  # beyond the client's quota: NO_ROOM (the client stops the chain)
         host = reg.host
-        got = host.manager.open_write_many(keys, parents)
+        try:
+            got = host.manager.open_write_many(keys[:n], None if parents is None else parents[:n])
+        except BaseException:
+            _give_quota(h, n)
+            raise
+        got = list(got) + [WriteSkip.NO_ROOM] * (len(keys) - n)
         slots: list[int | None] = []
         skips: list[int] = []
+        taken = 0
         try:
             for key, g in zip(keys, got, strict=True):
                 if isinstance(g, np.ndarray):
                     slot = host.pool.slot_of(g)
                     h.add_write(key, slot)
+                    taken += 1
                     slots.append(slot)
                     skips.append(0)
                 else:
@@ -136,20 +145,30 @@ class DataHandlers:
         except BaseException:
             for key, g in zip(keys, got):
                 if isinstance(g, np.ndarray):
-                    h.writes.pop(key, None)
+                    if h.pop_write(key) is not None:
+                        taken -= 1
                     host.manager.abort(key)
             raise
+        finally:
+            _give_quota(h, n - taken)
         return slots, skips
 
     def commit(self, h: Holds, reg: Registered, r: Commit) -> dict[str, Any]:
-        if h.writes.pop(r.key, None) is None:
+        slot = h.pop_write(r.key)
+        if slot is None:
+            if h.was_expired(r.key):
+                raise ProtocolError(
+                    ErrorCode.EXPIRED, "commit after the reservation timed out (its slot was freed); store it again"
+                )
             raise ProtocolError(ErrorCode.NOT_RESERVED, "commit of a key this client has not reserved")
-        reg.host.manager.commit(r.key, r.parent)
+        reg.host.commit(r.key, r.parent, slot)
         self.metrics.bytes_in.inc(reg.host.pool.slot_bytes)
         return {}
 
     def abort(self, h: Holds, reg: Registered, r: Abort) -> dict[str, Any]:
-        if h.writes.pop(r.key, None) is None:
+        if h.pop_write(r.key) is None:
+            if h.was_expired(r.key):
+                return {}  # the timeout already aborted it
             raise ProtocolError(ErrorCode.NOT_RESERVED, "abort of a key this client has not reserved")
         reg.host.manager.abort(r.key)
         return {}
@@ -169,9 +188,15 @@ class DataHandlers:
         self, h: Holds, reg: Registered, keys: list[bytes], parents: list[bytes | None]
     ) -> list[list[Any] | None]:
         if len(keys) > h.room():
-            raise ProtocolError(ErrorCode.TOO_MANY_HOLDS, f"at most {h.max_holds} reservations+reads")
+            raise ProtocolError(ErrorCode.TOO_MANY_HOLDS, f"at most {h.max_holds} reservations+reads per connection")
+        n = _take_quota(h, reg, len(keys))  # beyond the client's quota: a miss
         host = reg.host
-        handles = host.manager.open_read_many(list(zip(keys, parents)))
+        try:
+            handles = host.open_verified(list(zip(keys[:n], parents[:n])))
+        except BaseException:
+            _give_quota(h, n)
+            raise
+        handles = list(handles) + [None] * (len(keys) - n)
         out: list[list[Any] | None] = []
         taken: list[int] = []
         try:
@@ -190,12 +215,15 @@ class DataHandlers:
                     handle.close()
             for hid in taken:
                 h.reads.pop(hid, None)
+            taken.clear()
             raise
+        finally:
+            _give_quota(h, n - len(taken))
         self.metrics.bytes_out.inc(host.pool.slot_bytes * len(taken))
         return out
 
     def unload(self, h: Holds, reg: Registered, r: Unload) -> dict[str, Any]:
-        handle = h.reads.pop(r.handle, None)
+        handle = h.pop_read(r.handle)
         if handle is None:
             raise ProtocolError(ErrorCode.UNKNOWN_HANDLE, "unload of a handle this client does not hold")
         handle.close()
@@ -217,13 +245,43 @@ class DataHandlers:
 
     def stats(self, h: Holds, reg: Registered, r: Stats) -> dict[str, Any]:
         host = reg.host
-        out: dict[str, Any] = dict(host.manager.stats())
+        out: dict[str, Any] = dict(host.stats())
         out.update(self.server_stats())
         out.update(cpu_num_slots=host.pool.num_slots, cpu_free_slots=host.pool.num_free)
+        q = h.quota
+        if q is not None:
+            out.update(client_holds=q.holds, client_max_holds=q.limits.max_holds,
+                       client_leased=q.leased, client_max_leased=q.limits.max_leased)
         return {"stats": out}
 
     def clear(self, h: Holds, reg: Registered, r: Clear) -> dict[str, Any]:
         return {"removed": reg.host.manager.clear()}
+
+
+def _take_quota(h: Holds, reg: Registered, n: int) -> int:
+    """Take up to ``n`` holds from the client id's quota; returns how many (at least 1).
+
+    Raises:
+        ProtocolError: ``TOO_MANY_HOLDS`` when the quota has no room at all.
+    """
+    q = h.quota
+    if q is None or n == 0:
+        return n
+    got = q.take_upto(n)
+    if got < n:
+        reg.host.quota_refusals += 1
+    if got == 0:
+        raise ProtocolError(
+            ErrorCode.TOO_MANY_HOLDS,
+            f"client {q.client_id!r} holds {q.holds} of its {q.limits.max_holds} reservations+reads "
+            "(all its connections together); commit, abort or unload first",
+        )
+    return got
+
+
+def _give_quota(h: Holds, n: int) -> None:
+    if h.quota is not None:
+        h.quota.give(n)
 
 
 def prefetch_one(host: NamespaceHost, key: bytes) -> None:
@@ -231,7 +289,7 @@ def prefetch_one(host: NamespaceHost, key: bytes) -> None:
     m = host.manager
     try:
         if m.where(key) != "cpu":
-            for handle in m.open_read_many([(key, None)]):
+            for handle in host.open_verified([(key, None)]):  # records the promoted chunk's checksum
                 if handle is not None:
                     handle.close()
     except Exception:

@@ -38,10 +38,20 @@ def lookup_op(manager: LeaseManager, holds: Holds, prefix: str, req: Lookup) -> 
             exception of the manager. Either way the owner's lease is ended first.
     """
     owner = None if req.owner is None else prefix + req.owner
+    keys = req.keys
+    quota = holds.quota
     if owner is not None:
         holds.add_owner(owner, manager)
+        if quota is not None:
+            table = getattr(manager, "leases", None)
+            size = (lambda o: 0) if table is None else table.size
+            room = quota.lease_room(owner, size)
+            if room < len(keys):
+                keys = keys[: max(0, room)]  # beyond the client's lease quota: a miss, not pinned
     try:
-        res = manager.lookup_keys(req.keys, owner)
+        res = manager.lookup_keys(keys, owner)
+        if owner is not None and quota is not None:
+            quota.set_lease(owner, len(res.keys))
         codes = encode_tiers(res.tiers)
         if len(codes) != len(res.keys) or len(codes) > len(req.keys):
             raise RuntimeError(f"lookup returned {len(res.keys)} keys and {len(codes)} tiers for {len(req.keys)} keys")
@@ -49,6 +59,8 @@ def lookup_op(manager: LeaseManager, holds: Holds, prefix: str, req: Lookup) -> 
         if owner is not None:
             manager.release(owner)
             holds.owners.pop(owner, None)
+            if quota is not None:
+                quota.set_lease(owner, 0)
         raise
     return res, codes
 
@@ -58,3 +70,5 @@ def release_op(manager: LeaseManager, holds: Holds, prefix: str, req: ReleaseLea
     owner = prefix + req.owner
     manager.release(owner)
     holds.owners.pop(owner, None)
+    if holds.quota is not None:
+        holds.quota.set_lease(owner, 0)

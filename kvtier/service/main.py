@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,26 @@ def default_socket_path() -> str:
     return os.path.join(private_runtime_dir(), "kvtier.sock")
 
 
+def check_tcp_host(tcp_host: str | None, allow_remote: bool) -> str | None:
+    """Why ``tcp_host`` must not be listened on, or None.
+
+    A name or address that is not loopback (``0.0.0.0``, ``::``, a LAN address
+    or a host name that resolves to one) needs ``allow_remote``.
+    """
+    if tcp_host is None or allow_remote:
+        return None
+    try:
+        infos = socket.getaddrinfo(tcp_host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"--tcp-host {tcp_host!r} does not resolve: {exc}"
+    if all(ipaddress.ip_address(info[4][0].split("%", 1)[0]).is_loopback for info in infos):
+        return None
+    return (
+        f"--tcp-host {tcp_host!r} is not a loopback address: other machines could connect; "
+        "add --allow-remote to mean it, or use 127.0.0.1"
+    )
+
+
 def run_server(
     socket_path: str | None,
     overrides: dict[str, Any],
@@ -31,6 +53,8 @@ def run_server(
     metrics_port: int | None = 9477,
     max_clients: int = 256,
     max_namespaces: int = 1,
+    allow_remote: bool = False,
+    extra_options: dict[str, Any] | None = None,
 ) -> int:
     """Run the cache service until SIGTERM/SIGINT; returns the exit code.
 
@@ -38,23 +62,41 @@ def run_server(
     of ``KVTIER_*`` environment variables and ``config_file``. Exit codes: 0
     after a clean stop, 2 for a setting that cannot work (the message names the
     key and its source; "ready" is never printed), 1 when it cannot listen.
+
+    TCP: the token comes from ``token_file`` (first line) or else the
+    ``server_token`` setting; a ``tcp_host`` that is not a loopback address is
+    refused unless ``allow_remote`` (every machine that reaches it may try tokens).
+    ``extra_options``: further :class:`ServerOptions` fields (quotas, namespaces).
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = load_config({k: v for k, v in overrides.items() if v is not None})
+        config = load_config(
+            {k: v for k, v in overrides.items() if v is not None},
+            flags={k: "--config" if k == "config_file" else "--" + k.replace("_", "-") for k in overrides},
+        )
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    token = None
+    logging.getLogger("kvtier").setLevel(config.log_level)
+    problem = check_tcp_host(tcp_host, allow_remote)
+    if problem:
+        log.error("%s", problem)
+        return 2
+    token = config.server_token
     if token_file is not None:
         try:
             token = token_file.read_text().strip()
         except OSError as exc:
-            log.error("cannot read token file %s: %s", token_file, exc.strerror or exc)
+            log.error("cannot read token file %s (--token-file): %s", token_file, exc.strerror or exc)
             return 2
         if not token:
-            log.error("token file %s is empty", token_file)
+            log.error("token file %s (--token-file) is empty", token_file)
             return 2
+        if token_file.stat().st_mode & 0o077:
+            log.warning("token file %s (--token-file) is readable by other users; chmod 600 it", token_file)
+    if tcp_host is not None and not token:
+        log.error("--tcp-host needs a token: --token-file FILE or the server_token setting (KVTIER_SERVER_TOKEN)")
+        return 2
     try:
         options = ServerOptions(
             socket_path=socket_path or default_socket_path(),
@@ -65,6 +107,7 @@ def run_server(
             metrics_port=metrics_port,
             max_clients=max_clients,
             max_namespaces=max_namespaces,
+            **(extra_options or {}),
         )
     except ValueError as exc:
         log.error("cannot start kvtier server: %s", exc)

@@ -7,20 +7,22 @@ from the server when Prometheus scrapes. Exposition format and naming follow
 https://prometheus.io/docs/instrumenting/writing_exporters/ (``_total`` for
 counters, base units: bytes, seconds).
 
-HTTP endpoints (``ThreadingHTTPServer``, loopback by default):
+HTTP endpoints (:mod:`kvtier.service.http`, loopback by default):
 ``/metrics`` (Prometheus text format) and ``/health`` (JSON; 200 when serving,
 503 when stopping).
 """
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterator
+import platform
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from kvtier.config import KVTierConfig
+    from kvtier.tiers.base import LowerTier
 
 #: Request latency buckets (seconds): 10 us .. 10 s.
 LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0, 10.0)
@@ -38,6 +40,9 @@ _COUNTER_STATS = {
     "disk_written_chunks": "Chunks written to the disk tier",
     "disk_dropped_writes": "Write-behind chunks dropped",
     "leases_expired": "Leases ended by their TTL",
+    "corrupt_chunks": "CPU chunks that failed their commit checksum (overwritten in shared memory); dropped",
+    "expired_reservations": "Reservations aborted by the reservation timeout",
+    "quota_refusals": "Reserve/load calls refused by a client id's quota",
 }
 #: Manager stats exported as gauges.
 _GAUGE_STATS = {
@@ -49,21 +54,62 @@ _GAUGE_STATS = {
     "cpu_capacity_bytes": "Byte bound of the CPU tier",
     "disk_chunks": "Chunks in the disk tier",
     "disk_used_bytes": "Bytes used in the disk tier",
-    "disk_capacity_bytes": "Byte bound of the disk tier",
+}
+#: Remote tier stats (``remote_<name>`` in ``StorageManager.stats()``) exported as counters:
+#: stat name -> (metric name, help text). Zero until a namespace with a remote tier is hosted.
+_REMOTE_COUNTERS = {
+    "puts": ("kvtier_remote_put_chunks", "Chunks offered to the remote tier"),
+    "put_ok": ("kvtier_remote_put_ok_chunks", "Chunks the remote tier stored"),
+    "put_failed": ("kvtier_remote_put_failed_chunks", "Chunk writes the remote tier dropped (store error, OOM, unreachable)"),
+    "dropped_writes": ("kvtier_remote_dropped_writes", "Write-behind chunks dropped before reaching the remote tier"),
+    "gets": ("kvtier_remote_get_chunks", "Chunks asked of the remote tier"),
+    "get_hits": ("kvtier_remote_get_hit_chunks", "Chunks the remote tier returned"),
+    "get_corrupt": ("kvtier_remote_get_corrupt_chunks", "Remote chunks that were unusable (checksum, foreign, codec)"),
+    "errors": ("kvtier_remote_errors", "Failed remote round trips (timeout, connection, I/O)"),
+    "skipped_calls": ("kvtier_remote_skipped_calls", "Remote calls answered as misses without the store (breaker open)"),
+    "breaker_trips": ("kvtier_remote_breaker_trips", "Times a remote node's circuit breaker opened"),
+    "bytes_read": ("kvtier_remote_read_bytes", "Bytes read from the remote tier"),
+    "bytes_written": ("kvtier_remote_written_bytes", "Bytes written to the remote tier"),
 }
 
 
 class ServerMetrics:
     """The server's metric objects, in a private registry.
 
+    Series (beyond the per-namespace manager stats): ``kvtier_lookup_tokens_total``
+    and ``kvtier_lookup_hit_tokens_total{tier}`` (token hit rate = their ratio),
+    ``kvtier_committed_bytes_total`` / ``kvtier_served_bytes_total``, the configured
+    ``kvtier_cpu_capacity_bytes`` / ``kvtier_disk_capacity_bytes`` (from start),
+    ``kvtier_remote_*`` counters and ``kvtier_remote_breaker_open{node}``,
+    ``process_*`` (this process) and ``kvtier_build_info{version,python}``.
+
     Args:
         snapshot: returns ``(active_clients, [manager stats dict per namespace])``;
             called at scrape time.
+        config: the server's settings (capacities are exported from start).
+        tiers: returns the lower tiers of every hosted namespace (for per-node
+            breaker state); called at scrape time.
     """
 
-    def __init__(self, snapshot: Callable[[], tuple[int, list[dict[str, Any]]]]):
+    def __init__(
+        self,
+        snapshot: Callable[[], tuple[int, list[dict[str, Any]]]],
+        config: "KVTierConfig | None" = None,
+        tiers: "Callable[[], list[LowerTier]] | None" = None,
+    ):
+        from kvtier import __version__
+
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
+        ProcessCollector(registry=r)
+        Info("kvtier_build", "kvtier version and Python of this server", registry=r).info(
+            {"version": __version__, "python": platform.python_version()}
+        )
+        self.lookup_tokens = Counter(
+            "kvtier_lookup_tokens",
+            "Tokens of the full chunks lookups asked about (hit rate: kvtier_lookup_hit_tokens_total / this)",
+            registry=r,
+        )
         self.requests = Counter("kvtier_server_requests", "Requests by op and result", ["op", "result"], registry=r)
         self.latency = Histogram(
             "kvtier_server_request_seconds", "Request handling time by op", ["op"], buckets=LATENCY_BUCKETS, registry=r
@@ -73,13 +119,13 @@ class ServerMetrics:
             "kvtier_lookup_hit_tokens", "Tokens found by lookups, by tier", ["tier"], registry=r
         )
         self.load_tokens = Counter("kvtier_load_tokens", "Tokens engines loaded, by tier", ["tier"], registry=r)
-        self.bytes_in = Counter("kvtier_bytes_in", "Chunk bytes committed by clients", registry=r)
-        self.bytes_out = Counter("kvtier_bytes_out", "Chunk bytes handed to clients for loading", registry=r)
+        self.bytes_in = Counter("kvtier_committed_bytes", "Chunk bytes committed by clients", registry=r)
+        self.bytes_out = Counter("kvtier_served_bytes", "Chunk bytes handed to clients for loading", registry=r)
         self.disconnect_releases = Counter(
             "kvtier_disconnect_releases", "Reservations, read references and leases released on client disconnect",
             ["kind"], registry=r,
         )
-        r.register(_StateCollector(snapshot))
+        r.register(_StateCollector(snapshot, config, tiers))
         self._ok: dict[str, Any] = {}
         self._err: dict[str, Any] = {}
         self._lat: dict[str, Any] = {}
@@ -101,8 +147,17 @@ class ServerMetrics:
 
 
 class _StateCollector:
-    def __init__(self, snapshot: Callable[[], tuple[int, list[dict[str, Any]]]]):
+    """Scrape-time series: clients, namespaces, manager stats, capacities, remote tier health."""
+
+    def __init__(
+        self,
+        snapshot: Callable[[], tuple[int, list[dict[str, Any]]]],
+        config: "KVTierConfig | None",
+        tiers: "Callable[[], list[LowerTier]] | None",
+    ):
         self._snapshot = snapshot
+        self._config = config
+        self._tiers = tiers
 
     def collect(self) -> Iterator[Metric]:
         clients, stats = self._snapshot()
@@ -120,53 +175,43 @@ class _StateCollector:
             g = GaugeMetricFamily(f"kvtier_{name}", doc)
             g.add_metric([], sum(float(s.get(name, 0)) for s in stats))
             yield g
+        yield from self._capacities(stats)
+        for stat, (metric, doc) in _REMOTE_COUNTERS.items():
+            c = CounterMetricFamily(metric, doc)
+            c.add_metric([], sum(float(s.get(f"remote_{stat}", 0)) for s in stats))
+            yield c
+        yield from self._breakers()
+
+    def _capacities(self, stats: list[dict[str, Any]]) -> Iterator[Metric]:
+        cfg = self._config
+        for tier in ("cpu", "disk"):
+            if cfg is not None:  # configured bounds: known before the first engine registers
+                value = float(cfg.cpu_capacity if tier == "cpu" else (cfg.disk_capacity if cfg.disk_path else 0))
+            else:
+                value = sum(float(s.get(f"{tier}_capacity_bytes", 0)) for s in stats)
+            g = GaugeMetricFamily(f"kvtier_{tier}_capacity_bytes", f"Byte bound of the {tier} tier (all namespaces)")
+            g.add_metric([], value)
+            yield g
+
+    def _breakers(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "kvtier_remote_breaker_open",
+            "1 while the circuit breaker of a remote node is open or probing (calls miss), 0 when closed",
+            labels=["node"],
+        )
+        states: dict[str, bool] = {}
+        for tier in self._tiers() if self._tiers is not None else []:
+            try:
+                breakers = tier.stats().get("breakers")
+            except Exception:  # a plug-in's stats must not break the scrape
+                continue
+            if isinstance(breakers, dict):
+                for node, state in breakers.items():
+                    states[str(node)] = states.get(str(node), False) or state != "closed"
+        for node, is_open in sorted(states.items()):
+            g.add_metric([node], 1.0 if is_open else 0.0)
+        yield g
 
 
-class MetricsHTTPServer:
-    """Serves ``/metrics`` and ``/health`` on ``host:port`` in a daemon thread.
-
-    Args:
-        host: bind address (loopback by default in the CLI).
-        port: TCP port; 0 picks a free one (see ``port`` after start).
-        metrics: the server's metrics.
-        health: returns ``(healthy, details)`` for ``/health``.
-
-    Raises:
-        OSError: the port cannot be bound.
-    """
-
-    def __init__(
-        self, host: str, port: int, metrics: ServerMetrics, health: Callable[[], tuple[bool, dict[str, Any]]]
-    ):
-        outer_metrics, outer_health = metrics, health
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server API)
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    body, ctype, code = outer_metrics.exposition(), CONTENT_TYPE_LATEST, 200
-                elif path == "/health":
-                    healthy, details = outer_health()
-                    body = json.dumps({"status": "ok" if healthy else "unavailable", **details}).encode()
-                    ctype, code = "application/json", 200 if healthy else 503
-                else:
-                    body, ctype, code = b"not found\n", "text/plain", 404
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:  # quiet
-                return
-
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
-        self._httpd.daemon_threads = True
-        self.host = host
-        self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvtier-metrics", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+# The HTTP server moved to kvtier.service.http; re-exported for existing imports.
+from kvtier.service.http import MetricsHTTPServer  # noqa: E402,F401

@@ -12,8 +12,10 @@ payload byte crosses the socket. Control plane: :mod:`kvtier.protocol`.
 Pieces: listeners and connection threads (:mod:`.listener`), sessions and what
 each holds, with their invariants (:mod:`.session`), the op handlers
 (:mod:`.handlers`, leases in :mod:`.lease_ops`), namespace hosts
-(:mod:`.namespace_host`). This module ties them together: registration, the
-namespace table, the prefetch thread, metrics and health.
+(:mod:`.namespace_host`), registration, the namespace table and client quotas
+(:mod:`.namespaces`, :mod:`.quotas`), the shared-memory checksums
+(:mod:`.integrity`). This module ties them together: the prefetch and
+maintenance threads, metrics and health.
 """
 
 from __future__ import annotations
@@ -30,16 +32,21 @@ from typing import Any
 
 from kvtier import protocol as P
 from kvtier.config import KVTierConfig, validate_config
-from kvtier.index.keys import KeyNamespace
 from kvtier.protocol import ErrorCode, ProtocolError
 from kvtier.service.cuda_ipc import cuda_available
 from kvtier.service.handlers import DataHandlers, prefetch_one
-from kvtier.service.listener import FrameServer, bind_unix, unlink_socket
-from kvtier.service.metrics import MetricsHTTPServer, ServerMetrics
+from kvtier.service.auth import AuthThrottle
+from kvtier.service.http import MetricsHTTPServer
+from kvtier.service.listener import LISTEN_BACKLOG, ConnLimits, FrameServer, Phase, bind_unix, unlink_socket
+from kvtier.service.metrics import ServerMetrics
 from kvtier.service.namespace_host import NamespaceHost
-from kvtier.service.session import Registered, Session, SessionTable
+from kvtier.service.namespaces import NamespacePolicy, NamespaceTable, maintenance_loop
+from kvtier.service.session import Session, SessionTable
 
 log = logging.getLogger(__name__)
+
+#: Largest frame body (bytes) a connection may send before it registers (a register is < 1 KiB).
+HANDSHAKE_FRAME_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -60,8 +67,45 @@ class ServerOptions:
         max_namespaces: key namespaces hosted at once; ``cpu_capacity`` and
             ``disk_capacity`` are split evenly between them.
         max_holds_per_client: reservations plus read references one connection
-            may hold at once.
+            may hold at once (and the most one client id may hold over all its
+            connections; see ``client_hold_share``).
         prefetch_queue: chunks waiting for prefetch; more are dropped.
+        handshake_timeout_s: seconds a new connection has to register; then it
+            is closed.
+        idle_timeout_s: seconds a registered connection may stay silent; then it
+            is closed and what it holds released (None: never; clients
+            reconnect by themselves).
+        frame_timeout_s: seconds to receive the rest of a started frame and to
+            send its reply.
+        max_unauthenticated: connections not yet registered at once (on top of
+            ``max_clients``); a new one beyond closes the oldest unregistered one.
+        auth_backoff_s / auth_backoff_max_s: after a failed TCP token the
+            connection is closed and its source address waits ``auth_backoff_s``
+            seconds, doubling per failure up to ``auth_backoff_max_s``, before
+            its next token is compared.
+        auth_sources: source addresses the back-off table remembers.
+        http_max_connections: HTTP (metrics/health) connections open at once;
+            the longest-idle one is closed to make room.
+        http_timeout_s: seconds an HTTP connection has to send its request and
+            read the reply.
+        allowed_models: shell-style patterns of model ids that may register
+            (empty: any); others get ``not_allowed``.
+        max_namespaces_per_client: namespaces one client id may bring into the
+            table.
+        namespace_idle_s: seconds a namespace with no client and no lease is
+            kept before its memory is released.
+        client_hold_share: fraction of a namespace's CPU slots one client id
+            (all its connections together) may hold reserved or being read.
+        client_lease_share: fraction of the slots one client id may pin with
+            leases; a lookup beyond it answers the rest as a miss.
+        reservation_timeout_s: an uncommitted reservation older than this is
+            aborted and its slot freed; the late commit gets ``expired``.
+        refusal_log_interval_s: a refused registration (or expired
+            reservations) is logged at WARNING once per client id and reason
+            per interval.
+        verify_loads: check a chunk's commit checksum (xxh3) before serving it
+            from the CPU tier; a chunk another client overwrote is then a miss,
+            dropped and counted (:mod:`kvtier.service.integrity`).
     """
 
     socket_path: str
@@ -74,18 +118,62 @@ class ServerOptions:
     max_namespaces: int = 1
     max_holds_per_client: int = 1024
     prefetch_queue: int = 4096
+    handshake_timeout_s: float = 5.0
+    idle_timeout_s: float | None = 600.0
+    frame_timeout_s: float = 10.0
+    max_unauthenticated: int = 16
+    auth_backoff_s: float = 0.5
+    auth_backoff_max_s: float = 30.0
+    auth_sources: int = 4096
+    http_max_connections: int = 32
+    http_timeout_s: float = 5.0
+    allowed_models: tuple[str, ...] = ()
+    max_namespaces_per_client: int = 4
+    namespace_idle_s: float = 300.0
+    client_hold_share: float = 0.5
+    client_lease_share: float = 0.5
+    reservation_timeout_s: float = 30.0
+    refusal_log_interval_s: float = 60.0
+    verify_loads: bool = True
 
     def __post_init__(self) -> None:
         """Raises ValueError for a bound that cannot work (non-positive, or a port outside 0-65535)."""
-        for name in ("max_clients", "max_namespaces", "max_holds_per_client", "prefetch_queue"):
+        for name in (
+            "max_clients", "max_namespaces", "max_holds_per_client", "prefetch_queue",
+            "max_unauthenticated", "auth_sources", "http_max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"server option {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("handshake_timeout_s", "idle_timeout_s", "frame_timeout_s", "auth_backoff_s", "http_timeout_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"server option {name} must be > 0 seconds, got {v}")
+        if self.auth_backoff_max_s < self.auth_backoff_s:
+            raise ValueError(
+                f"server option auth_backoff_max_s ({self.auth_backoff_max_s}) must be >= auth_backoff_s ({self.auth_backoff_s})"
+            )
         for name in ("tcp_port", "metrics_port"):
             v = getattr(self, name)
             if v is not None and not 0 <= v <= 65535:
                 raise ValueError(f"server option {name} must be a port in 0-65535, got {v}")
         if not self.socket_path:
             raise ValueError("server option socket_path must not be empty")
+        self.namespace_policy()  # raises ValueError for a namespace/quota option that cannot work
+
+    def namespace_policy(self) -> NamespacePolicy:
+        """The namespace table's and client quotas' limits (see :mod:`kvtier.service.namespaces`)."""
+        return NamespacePolicy(
+            max_namespaces=self.max_namespaces,
+            allowed_models=tuple(self.allowed_models),
+            max_per_client=self.max_namespaces_per_client,
+            idle_release_s=self.namespace_idle_s,
+            hold_share=self.client_hold_share,
+            lease_share=self.client_lease_share,
+            max_holds_per_client=self.max_holds_per_client,
+            reservation_timeout_s=self.reservation_timeout_s,
+            log_interval_s=self.refusal_log_interval_s,
+            verify_loads=self.verify_loads,
+        )
 
 
 class CacheServer:
@@ -110,17 +198,28 @@ class CacheServer:
 
     def __init__(self, config: KVTierConfig, options: ServerOptions):
         if options.tcp_host is not None and not options.token:
-            raise RuntimeError("the TCP listener requires a token (--token)")
+            raise RuntimeError("the TCP listener requires a token (--token-file or server_token)")
         validate_config(config)
         self.config = config
         self.options = options
-        self.metrics = ServerMetrics(self._metric_snapshot)
+        self.metrics = ServerMetrics(self._metric_snapshot, config, lambda: [t for h in self.hosts() for t in h.manager.lower])
         self.instance = os.urandom(8)
         self.started_at = time.monotonic()
-        self._hosts: dict[bytes, NamespaceHost] = {}
-        self._hosts_lock = threading.Lock()
-        self.sessions = SessionTable(options.max_clients, options.max_holds_per_client)
-        self._frames: FrameServer[Session] = FrameServer(self, "kvtier")
+        # Registered connections reach max_clients even while max_unauthenticated wait to register.
+        self.sessions = SessionTable(options.max_clients + options.max_unauthenticated, options.max_holds_per_client)
+        limits = ConnLimits(
+            handshake_timeout_s=options.handshake_timeout_s,
+            idle_timeout_s=options.idle_timeout_s,
+            frame_timeout_s=options.frame_timeout_s,
+            max_unauthenticated=options.max_unauthenticated,
+            handshake_frame_bytes=HANDSHAKE_FRAME_BYTES,
+        )
+        self._frames: FrameServer[Session] = FrameServer(self, "kvtier", limits)
+        self._namespaces = NamespaceTable(config, options.namespace_policy(), self.sessions)
+        self._auth = AuthThrottle(options.auth_backoff_s, options.auth_backoff_max_s, options.auth_sources)
+        self._closing: set[int] = set()  # sids to close once their reply is sent
+        self.auth_failures = 0
+        self._closing_lock = threading.Lock()
         self._prefetch_q: queue.Queue[tuple[NamespaceHost, bytes]] = queue.Queue(maxsize=options.prefetch_queue)
         self._handlers = DataHandlers(self.metrics, self._prefetch_q, self._server_stats)
         self._http: MetricsHTTPServer | None = None
@@ -137,19 +236,23 @@ class CacheServer:
         self._frames.listen(bind_unix(o.socket_path))
         self._started = True
         if o.tcp_host is not None:
-            tcp = socket.create_server((o.tcp_host, o.tcp_port), backlog=128)
+            tcp = socket.create_server((o.tcp_host, o.tcp_port), backlog=LISTEN_BACKLOG)
             self.tcp_address = tcp.getsockname()[:2]
             self._frames.listen(tcp)
         self._frames.spawn(self._prefetch_loop, "kvtier-prefetch")
+        self._frames.spawn(lambda: maintenance_loop(self._namespaces, lambda: self._frames.stopping), "kvtier-maintain")
         if o.metrics_port is not None:
-            self._http = MetricsHTTPServer(o.metrics_host, o.metrics_port, self.metrics, self._health_state)
+            self._http = MetricsHTTPServer(
+                o.metrics_host, o.metrics_port, self.metrics, self._health_state,
+                max_connections=o.http_max_connections, request_timeout_s=o.http_timeout_s, backlog=LISTEN_BACKLOG,
+            )
         log.info(
             "kvtier server pid %d on %s%s%s; %s",
             os.getpid(),
             o.socket_path,
             f", tcp {self.tcp_address}" if self.tcp_address else "",
             f", metrics http://{o.metrics_host}:{self._http.port}/metrics" if self._http else "",
-            self.config.describe(),
+            self.config.describe("server"),
         )
         return self
 
@@ -171,10 +274,7 @@ class CacheServer:
             time.sleep(0.01)  # connection threads release their holds
         if self._http is not None:
             self._http.close()
-        with self._hosts_lock:
-            hosts, self._hosts = list(self._hosts.values()), {}
-        for h in hosts:
-            h.close()
+        self._namespaces.close()
         if self._started:
             unlink_socket(self.options.socket_path)
         log.info("kvtier server stopped")
@@ -187,8 +287,7 @@ class CacheServer:
 
     # -- inspection (tests, stats) ---------------------------------------------------------
     def hosts(self) -> list[NamespaceHost]:
-        with self._hosts_lock:
-            return list(self._hosts.values())
+        return self._namespaces.hosts()
 
     def num_sessions(self) -> int:
         return len(self.sessions)
@@ -207,6 +306,12 @@ class CacheServer:
     def frame_too_large(self, session: Session) -> None:
         self.protocol_errors += 1
 
+    def phase(self, s: Session) -> Phase:
+        """Close after a failed token; the handshake ends at registration."""
+        if s.sid in self._closing:
+            return Phase.CLOSE
+        return Phase.HANDSHAKE if s.registered is None else Phase.READY
+
     def handle(self, s: Session, body: bytearray) -> tuple[dict[str, Any] | None, int | None]:
         t0 = time.perf_counter()
         try:
@@ -219,7 +324,11 @@ class CacheServer:
         fd = None
         try:
             if isinstance(req, P.Register):
+                if s.kind == "tcp" and s.registered is None:
+                    self._authenticate(s, req)
                 out, fd = self._register(s, req)
+            elif s.registered is None and s.kind == "tcp":
+                raise ProtocolError(ErrorCode.NOT_REGISTERED, "register (with the token) first")
             elif isinstance(req, P.Health):
                 out = self._health_state()[1]
             elif s.registered is None:
@@ -258,63 +367,43 @@ class CacheServer:
                         reg.client_id, reg.pid, writes, reads,
                     )
         finally:
+            with self._closing_lock:
+                self._closing.discard(s.sid)
+            self._namespaces.detach(s)
             self.sessions.remove(s)
+
+    # -- authentication (TCP) ------------------------------------------------------------------
+    def _authenticate(self, s: Session, r: P.Register) -> None:
+        """Check a TCP client's token, with per-source back-off; a failure closes the connection.
+
+        Raises:
+            ProtocolError: ``AUTH`` for a wrong or missing token, or while the
+                source address is backing off (its token is then not compared).
+        """
+        source = _peer_host(s.sock)
+        wait = self._auth.retry_after(source)
+        if wait > 0:
+            self._close_after_reply(s)
+            raise ProtocolError(ErrorCode.AUTH, f"too many failed tokens from {source}; retry in {wait:.1f} s")
+        expected = (self.options.token or "").encode()
+        if r.token is not None and hmac.compare_digest(r.token.encode(), expected):
+            self._auth.succeeded(source)
+            return
+        failures, delay = self._auth.failed(source)
+        self.auth_failures += 1
+        self._close_after_reply(s)
+        if failures == 1 or failures % 100 == 0:  # rate-limited: a guesser must not flood the log
+            log.warning("kvtier server: failed TCP token from %s (%d so far); backing off %.1f s", source, failures, delay)
+        raise ProtocolError(ErrorCode.AUTH, f"a valid token is required on TCP; this address may retry in {delay:.1f} s")
+
+    def _close_after_reply(self, s: Session) -> None:
+        with self._closing_lock:
+            self._closing.add(s.sid)
 
     # -- register ----------------------------------------------------------------------------
     def _register(self, s: Session, r: P.Register) -> tuple[dict[str, Any], int | None]:
-        if s.registered is not None:
-            raise ProtocolError(ErrorCode.BAD_STATE, "already registered")
-        if s.kind == "tcp":
-            expected = self.options.token or ""
-            if r.token is None or not hmac.compare_digest(r.token.encode(), expected.encode()):
-                raise ProtocolError(ErrorCode.AUTH, "a valid token is required on TCP")
-        digest = r.namespace.digest()
-        if digest != r.namespace_digest:
-            raise ProtocolError(ErrorCode.NAMESPACE_MISMATCH, "namespace digest does not match its fields")
-        if r.chunk_bytes != r.namespace.chunk_bytes:
-            raise ProtocolError(
-                ErrorCode.NAMESPACE_MISMATCH,
-                f"chunk_bytes {r.chunk_bytes} differs from the namespace's {r.namespace.chunk_bytes}",
-            )
-        host = self._host_for(r.namespace, digest)
-        s.registered = Registered(host, r.client_id, r.pid, f"{len(r.client_id)}:{r.client_id}/")
-        seg: dict[str, Any] = {
-            "size": host.segment.size, "slot_bytes": host.pool.slot_bytes, "num_slots": host.pool.num_slots,
-        }
-        out: dict[str, Any] = {
-            "segment": seg, "server_pid": os.getpid(), "instance": self.instance,
-            "chunk_size": r.namespace.chunk_size,
-        }
-        fd = None
-        if s.kind == "unix":
-            seg["fd"] = True
-            fd = host.segment.fd
-        else:
-            seg["path"] = f"/proc/{os.getpid()}/fd/{host.segment.fd}"
-        log.info("kvtier server: client %s (pid %d, %s) registered", r.client_id, r.pid, s.kind)
-        return out, fd
-
-    def _host_for(self, ns: KeyNamespace, digest: bytes) -> NamespaceHost:
-        with self._hosts_lock:
-            host = self._hosts.get(digest)
-            if host is not None:
-                return host
-            n = self.options.max_namespaces
-            if len(self._hosts) >= n:
-                raise ProtocolError(
-                    ErrorCode.NAMESPACE_MISMATCH,
-                    f"this server hosts {n} other key namespace(s) (model/layout/chunk size/rank) and no more; "
-                    "start it with a larger --max-namespaces or use another server",
-                )
-            try:
-                host = NamespaceHost(
-                    self.config, ns, int(self.config.cpu_capacity) // n, int(self.config.disk_capacity) // n
-                )
-            except ValueError as exc:
-                raise ProtocolError(ErrorCode.CAPACITY, str(exc)) from None
-            self._hosts[digest] = host
-            log.info("kvtier server: hosting namespace %s (%s, %d slots)", digest.hex()[:16], ns.model, host.pool.num_slots)
-            return host
+        """Registration (validation, allow-list, namespace table, quotas): :mod:`kvtier.service.namespaces`."""
+        return self._namespaces.register(s, r, self.options.token, self.instance)
 
     def _cuda_register(self, r: P.CudaRegister) -> dict[str, Any]:
         # Guarded path (see kvtier.service.cuda_ipc): only machines with CUDA get past here.
@@ -341,15 +430,45 @@ class CacheServer:
             "server_protocol_errors": self.protocol_errors,
         }
 
+    def _connection_stats(self) -> dict[str, int]:
+        """Counters of the connection guards (:mod:`.listener`, :mod:`.auth`); in ``/health`` as ``connections``.
+
+        Not in the ``stats`` reply: that map is at the protocol's 64-entry bound.
+        """
+        f = self._frames
+        return {
+            "server_unregistered_connections": f.unauthenticated(),
+            "server_evicted_unregistered": f.evicted_unauthenticated,
+            "server_connection_timeouts": f.timeouts,
+            "server_accept_failures": f.accept_failures,
+            "server_thread_start_failures": f.thread_start_failures,
+            "server_auth_failures": self.auth_failures,
+        }
+
     def _health_state(self) -> tuple[bool, dict[str, Any]]:
+        """``(healthy, details)``: ``stopping``, ``degraded`` (with ``reason``: cannot accept connections) or ``ok``."""
         stopping = self._frames.stopping
-        return (not stopping), {
-            "status": "stopping" if stopping else "ok",
+        reason = self._frames.degraded_reason()
+        extra: dict[str, Any] = {} if reason is None else {"reason": reason}
+        status = "stopping" if stopping else "degraded" if reason else "ok"
+        return status == "ok", {
+            "status": status,
+            **extra,
             "uptime_s": round(time.monotonic() - self.started_at, 3),
             "clients": self.num_sessions(),
             "namespaces": len(self.hosts()),
             "pid": os.getpid(),
+            "connections": self._connection_stats(),
         }
 
     def _metric_snapshot(self) -> tuple[int, list[dict[str, Any]]]:
-        return self.num_sessions(), [h.manager.stats() for h in self.hosts()]
+        return self.num_sessions(), [h.stats() for h in self.hosts()]
+
+
+def _peer_host(sock: socket.socket) -> str:
+    """The peer's host address ("?" once the peer is gone)."""
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        return "?"
+    return str(peer[0]) if isinstance(peer, tuple) else "unix"

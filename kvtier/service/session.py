@@ -9,7 +9,11 @@ Invariants (each :class:`Holds` is touched only by its connection's own thread;
   close, crash, SIGKILL, protocol abuse), each is released: reservations are
   aborted, read references dropped, leases ended. Committed chunks stay.
 - A client can commit, abort or unload only what its own connection holds.
-- ``len(writes) + len(reads) <= max_holds`` (one client cannot pin the pool).
+- ``len(writes) + len(reads) <= max_holds`` per connection, and every
+  connection of one client id together stays within that id's quota
+  (:mod:`kvtier.service.quotas`): one client cannot pin the pool.
+- A reservation older than the reservation timeout is aborted by the server's
+  maintenance thread (its slot is freed); a late commit gets ``EXPIRED``.
 - Read handle ids are unique per connection: every id in ``reads`` is below
   ``next_handle``.
 - A connection leaves the table only after its holds are released, so a table
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -28,6 +33,7 @@ from kvtier.storage.types import ReadHandle
 
 if TYPE_CHECKING:
     from kvtier.service.namespace_host import NamespaceHost
+    from kvtier.service.quotas import ClientQuota
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +54,23 @@ class LeaseStore(Protocol):
 class Holds:
     """Reservations, read references and lease owners of one connection.
 
+    Its connection's thread takes and gives back holds; the server's maintenance
+    thread may expire old reservations (:meth:`expire_reservations`), so changes
+    to ``writes`` happen under ``lock``.
+
     Attributes:
-        max_holds: bound on ``len(writes) + len(reads)``.
+        max_holds: bound on ``len(writes) + len(reads)`` (per connection).
         writes: key -> reserved slot index.
         reads: handle id -> read reference.
         owners: lease owners granted on this connection (already prefixed), oldest
             first; at most :data:`MAX_OWNERS` (the oldest lease is ended beyond).
         next_handle: the id the next read reference gets.
+        quota: the client id's quota (shared by its connections; None until
+            ``register``). Every reservation and read reference here is counted
+            in it.
+        reserved_at: key -> monotonic time (s) of its reservation.
+        expired: keys whose reservation timed out (a late commit gets a clear
+            error); at most ``max_holds`` remembered.
     """
 
     max_holds: int
@@ -62,6 +78,10 @@ class Holds:
     reads: dict[int, ReadHandle] = field(default_factory=dict)
     owners: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
     next_handle: int = 1
+    quota: "ClientQuota | None" = None
+    reserved_at: dict[bytes, float] = field(default_factory=dict)
+    expired: dict[bytes, None] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def count(self) -> int:
@@ -73,17 +93,64 @@ class Holds:
         return self.max_holds - self.count
 
     def add_read(self, handle: ReadHandle) -> int:
-        """Record a read reference; returns its handle id."""
+        """Record a read reference (its quota already taken); returns its handle id."""
         hid = self.next_handle
         self.next_handle += 1
         self.reads[hid] = handle
         assert self.count <= self.max_holds, "holds over the per-client bound"
         return hid
 
-    def add_write(self, key: bytes, slot: int) -> None:
-        assert key not in self.writes, "a key reserved twice by one connection"
-        self.writes[key] = slot
-        assert self.count <= self.max_holds, "holds over the per-client bound"
+    def pop_read(self, hid: int) -> ReadHandle | None:
+        """Forget read reference ``hid`` (the caller closes it) and give its quota back."""
+        handle = self.reads.pop(hid, None)
+        if handle is not None and self.quota is not None:
+            self.quota.give(1)
+        return handle
+
+    def add_write(self, key: bytes, slot: int, now: float | None = None) -> None:
+        """Record a reservation (its quota already taken)."""
+        with self.lock:
+            assert key not in self.writes, "a key reserved twice by one connection"
+            self.writes[key] = slot
+            self.reserved_at[key] = time.monotonic() if now is None else now
+            self.expired.pop(key, None)
+            assert self.count <= self.max_holds, "holds over the per-client bound"
+
+    def pop_write(self, key: bytes) -> int | None:
+        """Forget reservation ``key`` (the caller commits or aborts it) and give its quota back.
+
+        Returns its slot, or None if this connection does not hold it.
+        """
+        with self.lock:
+            slot = self.writes.pop(key, None)
+            self.reserved_at.pop(key, None)
+        if slot is not None and self.quota is not None:
+            self.quota.give(1)
+        return slot
+
+    def was_expired(self, key: bytes) -> bool:
+        """True if ``key``'s reservation here was aborted by the reservation timeout."""
+        with self.lock:
+            return self.expired.pop(key, 0) is None
+
+    def expire_reservations(self, older_than: float, store: LeaseStore) -> int:
+        """Abort reservations taken before monotonic time ``older_than``; returns how many.
+
+        Runs on the maintenance thread; the slot goes back to the pool and a late
+        commit of the key gets ``EXPIRED``.
+        """
+        with self.lock:
+            old = [k for k, t in self.reserved_at.items() if t < older_than]
+            for k in old:
+                del self.writes[k]
+                del self.reserved_at[k]
+                _quiet(lambda: store.abort(k))
+                self.expired[k] = None
+            while len(self.expired) > self.max_holds:
+                del self.expired[next(iter(self.expired))]
+        if old and self.quota is not None:
+            self.quota.give(len(old))
+        return len(old)
 
     def add_owner(self, owner: str, store: LeaseStore) -> None:
         """Track a lease owner granted on this connection (ends the oldest beyond :data:`MAX_OWNERS`)."""
@@ -93,6 +160,8 @@ class Holds:
             oldest = next(iter(self.owners))
             del self.owners[oldest]
             _quiet(lambda: store.release(oldest))
+            if self.quota is not None:
+                self.quota.set_lease(oldest, 0)
 
     def check_invariants(self) -> None:
         """Assert the module invariants that one connection's holds can show."""
@@ -100,22 +169,30 @@ class Holds:
         assert all(0 < h < self.next_handle for h in list(self.reads)), "read handle id out of range"
         assert len(self.owners) <= MAX_OWNERS, "lease owners over the bound"
         assert all(slot >= 0 for slot in list(self.writes.values())), "negative reserved slot"
+        if self.quota is not None:
+            assert self.quota.holds <= self.quota.limits.max_holds, "client id over its holds quota"
 
     def release_all(self, store: LeaseStore) -> tuple[int, int, int]:
         """Abort reservations, close reads, end leases; returns the three counts released.
 
         A failing release is logged and skipped (the rest is still released).
         """
-        counts = (len(self.writes), len(self.reads), len(self.owners))
-        for key in list(self.writes):
-            _quiet(lambda: store.abort(key))
+        with self.lock:
+            counts = (len(self.writes), len(self.reads), len(self.owners))
+            for key in list(self.writes):
+                _quiet(lambda: store.abort(key))
+            self.writes.clear()
+            self.reserved_at.clear()
         for handle in list(self.reads.values()):
             _quiet(handle.close)
         for owner in list(self.owners):
             _quiet(lambda: store.release(owner))
-        self.writes.clear()
+            if self.quota is not None:
+                self.quota.set_lease(owner, 0)
         self.reads.clear()
         self.owners.clear()
+        if self.quota is not None:
+            self.quota.give(counts[0] + counts[1])
         return counts
 
 
@@ -184,15 +261,6 @@ class SessionTable:
 
     def total_holds(self) -> int:
         return sum(s.holds.count for s in self.snapshot())
-
-    def add_owner(self, owner: str, store: LeaseStore) -> None:
-        """Track a lease owner granted on this connection (ends the oldest beyond :data:`MAX_OWNERS`)."""
-        self.owners.pop(owner, None)
-        self.owners[owner] = None
-        while len(self.owners) > MAX_OWNERS:
-            oldest = next(iter(self.owners))
-            del self.owners[oldest]
-            _quiet(lambda: store.release(oldest))
 
     def check_invariants(self) -> None:
         """Assert every session's holds invariants and the client bound."""

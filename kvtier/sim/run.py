@@ -12,7 +12,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvtier.index.keys import ChunkHasher, KeyNamespace, LayoutSignature
 from kvtier.sim.replay import SimStats, replay
@@ -76,6 +76,7 @@ def simulate(
     seed: int = 0,
     num_requests: int = 2000,
     chunk_size: int = 256,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> SimReport:
     """Replay one synthetic trace through each policy at each capacity.
 
@@ -87,6 +88,8 @@ def simulate(
         seed: trace seed.
         num_requests: prompts in the trace.
         chunk_size: tokens per chunk (a multiple of 16).
+        progress: called as ``progress(step, done, total)`` after hashing and
+            after each replay (``total`` = 1 + policies * capacities + 1).
 
     Raises:
         ValueError: unknown trace or policy, capacity below 1, bad chunk size.
@@ -107,8 +110,17 @@ def simulate(
     bad = [c for c in capacities if c < 1]
     if bad:
         raise ValueError(f"capacities must be at least 1 chunk, got {bad[0]}")
+    total = 2 + len(policies) * len(capacities)
+    report = progress or (lambda step, done, total: None)
+    report(f"{trace}: hashed {len(prompts)} prompts", 1, total)
     ceiling = replay(prompts, chunk_size, policies[0], None)
-    results = {pol: {cap: replay(prompts, chunk_size, pol, cap) for cap in capacities} for pol in policies}
+    report(f"{trace}: unbounded ceiling", 2, total)
+    results: dict[str, dict[int, SimStats]] = {}
+    for pol in policies:
+        results[pol] = {}
+        for cap in capacities:
+            results[pol][cap] = replay(prompts, chunk_size, pol, cap)
+            report(f"{trace}: {pol} at {cap:,} chunks", 2 + sum(map(len, results.values())), total)
     return SimReport(
         trace=trace,
         seed=seed,
@@ -131,6 +143,30 @@ def _parse_list(text: str | None, what: str) -> list[str] | None:
     if not items:
         raise ValueError(f"{what}: empty list")
     return items
+
+
+def _run_with_progress(
+    traces: list[str], caps: list[int] | None, pols: list[str] | None, seed: int, num_requests: int, chunk_size: int
+) -> list[SimReport]:
+    """Each trace's :func:`simulate`, with a progress bar on stderr (transient; hidden when not a terminal)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    reports = []
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console, transient=True
+    ) as bar:
+        task = bar.add_task("simulate", total=None)
+
+        def step(what: str, done: int, total: int) -> None:
+            bar.update(task, description=what, completed=done, total=total)
+
+        for t in traces:
+            if not console.is_terminal:  # no live bar in a log: one line per trace
+                console.print(f"simulating trace {t} ({num_requests} prompts)...")
+            reports.append(simulate(t, caps, pols, seed, num_requests, chunk_size, progress=step))
+    return reports
 
 
 def run_simulate(
@@ -159,9 +195,9 @@ def run_simulate(
         except ValueError:
             raise ValueError(f"--capacities must be whole numbers of chunks, got {capacities!r}") from None
         pols = _parse_list(policies, "--policies")
-        reports = [simulate(t, cap_ints, pols, seed, num_requests, chunk_size) for t in traces]
+        reports = _run_with_progress(traces, cap_ints, pols, seed, num_requests, chunk_size)
     except ValueError as exc:
-        console.print(f"[red]kvtier simulate: {exc}[/red]")
+        Console(stderr=True).print(f"[red]kvtier simulate: {exc}[/red]")
         return 2
     for rep in reports:
         gib = rep.chunk_bytes / 2**30
@@ -191,6 +227,7 @@ def run_simulate(
         )
     if json_path is not None:
         data = [r.as_dict() for r in reports]
+        json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(data[0] if len(data) == 1 else data, indent=2))
         console.print(f"wrote {json_path}")
     return 0

@@ -73,6 +73,11 @@ class LeaseTable:
     def holds(self, owner: str) -> bool:
         return owner in self._leases
 
+    def size(self, owner: str) -> int:
+        """Chunks ``owner``'s live lease pins (0 without one; an expired lease counts until reaped)."""
+        lease = self._leases.get(owner)
+        return 0 if lease is None else len(lease.keys)
+
     def __len__(self) -> int:
         return len(self._leases)
 

@@ -113,6 +113,10 @@ def open_remote_tier(config: KVTierConfig, namespace: KeyNamespace) -> LowerTier
     ``codec``, ``spec``, ``ttl_s`` (if set) and ``timeout_s`` (to tiers that take
     it; the fs tier's calls are bounded by the filesystem instead).
 
+    After opening, a tier's optional ``check_store()`` (one bounded round trip)
+    is asked for problems, each logged at WARNING: an unreachable store, a Redis
+    without ``maxmemory`` or with ``noeviction``.
+
     Raises:
         ValueError: unknown scheme or options the tier refuses (a configuration
             error). An unreachable store is not an error: its calls miss.
@@ -139,4 +143,11 @@ def open_remote_tier(config: KVTierConfig, namespace: KeyNamespace) -> LowerTier
     except TypeError as exc:
         raise ValueError(f"remote tier {mask_url(url)!r} refused its options: {exc}") from None
     log.info("kvtier remote tier %s (%s, codec %s)", mask_url(url), cls.__name__, config.remote_codec)
+    check = getattr(tier, "check_store", None)
+    if callable(check):  # bounded by the tier's timeout; a dead or unbounded store is worth a WARNING
+        try:
+            for problem in check():
+                log.warning("kvtier %s", problem)
+        except Exception as exc:  # a plug-in's check must not stop the tiers from opening
+            log.warning("kvtier remote tier %s: store check failed: %s", mask_url(url), exc)
     return tier

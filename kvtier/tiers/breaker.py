@@ -12,9 +12,12 @@ never reports is presumed failed after another ``backoff_s``.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable
+
+log = logging.getLogger(__name__)
 
 CLOSED = "closed"
 OPEN = "open"
@@ -23,6 +26,10 @@ HALF_OPEN = "half-open"
 
 class CircuitBreaker:
     """Consecutive-failure breaker with exponential back-off (seconds).
+
+    ``name`` (e.g. ``"redis 10.0.0.5:6379"``) turns on logging: WARNING when the
+    breaker opens from closed (the store stopped answering; calls miss) and when
+    it closes again (recovered) -- two lines per outage, whatever its length.
 
     Raises:
         ValueError: ``failures`` < 1 or non-positive back-off.
@@ -34,6 +41,7 @@ class CircuitBreaker:
         backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        name: str = "",
     ):
         if failures < 1 or backoff_s <= 0 or max_backoff_s < backoff_s:
             raise ValueError("breaker needs failures >= 1 and 0 < backoff_s <= max_backoff_s")
@@ -41,6 +49,7 @@ class CircuitBreaker:
         self.base_backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self._clock = clock
+        self.name = name
         self._lock = threading.Lock()
         self._consecutive = 0
         self._state = CLOSED
@@ -68,6 +77,8 @@ class CircuitBreaker:
 
     def success(self) -> None:
         with self._lock:
+            if self._state != CLOSED and self.name:
+                log.warning("kvtier %s answers again: circuit breaker closed", self.name)
             self._consecutive = 0
             self._state = CLOSED
             self._backoff = self.base_backoff_s
@@ -80,6 +91,12 @@ class CircuitBreaker:
                 self._open_locked()
             elif self._state == CLOSED and self._consecutive >= self.failures:
                 self._open_locked()
+                if self.name:
+                    log.warning(
+                        "kvtier %s failed %d calls in a row: circuit breaker open, its calls miss; "
+                        "probing again every %.1f-%.1f s",
+                        self.name, self._consecutive, self.base_backoff_s, self.max_backoff_s,
+                    )
 
     def _open_locked(self) -> None:
         self._state = OPEN

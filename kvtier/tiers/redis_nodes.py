@@ -49,12 +49,14 @@ class NodeSettings:
 class NodePool:
     """Idle connections to one node; connects lazily within the caller's deadline."""
 
-    def __init__(self, factory: Callable[[], redis.connection.AbstractConnection], opts: NodeSettings):
+    def __init__(self, factory: Callable[[], redis.connection.AbstractConnection], opts: NodeSettings, name: str = ""):
         self._factory = factory
         self._opts = opts
         self._idle: list[redis.connection.AbstractConnection] = []
         self._lock = threading.Lock()
-        self.breaker = CircuitBreaker(opts.breaker_failures, opts.breaker_backoff_s, opts.breaker_max_backoff_s)
+        self.breaker = CircuitBreaker(
+            opts.breaker_failures, opts.breaker_backoff_s, opts.breaker_max_backoff_s, name=name
+        )
 
     def acquire(self, deadline: float) -> redis.connection.AbstractConnection:
         with self._lock:
@@ -141,7 +143,8 @@ class RedisNodes:
                     kwargs["host"], kwargs["port"] = addr
                     kwargs.pop("orig_host_address", None)
                 cls = self._conn_class
-                pool = self._pools[addr] = NodePool(lambda: cls(**kwargs), self.settings)
+                where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
+                pool = self._pools[addr] = NodePool(lambda: cls(**kwargs), self.settings, name=f"redis {where}")
             return pool
 
     def refresh_slots(self, deadline: float) -> bool:

@@ -71,6 +71,7 @@ from kvtier.serde.base import Buffer, Codec, ValueSpec
 from kvtier.serde.envelope import ValueMiss, encode_value, read_value_into
 from kvtier.serde.registry import decoders_with, make_codec
 from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, check_key, writable_view
+from kvtier.tiers.redis_checks import connection_params, store_problems
 from kvtier.tiers.redis_nodes import Addr, Batch, NodeSettings, RedisNodes, glob_escape
 from kvtier.tiers.resp import RespError, Wire
 
@@ -125,6 +126,8 @@ class RedisTierOptions:
 _FLOAT_OPTS = {"ttl_s", "timeout_s", "connect_timeout_s", "breaker_backoff_s", "breaker_max_backoff_s"}
 _INT_OPTS = {"breaker_failures", "max_idle_connections"}
 _STR_OPTS = {"codec", "key_prefix"}
+#: Options a URL query may carry for the tier itself (the others go to redis-py).
+TIER_QUERY_OPTIONS = frozenset(_FLOAT_OPTS | _INT_OPTS | _STR_OPTS | {"seeds"})
 
 
 class RedisTier(LowerTier):
@@ -177,8 +180,15 @@ class RedisTier(LowerTier):
                 protocol=2,  # the data path speaks RESP2 (kvtier.tiers.resp)
             )
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"bad Redis URL {url!r}: {exc}") from None
+            raise ValueError(f"bad Redis URL {self._masked(url)!r}: {exc}") from None
         conn_kwargs = dict(proto.connection_kwargs)
+        accepted = connection_params(proto.connection_class)
+        unknown = sorted({k for k, _ in parse_qsl(parts.query, keep_blank_values=True)} - accepted)
+        if unknown:
+            raise ValueError(
+                f"Redis URL {self._masked(url)!r}: unknown option {', '.join(unknown)}; kvtier options: "
+                f"{', '.join(sorted(TIER_QUERY_OPTIONS))}; redis-py options: {', '.join(sorted(accepted))}"
+            )
         seeds: list[Addr] = []
         if self.cluster:
             if conn_kwargs.get("db", 0) != 0:
@@ -198,21 +208,62 @@ class RedisTier(LowerTier):
             opts.breaker_backoff_s,
             opts.breaker_max_backoff_s,
         )
+        self._probe = (proto.connection_class, conn_kwargs, seeds[0] if seeds else None)
         #: Connections, cluster routing and pipelined round trips.
         self.nodes = RedisNodes((proto.connection_class, conn_kwargs), settings, self.counters, seeds)
         #: The URL with any password masked (for logs).
         self.url = url.replace(f":{parts.password}@", ":***@") if parts.password else url
 
+    def check_store(self) -> list[str]:
+        """Problems an operator should fix, found with one ``INFO memory`` within ``timeout_s``
+        (see :func:`kvtier.tiers.redis_checks.store_problems`). Never raises for a store failure."""
+        cls, kwargs, seed = self._probe
+        kw = dict(kwargs, socket_timeout=self.options.timeout_s, socket_connect_timeout=self.options.connect_timeout_s)
+        if seed is not None:
+            kw["host"], kw["port"] = seed
+        return store_problems(lambda: cls(**kw), self.url, has_ttl=self._ttl_ms is not None)
+
+    @staticmethod
+    def _masked(url: str) -> str:
+        password = urlsplit(url).password
+        return url.replace(f":{password}@", ":***@") if password else url
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        """Validate ``url`` and its query options at config time; nothing is contacted.
+
+        Raises:
+            ValueError: bad URL, unknown option (the message lists the accepted
+                ones) or an option value of the wrong type.
+        """
+        cls.from_url(url).close()
+
     @classmethod
     def from_url(cls, url: str, **options: Any) -> "RedisTier":
-        """Open from a URL; kvtier option query parameters are taken out of it (see module doc)."""
+        """Open from a URL; kvtier option query parameters are taken out of it (see module doc).
+
+        Raises:
+            ValueError: see the class doc; an option value of the wrong type names the option.
+        """
+        scheme, _, after = url.partition("://")
+        netloc = after.split("/", 1)[0].split("?", 1)[0]
+        if scheme.lower().endswith("+cluster") and "," in netloc:  # redis+cluster://h1:p1,h2:p2: more seeds
+            cred, at, hosts = netloc.rpartition("@")
+            first, *more = [h for h in hosts.split(",") if h]
+            options.setdefault("seeds", tuple(more))
+            url = f"{scheme}://{cred}{at}{first}{after[len(netloc):]}"
         parts = urlsplit(url)
         rest: list[tuple[str, str]] = []
         for k, v in parse_qsl(parts.query, keep_blank_values=True):
-            if k in _FLOAT_OPTS:
-                options.setdefault(k, float(v))
-            elif k in _INT_OPTS:
-                options.setdefault(k, int(v))
+            if k in _FLOAT_OPTS or k in _INT_OPTS:
+                kind = float if k in _FLOAT_OPTS else int
+                try:
+                    options.setdefault(k, kind(v))
+                except ValueError:
+                    raise ValueError(
+                        f"Redis URL {cls._masked(url)!r}: option {k}={v!r} is not a{'' if kind is float else 'n'} "
+                        f"{kind.__name__}"
+                    ) from None
             elif k in _STR_OPTS:
                 options.setdefault(k, v)
             elif k == "seeds":

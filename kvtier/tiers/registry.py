@@ -67,6 +67,28 @@ def load_tier_class(name: str) -> type[LowerTier]:
     return obj
 
 
+def check_tier_url(url: str) -> None:
+    """Validate a remote tier URL at config time through its tier class, contacting nothing.
+
+    Calls the class's optional ``check_url(url)`` classmethod (the Redis tier
+    checks its query options there); tiers without one are checked when opened.
+
+    Raises:
+        ValueError: unknown scheme, a module that cannot be imported (a missing
+            extra, e.g. ``pip install 'kvtier[redis]'``), or a URL/option the tier refuses.
+    """
+    scheme = url.split("://", 1)[0]
+    try:
+        cls = load_tier_class(scheme)
+    except ImportError as exc:
+        raise ValueError(
+            f"the tier for {scheme}:// cannot be imported ({exc}); install its extra, e.g. pip install 'kvtier[redis]'"
+        ) from None
+    check = getattr(cls, "check_url", None)
+    if callable(check):
+        check(url)
+
+
 def open_tier(spec: str, **options: Any) -> LowerTier:
     """Open a lower tier from a URL (selected by scheme) or a registered name.
 

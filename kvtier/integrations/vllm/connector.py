@@ -44,7 +44,12 @@ class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        role_name = getattr(self._kv_transfer_config, "kv_role", None)
+        if role_name in ("kv_both", "kv_producer", "kv_consumer"):
+            # vLLM's kv_role gates kvtier too: a producer only saves, a consumer only loads.
+            extra.setdefault("kv_role", role_name)
         self.config: KVTierConfig = load_config(extra)
+        logging.getLogger("kvtier").setLevel(self.config.log_level)
         if vllm_config.parallel_config.world_size > 1:
             raise ValueError(
                 "kvtier embedded mode runs the tiers inside the engine-core process and needs "

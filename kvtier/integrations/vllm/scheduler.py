@@ -144,7 +144,7 @@ class KVTierScheduler:
         tr = None
         try:
             tr = self._tracker(request)
-            if tr is None or not self.config.load:
+            if tr is None or not self.config.should_load:
                 return 0, False
             assert tr.pending_load is None and not tr.async_inflight, f"{tr.req_id}: looked up with a load planned"
             self.ledger.on_lookup(tr.req_id, len(tr.tokens), num_computed_tokens)
@@ -252,7 +252,7 @@ class KVTierScheduler:
             self._hand_over(tr, tr.pending_load)
             meta.loads.append(tr.pending_load)
             tr.pending_load = None
-        if not self.config.save:
+        if not self.config.should_save:
             return
         full = min(computed_after_step, len(tr.tokens)) // self.chunk_size
         full = min(full, len(tr.keys), len(tr.block_ids) // self.blocks_per_chunk)

@@ -1,0 +1,206 @@
+"""The cache service's HTTP endpoint (``/metrics``, ``/health``), bounded against idle and hostile clients.
+
+``http.server.ThreadingHTTPServer`` as shipped starts one thread per connection,
+without limit, each waiting forever for a request line, behind a listen backlog
+of 5: 254 idle sockets exhaust the fd table, and 64 concurrent GETs pay SYN
+retransmits (seconds). Here:
+
+- at most ``max_connections`` connections are open at once; when full, the
+  connection that has waited longest without sending its request is closed to
+  make room (idle sockets can never crowd out a real scrape), and when every
+  connection is busy serving, the new one is closed at once;
+- each connection has ``request_timeout_s`` seconds (socket timeout) to send its
+  request and read the reply (HTTP/1.0: one request per connection);
+- the listen backlog is ``backlog`` (128 by default);
+- an accept failing for lack of fds or memory backs off (10 ms .. 1 s) instead
+  of spinning.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from kvtier.service.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+#: ``accept()`` errors that mean "out of fds or memory now": back off and retry.
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+#: Bounds of the accept back-off (seconds).
+ACCEPT_BACKOFF_MIN_S = 0.01
+ACCEPT_BACKOFF_MAX_S = 1.0
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer with a connection cap, oldest-idle eviction and accept back-off."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[BaseHTTPRequestHandler],
+        max_connections: int,
+        backlog: int,
+    ):
+        self.request_queue_size = backlog  # read by server_activate() (listen backlog)
+        self.max_connections = max_connections
+        self.refused = 0
+        self.evicted = 0
+        self._lock = threading.Lock()
+        # socket -> (accepted at, monotonic s; still waiting for its request line)
+        self._open: dict[socket.socket, tuple[float, bool]] = {}
+        self._accept_delay = 0.0
+        super().__init__(address, handler)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            got = super().get_request()
+        except OSError as exc:
+            if exc.errno in RESOURCE_ERRNOS:
+                self._accept_delay = min(max(2 * self._accept_delay, ACCEPT_BACKOFF_MIN_S), ACCEPT_BACKOFF_MAX_S)
+                time.sleep(self._accept_delay)  # the serve_forever thread only; bounded
+            raise
+        self._accept_delay = 0.0
+        return got
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        """Admit ``request`` if there is room (closing the oldest idle connection to make some)."""
+        with self._lock:
+            if len(self._open) >= self.max_connections:
+                idle = [(t, s) for s, (t, waiting) in self._open.items() if waiting]
+                if not idle:
+                    self.refused += 1
+                    return False  # every connection is being served: refuse this one
+                _, oldest = min(idle, key=lambda x: x[0])
+                self._open.pop(oldest)
+                self.evicted += 1
+                try:
+                    oldest.shutdown(socket.SHUT_RDWR)  # wakes its thread, which then closes it
+                except OSError:
+                    pass
+            self._open[request] = (time.monotonic(), True)
+            return True
+
+    def mark_busy(self, request: socket.socket) -> None:
+        """``request`` sent its request line: no longer evictable."""
+        with self._lock:
+            if request in self._open:
+                self._open[request] = (self._open[request][0], False)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._lock:
+            self._open.pop(request, None)
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("kvtier metrics http: request from %s failed", client_address, exc_info=True)
+
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+
+class MetricsHTTPServer:
+    """Serves ``/metrics`` and ``/health`` on ``host:port`` in a daemon thread.
+
+    ``/health`` answers 200 when ``health`` says healthy, else 503; the JSON
+    body is ``{"status": "ok" | "unavailable", **details}`` (``details`` may set
+    its own ``status``, e.g. ``"degraded"``, and a ``reason``).
+
+    Args:
+        host: bind address (loopback by default in the CLI).
+        port: TCP port; 0 picks a free one (see ``port`` after start).
+        metrics: the server's metrics.
+        health: returns ``(healthy, details)`` for ``/health``.
+        max_connections: HTTP connections open at once (>= 1).
+        request_timeout_s: seconds a connection has to send its request and
+            read the reply (> 0).
+        backlog: listen backlog (>= 1).
+
+    Raises:
+        OSError: the port cannot be bound.
+        ValueError: a bound that cannot work.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        metrics: ServerMetrics,
+        health: Callable[[], tuple[bool, dict[str, Any]]],
+        max_connections: int = 32,
+        request_timeout_s: float = 5.0,
+        backlog: int = 128,
+    ):
+        if max_connections < 1 or backlog < 1 or not request_timeout_s > 0:
+            raise ValueError(
+                f"HTTP bounds must be positive: max_connections={max_connections}, "
+                f"request_timeout_s={request_timeout_s}, backlog={backlog}"
+            )
+        outer_metrics, outer_health = metrics, health
+
+        class Handler(BaseHTTPRequestHandler):
+            timeout = request_timeout_s  # socket timeout: request line, headers, reply
+
+            def parse_request(self) -> bool:
+                self.server.mark_busy(self.request)  # type: ignore[attr-defined]
+                return super().parse_request()
+
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    body, ctype, code = outer_metrics.exposition(), CONTENT_TYPE_LATEST, 200
+                elif path == "/health":
+                    healthy, details = outer_health()
+                    body = json.dumps({"status": "ok" if healthy else "unavailable", **details}).encode()
+                    ctype, code = "application/json", 200 if healthy else 503
+                else:
+                    body, ctype, code = b"not found\n", "text/plain", 404
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # quiet
+                return
+
+        self._httpd = _BoundedHTTPServer((host, port), Handler, max_connections, backlog)
+        self.host = host
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="kvtier-metrics", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def open_connections(self) -> int:
+        """HTTP connections open now."""
+        return self._httpd.open_connections()
+
+    @property
+    def refused(self) -> int:
+        """Connections refused because every slot was serving a request."""
+        return self._httpd.refused
+
+    @property
+    def evicted(self) -> int:
+        """Idle connections closed to make room for a new one."""
+        return self._httpd.evicted
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()

@@ -1,0 +1,100 @@
+"""Metrics an operator can build a dashboard on (issue 14, item 14).
+
+Failing inputs: no counter of tokens looked up (no token hit rate); capacities read 0 until
+the first engine registers; no remote series (puts failed, errors, breaker state per node);
+no ``process_*`` or build info; byte counters named with the unit in the middle.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+from conftest import payload_for
+from service_helpers import connect, short_dir, start_server  # noqa: F401 (fixture)
+
+from kvtier import __version__
+from kvtier.config import KVTierConfig
+from kvtier.service.client import ServiceClient
+from kvtier.service.metrics import ServerMetrics
+
+KEYS = [bytes([i + 1]) * 32 for i in range(4)]
+
+
+def store(c: ServiceClient, keys: list[bytes]) -> None:
+    parent = None
+    for k in keys:
+        buf = c.open_write(k)
+        assert buf is not None
+        buf[:] = payload_for(k, c.chunk_bytes)
+        c.commit(k, parent)
+        parent = k
+
+
+def _values(text: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and line[0] != "#"}
+
+
+class _FakeRemote:
+    """A lower tier's ``stats()`` with per-node breaker states, as the Redis tier reports them."""
+
+    def __init__(self, breakers: dict[str, str]):
+        self._breakers = breakers
+
+    def stats(self) -> dict[str, Any]:
+        return {"puts": 5, "breakers": self._breakers}
+
+
+def test_capacities_are_exported_before_any_engine_registers(tmp_path: Path) -> None:
+    cfg = KVTierConfig(cpu_capacity="64MiB", disk_path=tmp_path, disk_capacity="1GiB")
+    m = ServerMetrics(lambda: (0, []), cfg, list)
+    v = _values(m.exposition().decode())
+    assert v["kvtier_cpu_capacity_bytes"] == 64 << 20
+    assert v["kvtier_disk_capacity_bytes"] == 1 << 30
+    assert v["kvtier_namespaces"] == 0
+
+
+def test_remote_series_process_and_build_info() -> None:
+    stats = [{"remote_put_failed": 3, "remote_errors": 7, "remote_bytes_written": 100, "remote_skipped_calls": 2}]
+    tiers = [_FakeRemote({"10.0.0.5:7000": "open", "10.0.0.6:7000": "closed"}), _FakeRemote({"standalone": "half-open"})]
+    m = ServerMetrics(lambda: (1, stats), KVTierConfig(), lambda: tiers)  # type: ignore[arg-type,return-value]
+    text = m.exposition().decode()
+    v = _values(text)
+    assert v["kvtier_remote_put_failed_chunks_total"] == 3
+    assert v["kvtier_remote_errors_total"] == 7
+    assert v["kvtier_remote_written_bytes_total"] == 100
+    assert v["kvtier_remote_skipped_calls_total"] == 2
+    assert v['kvtier_remote_breaker_open{node="10.0.0.5:7000"}'] == 1
+    assert v['kvtier_remote_breaker_open{node="10.0.0.6:7000"}'] == 0
+    assert v['kvtier_remote_breaker_open{node="standalone"}'] == 1  # half-open: still missing
+    assert any(name.startswith("process_") for name in v)  # ProcessCollector on the private registry
+    assert 'kvtier_build_info{python="' in text and f'version="{__version__}"' in text
+
+
+def test_byte_counters_end_with_the_unit() -> None:
+    text = ServerMetrics(lambda: (0, []), KVTierConfig(), list).exposition().decode()
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
+    with_bytes = {n.removesuffix("_created") for n in names if "bytes" in n}
+    assert {"kvtier_committed_bytes_total", "kvtier_served_bytes_total"} <= with_bytes
+    assert not {"kvtier_bytes_in_total", "kvtier_bytes_out_total"} & names
+    assert all(n.endswith(("_bytes", "_bytes_total")) for n in with_bytes), with_bytes
+
+
+def test_lookup_tokens_give_a_token_hit_rate(short_dir: Path) -> None:  # noqa: F811
+    """Two chunks stored, three looked up: hit tokens / looked-up tokens = 2/3."""
+    with start_server(short_dir, metrics_port=0) as srv:
+        a = connect(short_dir / "s.sock")
+        store(a, KEYS[:2])
+        a.lookup_keys(KEYS[:3], "r")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
+        v = _values(text)
+        cs = srv.hosts()[0].namespace.chunk_size
+        assert v["kvtier_lookup_tokens_total"] == 3 * cs
+        assert v['kvtier_lookup_hit_tokens_total{tier="cpu"}'] == 2 * cs
+        assert v["kvtier_cpu_capacity_bytes"] == int(srv.config.cpu_capacity)
+        a.close()

@@ -273,3 +273,17 @@ def test_dead_redis_is_warned_at_open(caplog) -> None:
     assert tier is not None and time.monotonic() - t0 < 5
     tier.close()
     assert "does not answer" in caplog.text and "127.0.0.1:1" in caplog.text
+
+
+def test_a_port_in_use_names_the_flag_and_leaves_no_socket(tmp_path: Path) -> None:
+    """A metrics port another process holds: one line naming the flag and port; nothing left bound."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        out = _server(tmp_path, "--metrics-port", str(port))
+    text = (out.stdout + out.stderr).strip()
+    assert out.returncode == 1 and f"--metrics-port 127.0.0.1:{port}" in text.replace("--metrics-host/", ""), text
+    errors = [line for line in text.splitlines() if " ERROR " in line]
+    assert "Traceback" not in text and len(errors) == 1, text
+    assert not (tmp_path / "run" / "s.sock").exists()

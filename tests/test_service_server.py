@@ -155,7 +155,7 @@ def test_holds_per_client_are_bounded(short_dir: Path) -> None:
 
 
 def test_other_namespace_or_chunk_bytes_is_refused(short_dir: Path) -> None:
-    with start_server(short_dir):
+    with start_server(short_dir, max_namespaces=1):  # a full namespace table refuses another model
         a = connect(short_dir / "s.sock")
         other = ServiceClient(str(short_dir / "s.sock"), small_namespace(model="other"), "x", wait_connected_s=1.0)
         assert not other.connected and other.counters.connect_failures >= 1
@@ -179,7 +179,8 @@ def test_server_hosts_several_namespaces_when_allowed(short_dir: Path) -> None:
         store(a, KEYS[:1])
         a.flush(1)
         assert b.lookup_keys(KEYS[:1]).num_tokens == 0  # namespaces never share chunks
-        assert len(srv.hosts()) == 2 and all(h.pool.num_slots == 4 for h in srv.hosts())
+        # Each segment spans the whole capacity; the two share it dynamically (tests/test_service_namespaces.py).
+        assert len(srv.hosts()) == 2 and all(h.pool.num_slots == 8 for h in srv.hosts())
         a.close()
         b.close()
 

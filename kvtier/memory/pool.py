@@ -5,13 +5,24 @@ bandwidth (~10 GB/s on the 2-vCPU reference VM) instead of page-fault speed
 (~2 GB/s into fresh allocations; see shared notes/baselines.md). After
 construction the pool allocates nothing: ``alloc``/``free`` move slot indices on
 a free list.
+
+With a :class:`~kvtier.memory.budget.BudgetShare` (the cache service, whose
+namespaces share one CPU budget) the buffer is sparse instead: a slot is charged
+to the budget before its first use, a freed slot stays charged as a *spare*
+(its pages stay backed, the next ``alloc`` reuses it), and
+:meth:`ChunkPool.release_spare` uncharges a spare after releasing its pages.
+Invariant: ``charged == (slots in use + spares) * slot_bytes``.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvtier.memory.budget import BudgetShare
 
 
 #: Alignment of the private buffer (bytes): a page, as O_DIRECT requires.
@@ -33,13 +44,27 @@ class ChunkPool:
             exposing the buffer protocol with at least ``slot_bytes * num_slots``
             bytes. The caller pre-touches it and keeps it alive. Default: a
             private pre-touched allocation.
+        budget: optional share of a byte budget shared with other pools: the
+            pool charges a slot before its first use; ``alloc`` raises
+            :class:`PoolExhausted` when the budget has no room and this pool
+            holds its fair share or more (the caller evicts one of its own
+            chunks), else asks the pools above their fair share for room.
+        release_pages: with ``budget``: ``release_pages(slot)`` returns the
+            slot's pages to the OS before the slot is uncharged.
 
     Raises:
         ValueError: non-positive sizes, or ``buffer`` too small or read-only.
         MemoryError: the buffer cannot be allocated.
     """
 
-    def __init__(self, slot_bytes: int, num_slots: int, buffer: object | None = None):
+    def __init__(
+        self,
+        slot_bytes: int,
+        num_slots: int,
+        buffer: object | None = None,
+        budget: "BudgetShare | None" = None,
+        release_pages: Callable[[int], None] | None = None,
+    ):
         if slot_bytes <= 0 or num_slots <= 0:
             raise ValueError(f"slot_bytes and num_slots must be positive, got {slot_bytes}, {num_slots}")
         self.slot_bytes = slot_bytes
@@ -62,6 +87,9 @@ class ChunkPool:
         self._free = list(range(num_slots - 1, -1, -1))
         self._in_use = bytearray(num_slots)
         self._lock = threading.Lock()
+        self._budget = budget
+        self._release_pages = release_pages
+        self._spare: list[int] = []  # free slots still charged to the budget (pages backed)
 
     @property
     def capacity_bytes(self) -> int:
@@ -69,20 +97,84 @@ class ChunkPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Slots not in use (with a budget, not all of them may be chargeable now)."""
+        return len(self._free) + len(self._spare)
+
+    @property
+    def charged_bytes(self) -> int:
+        """Bytes charged to the budget (0 without one)."""
+        return 0 if self._budget is None else self._budget.charged
 
     def alloc(self) -> int:
         """Take a free slot index.
 
         Raises:
-            PoolExhausted: every slot is in use.
+            PoolExhausted: every slot is in use, or (with a budget) the budget
+                has no room and none could be reclaimed from other pools.
         """
+        b, sb = self._budget, self.slot_bytes
         with self._lock:
+            if b is None:
+                if not self._free:
+                    raise PoolExhausted()
+                return self._take_locked(self._free)
+            if self._spare:
+                return self._take_locked(self._spare)
             if not self._free:
                 raise PoolExhausted()
-            slot = self._free.pop()
-            self._in_use[slot] = 1
-            return slot
+            if b.try_charge(sb):
+                return self._take_locked(self._free)
+            if b.above_fair(sb):
+                raise PoolExhausted()  # at or above its fair share: the caller evicts one of its own
+        # Below its fair share: ask the pools furthest above theirs (never under our lock).
+        if not b.reclaim(sb):
+            raise PoolExhausted()
+        with self._lock:
+            if not self._free:  # pragma: no cover - only the owner's (locked) caller allocates
+                b.uncharge(sb)
+                raise PoolExhausted()
+            return self._take_locked(self._free)
+
+    def _take_locked(self, free_list: list[int]) -> int:
+        slot = free_list.pop()
+        self._in_use[slot] = 1
+        return slot
+
+    def release_spare(self) -> bool:
+        """Release one spare slot's pages and uncharge it (for another pool); False if there is none."""
+        b = self._budget
+        if b is None:
+            return False
+        with self._lock:
+            if not self._spare:
+                return False
+            slot = self._spare.pop()
+            if self._release_pages is not None:
+                self._release_pages(slot)
+            self._free.append(slot)
+            b.uncharge(self.slot_bytes, given_back=True)
+            return True
+
+    def release_free_pages(self) -> int:
+        """Release the pages of every free, uncharged slot (with a budget); returns how many slots.
+
+        Such pages should be unbacked; a client writing outside its reservations
+        backs them without a charge. O(free slots) ``release_pages`` calls.
+        """
+        if self._budget is None or self._release_pages is None:
+            return 0
+        with self._lock:
+            for slot in self._free:
+                self._release_pages(slot)
+            return len(self._free)
+
+    def check_budget(self) -> None:
+        """Assert ``charged == (in use + spares) * slot_bytes`` (no-op without a budget)."""
+        if self._budget is None:
+            return
+        with self._lock:
+            in_use = self.num_slots - len(self._free) - len(self._spare)
+            assert self._budget.charged == (in_use + len(self._spare)) * self.slot_bytes, "pool charge drifted"
 
     def free(self, slot: int) -> None:
         """Return ``slot`` to the free list. Freeing a free slot is a bug and raises ValueError."""
@@ -92,7 +184,7 @@ class ChunkPool:
             if not self._in_use[slot]:
                 raise ValueError(f"slot {slot} freed twice")
             self._in_use[slot] = 0
-            self._free.append(slot)
+            (self._free if self._budget is None else self._spare).append(slot)
 
     def view(self, slot: int) -> np.ndarray:
         """The slot's bytes: a writable ``uint8`` array of shape ``[slot_bytes]`` (no copy)."""

@@ -52,7 +52,7 @@ def run_server(
     metrics_host: str = "127.0.0.1",
     metrics_port: int | None = 9477,
     max_clients: int = 256,
-    max_namespaces: int = 1,
+    max_namespaces: int = 8,
     allow_remote: bool = False,
     extra_options: dict[str, Any] | None = None,
 ) -> int:
@@ -121,6 +121,7 @@ def run_server(
         server.start()
     except (RuntimeError, OSError) as exc:
         log.error("cannot start kvtier server: %s", exc)
+        server.close()  # what start() had bound (the Unix socket, threads) goes too
         return 1
     stop = threading.Event()
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import mmap
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import KeyNamespace
+from kvtier.memory.budget import BudgetShare, ByteBudget
 from kvtier.memory.pool import ChunkPool
 from kvtier.service.integrity import ChunkSums, verify_writes
 from kvtier.service.ratelog import RateLimitedLog
@@ -15,7 +17,6 @@ from kvtier.service.shm import SharedSegment
 from kvtier.storage.lower_tiers import open_lower_tiers
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.types import ReadHandle
-
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +31,16 @@ class NamespaceHost:
         config: the server's tier settings (``chunk_size`` is replaced by the
             namespace's).
         namespace: the clients' key namespace.
-        cpu_bytes: this namespace's share of ``cpu_capacity`` (bytes).
+        cpu_bytes: the most CPU memory this namespace may use (bytes): its
+            segment spans ``cpu_bytes // chunk_bytes`` slots.
         disk_bytes: its share of ``disk_capacity`` (bytes).
         verify_loads: check a CPU chunk's commit checksum before serving it
             (xxh3: ~25 GB/s here, about twice memcpy); the check before
             write-behind is always on.
+        budget: the CPU byte budget this namespace shares with the others
+            (see :mod:`kvtier.memory.budget`): the segment is then sparse and
+            slots are charged to the budget as they are used. None: the whole
+            segment is pre-touched and this namespace's alone.
 
     Raises:
         ValueError: the CPU share is below one chunk.
@@ -42,7 +48,13 @@ class NamespaceHost:
     """
 
     def __init__(
-        self, config: KVTierConfig, namespace: KeyNamespace, cpu_bytes: int, disk_bytes: int, verify_loads: bool = True
+        self,
+        config: KVTierConfig,
+        namespace: KeyNamespace,
+        cpu_bytes: int,
+        disk_bytes: int,
+        verify_loads: bool = True,
+        budget: ByteBudget | None = None,
     ):
         cb = namespace.chunk_bytes
         num_slots = cpu_bytes // cb
@@ -52,8 +64,14 @@ class NamespaceHost:
             raise ValueError(f"disk_capacity per namespace ({disk_bytes} B) is below one chunk ({cb} B)")
         self.namespace = namespace
         self.digest = namespace.digest()
-        self.segment = SharedSegment.create(num_slots * cb, f"kvtier-{self.digest.hex()[:12]}")
-        self.pool = ChunkPool(cb, num_slots, buffer=self.segment.array)
+        self.segment = SharedSegment.create(num_slots * cb, f"kvtier-{self.digest.hex()[:12]}", sparse=budget is not None)
+        self.share: BudgetShare | None = None
+        if budget is not None:
+            self.share = budget.share(self._give_back)
+        self.pool = ChunkPool(
+            cb, num_slots, buffer=self.segment.array, budget=self.share,
+            release_pages=lambda slot: self.segment.release(slot * cb, cb),
+        )
         disk_path = None if config.disk_path is None else Path(config.disk_path) / f"ns-{self.digest.hex()[:32]}"
         cfg = config.model_copy(
             update=dict(
@@ -67,6 +85,7 @@ class NamespaceHost:
         self.verify_loads = verify_loads
         self.expired_reservations = 0  # aborted by the reservation timeout
         self.quota_refusals = 0  # reserve/load calls refused by a client id's quota
+        self.stray_page_trims = 0  # times free slots' pages were backed without a charge and released
         self._warn = RateLimitedLog(log, 60.0)
         lower = None
         if cfg.disk_path is not None or cfg.remote_url is not None:
@@ -78,6 +97,8 @@ class NamespaceHost:
         try:
             self.manager = StorageManager(cfg, namespace, pool=self.pool, lower=lower)
         except BaseException:
+            if self.share is not None:
+                self.share.close()
             self.segment.close()
             raise
 
@@ -88,8 +109,36 @@ class NamespaceHost:
             corrupt_chunks=self.sums.corrupt,
             expired_reservations=self.expired_reservations,
             quota_refusals=self.quota_refusals,
+            stray_page_trims=self.stray_page_trims,
+            cpu_charged_bytes=self.pool.charged_bytes,
+            cpu_resident_bytes=self.segment.resident_bytes(),
         )
         return out
+
+    def _give_back(self) -> bool:
+        """Free one CPU slot for another namespace (the budget asks; see :meth:`CpuTier.give_back`)."""
+        manager = getattr(self, "manager", None)  # None while constructing (nothing charged yet)
+        return manager is not None and manager.cpu.give_back()
+
+    def trim(self) -> bool:
+        """Release free slots' pages if more of the segment is backed than its slots charged.
+
+        Only a client writing outside its reservations backs such pages (they
+        are then charged to nobody); the maintenance pass calls this. Checked
+        only for page-multiple slots (smaller ones share pages). Returns True
+        if pages were released.
+        """
+        if self.share is None or self.pool.slot_bytes % mmap.PAGESIZE:
+            return False
+        if self.segment.resident_bytes() <= self.pool.charged_bytes:
+            return False
+        self.pool.release_free_pages()
+        self.stray_page_trims += 1
+        self._warn.warning(
+            "", "stray", "kvtier server: a client of %s wrote outside its reservations; those pages were released",
+            self.namespace.model[:128],
+        )
+        return True
 
     def _resident(self, key: bytes) -> bool:
         return self.manager.cpu.contains(key)
@@ -125,5 +174,7 @@ class NamespaceHost:
         return out
 
     def close(self) -> None:
+        if self.share is not None:
+            self.share.close()  # first: no other namespace asks this one for slots any more
         self.manager.close()
         self.segment.close()

@@ -9,8 +9,16 @@ Who may register what:
   (``NamespacePolicy.allowed_models``, shell-style patterns), and a client id may
   bring at most ``max_per_client`` namespaces into the table (else
   ``NOT_ALLOWED``);
-- at most ``max_namespaces`` are hosted at once, each with a
-  ``1/max_namespaces`` share of ``cpu_capacity``/``disk_capacity``. A namespace
+- at most ``max_namespaces`` are hosted at once. They share ``cpu_capacity``
+  dynamically (:mod:`kvtier.memory.budget`): each one's sparse segment spans the
+  whole capacity, slots are charged to one byte budget as they are used, so a
+  namespace alone can fill the capacity and a namespace that needs room takes
+  it back from the one furthest above its fair share (``cpu_capacity / hosted
+  namespaces``) by evicting that one's unreferenced, unpinned leaf chunks.
+  ``disk_capacity`` is shared too: each hosted namespace's disk tier is bounded by
+  ``disk_capacity / hosted namespaces`` (a lone namespace gets all of it; the
+  others shrink leaf-first before a new one opens, and grow when one leaves;
+  the maintenance pass retries a shrink that pinned chunks held up). A namespace
   with no registered session and nothing pinned is released after
   ``idle_release_s`` seconds (by the maintenance pass, or at once when a new
   namespace needs its place), so a client that registered a namespace and left
@@ -22,7 +30,8 @@ lines and no traceback).
 
 Invariants (under the table lock): ``len(hosts) <= max_namespaces``; every
 registered session's host is in the table (a host is released only when no
-session uses it).
+session uses it); the hosts' charged CPU bytes add up to at most
+``cpu_capacity`` (asserted by the budget at every charge).
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import numpy as np
 from kvtier import protocol as P
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import _NUMPY_ITEMSIZE_ALIASES, KeyNamespace
+from kvtier.memory.budget import ByteBudget
 from kvtier.protocol import ErrorCode, ProtocolError
 from kvtier.service.namespace_host import NamespaceHost
 from kvtier.service.quotas import QuotaLimits, QuotaTable
@@ -63,7 +73,8 @@ class NamespacePolicy:
     """What the namespace table allows.
 
     Attributes:
-        max_namespaces: namespaces hosted at once (capacities split evenly).
+        max_namespaces: namespaces hosted at once (they share the CPU capacity
+            dynamically; the disk capacity is split evenly).
         allowed_models: shell-style patterns of model ids that may register
             (empty: any).
         max_per_client: namespaces one client id may bring into the table.
@@ -77,7 +88,7 @@ class NamespacePolicy:
             CPU tier (see :mod:`kvtier.service.integrity`).
     """
 
-    max_namespaces: int = 1
+    max_namespaces: int = 8
     allowed_models: tuple[str, ...] = ()
     max_per_client: int = 4
     idle_release_s: float = 300.0
@@ -180,6 +191,7 @@ class NamespaceTable:
         self._clock = clock
         self._entries: dict[bytes, _Entry] = {}
         self._lock = threading.Lock()
+        self.budget = ByteBudget(int(config.cpu_capacity))  # shared by every hosted namespace's CPU pool
         self.released = 0
         self.expired_reservations = 0
         p = policy
@@ -300,12 +312,15 @@ class NamespaceTable:
                     f"this server hosts {n} other key namespace(s) (model/layout/chunk size/rank) in use and "
                     "no more; start it with a larger --max-namespaces or use another server",
                 )
+            share = self._disk_share(len(self._entries) + 1)
+            self._set_disk_shares_locked(share)  # make room on disk before the new one opens
             try:
                 host = NamespaceHost(
-                    self.config, ns, int(self.config.cpu_capacity) // n, int(self.config.disk_capacity) // n,
-                    verify_loads=self.policy.verify_loads,
+                    self.config, ns, int(self.config.cpu_capacity), share,
+                    verify_loads=self.policy.verify_loads, budget=self.budget,
                 )
             except ValueError as exc:
+                self._set_disk_shares_locked(self._disk_share(len(self._entries)))
                 raise ProtocolError(ErrorCode.CAPACITY, str(exc)) from None
             self._entries[digest] = _Entry(host, client_id, None, 1)
             assert len(self._entries) <= n, "more namespaces than max_namespaces"
@@ -317,7 +332,7 @@ class NamespaceTable:
 
     # -- maintenance --------------------------------------------------------------------
     def maintain(self) -> None:
-        """Expire old reservations and release namespaces idle past ``idle_release_s``."""
+        """Expire old reservations, release namespaces idle past ``idle_release_s``, trim stray pages."""
         now = self._clock()
         cutoff = now - self.policy.reservation_timeout_s
         for s in self.sessions.snapshot():
@@ -334,6 +349,22 @@ class NamespaceTable:
                 )
         with self._lock:
             self._release_idle_locked(force=False)
+            self._set_disk_shares_locked(self._disk_share(len(self._entries)))
+            hosts = [e.host for e in self._entries.values()]
+        for host in hosts:
+            host.trim()
+        self.budget.check_invariants()
+
+    def _disk_share(self, hosted: int) -> int:
+        """Bytes of ``disk_capacity`` each of ``hosted`` namespaces may use (all of it for one)."""
+        return int(self.config.disk_capacity) // max(1, hosted)
+
+    def _set_disk_shares_locked(self, share: int) -> None:
+        """Bound every hosted namespace's disk tier by ``share`` bytes (shrinking evicts leaves)."""
+        for e in self._entries.values():
+            disk = e.host.manager.disk
+            if disk is not None and disk.capacity_bytes != share and hasattr(disk, "set_capacity"):
+                disk.set_capacity(share)
 
     def _release_idle_locked(self, force: bool) -> None:
         """Release unused namespaces: idle longer than ``idle_release_s`` (or any unused one when ``force``)."""

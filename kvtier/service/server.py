@@ -64,8 +64,10 @@ class ServerOptions:
         metrics_host: address of the HTTP metrics/health endpoint.
         metrics_port: its port (None: off; 0: any free port).
         max_clients: concurrent connections; more are refused.
-        max_namespaces: key namespaces hosted at once; ``cpu_capacity`` and
-            ``disk_capacity`` are split evenly between them.
+        max_namespaces: key namespaces hosted at once; they share
+            ``cpu_capacity`` dynamically (a namespace alone may fill it; each
+            gets back at least its fair share when others need room), while
+            ``disk_capacity`` is split evenly between them.
         max_holds_per_client: reservations plus read references one connection
             may hold at once (and the most one client id may hold over all its
             connections; see ``client_hold_share``).
@@ -115,7 +117,7 @@ class ServerOptions:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
     max_clients: int = 256
-    max_namespaces: int = 1
+    max_namespaces: int = 8
     max_holds_per_client: int = 1024
     prefetch_queue: int = 4096
     handshake_timeout_s: float = 5.0
@@ -236,16 +238,23 @@ class CacheServer:
         self._frames.listen(bind_unix(o.socket_path))
         self._started = True
         if o.tcp_host is not None:
-            tcp = socket.create_server((o.tcp_host, o.tcp_port), backlog=LISTEN_BACKLOG)
+            try:
+                tcp = socket.create_server((o.tcp_host, o.tcp_port), backlog=LISTEN_BACKLOG)
+            except OSError as exc:
+                raise OSError(exc.errno, f"--tcp-host/--tcp-port {o.tcp_host}:{o.tcp_port}: {exc.strerror}") from None
             self.tcp_address = tcp.getsockname()[:2]
             self._frames.listen(tcp)
         self._frames.spawn(self._prefetch_loop, "kvtier-prefetch")
         self._frames.spawn(lambda: maintenance_loop(self._namespaces, lambda: self._frames.stopping), "kvtier-maintain")
         if o.metrics_port is not None:
-            self._http = MetricsHTTPServer(
-                o.metrics_host, o.metrics_port, self.metrics, self._health_state,
-                max_connections=o.http_max_connections, request_timeout_s=o.http_timeout_s, backlog=LISTEN_BACKLOG,
-            )
+            try:
+                self._http = MetricsHTTPServer(
+                    o.metrics_host, o.metrics_port, self.metrics, self._health_state,
+                    max_connections=o.http_max_connections, request_timeout_s=o.http_timeout_s, backlog=LISTEN_BACKLOG,
+                )
+            except OSError as exc:
+                msg = f"--metrics-host/--metrics-port {o.metrics_host}:{o.metrics_port}: {exc.strerror}"
+                raise OSError(exc.errno, msg) from None
         log.info(
             "kvtier server pid %d on %s%s%s; %s",
             os.getpid(),

@@ -2,20 +2,24 @@
 
 The server creates one anonymous segment per key namespace (``memfd_create``
 on Linux; else a 0600 file in ``/dev/shm`` unlinked at once, so nothing is left
-behind if the server is killed) and pre-touches every page. Clients map the
-same pages:
+behind if the server is killed). Clients map the same pages:
 
 - over the Unix socket the server passes the file descriptor itself
   (``SCM_RIGHTS``), so only processes that may connect to the owner-only socket
   can map it;
 - TCP clients (same machine, same user) open ``/proc/<server pid>/fd/<fd>``.
 
-Both sides map with ``MAP_POPULATE`` so the first copy into or out of a slot
-does not pay a page fault per 4 KiB page (first-touch copies run ~5x slower on
-the reference VM, see shared notes/baselines.md).
+A *sparse* segment (the service's: every namespace's segment spans the whole
+CPU capacity, and the namespaces share one byte budget, see
+:mod:`kvtier.memory.budget`) is neither pre-touched nor mapped with
+``MAP_POPULATE``: its pages are backed when first written and
+:meth:`SharedSegment.release` gives them back (``MADV_REMOVE``, a hole punched
+in the file), so the memory used is what the budget charged, not the segments'
+sizes. Clients never populate (that would back every page of every segment)
+nor ask for huge pages (one would back 2 MiB where one slot is charged); a
+client's first copy into a page takes a minor fault.
 
-Invariant: the segment's size is fixed at creation (``num_slots * slot_bytes``);
-the server's CPU pool never grows, whatever clients ask.
+Invariant: the segment's size is fixed at creation (``num_slots * slot_bytes``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import tempfile
 import numpy as np
 
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_PAGE = mmap.PAGESIZE
 
 
 class SharedSegment:
@@ -43,8 +48,8 @@ class SharedSegment:
         self.array = np.frombuffer(mm, dtype=np.uint8, count=size)
 
     @classmethod
-    def create(cls, size: int, name: str = "kvtier") -> "SharedSegment":
-        """A new pre-touched segment (server side).
+    def create(cls, size: int, name: str = "kvtier", sparse: bool = False) -> "SharedSegment":
+        """A new segment (server side): pre-touched, or ``sparse`` (pages backed on first write).
 
         Raises:
             ValueError: ``size`` not positive.
@@ -55,13 +60,16 @@ class SharedSegment:
         fd = _anonymous_fd(name)
         try:
             os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size, flags=_MAP_FLAGS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            flags = mmap.MAP_SHARED if sparse else _MAP_FLAGS
+            mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
-        _advise_huge(mm)
+        if not sparse:
+            _advise_huge(mm)  # (sparse: a huge page would back 2 MiB where one slot is charged)
         seg = cls(fd, mm, size)
-        seg.array.fill(1)  # allocate every page now: no faults or OOM surprises later
+        if not sparse:
+            seg.array.fill(1)  # allocate every page now: no faults or OOM surprises later
         return seg
 
     @classmethod
@@ -75,8 +83,7 @@ class SharedSegment:
         try:
             if os.fstat(fd).st_size < size:
                 raise ValueError("shared segment is smaller than announced")
-            mm = mmap.mmap(fd, size, flags=_MAP_FLAGS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            _advise_huge(mm)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         return cls(None, mm, size)
@@ -86,6 +93,32 @@ class SharedSegment:
         """Map a segment by path (``/proc/<pid>/fd/<n>``, for TCP clients)."""
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         return cls.attach_fd(fd, size)
+
+    def release(self, offset: int, length: int) -> None:
+        """Give the whole pages inside ``[offset, offset + length)`` back to the OS (server side).
+
+        Their contents become zeros in every mapping. Pages shared with the
+        bytes around the range stay (a slot smaller than a page, or not
+        page-aligned, keeps up to two partly used pages backed). A no-op where
+        ``MADV_REMOVE`` is missing.
+        """
+        mm = self._mm
+        advice = getattr(mmap, "MADV_REMOVE", None)
+        if mm is None or advice is None:
+            return
+        start = -(-offset // _PAGE) * _PAGE
+        end = (offset + length) // _PAGE * _PAGE
+        if end > start:
+            try:
+                mm.madvise(advice, start, end - start)
+            except OSError:
+                pass  # a filesystem without hole punching: the pages stay until the segment closes
+
+    def resident_bytes(self) -> int:
+        """Bytes of the segment backed by memory now (the file's allocated blocks; server side)."""
+        if self.fd is None:
+            return 0
+        return os.fstat(self.fd).st_blocks * 512
 
     def close(self) -> None:
         """Unmap (deferred until no numpy view is alive) and close the fd."""

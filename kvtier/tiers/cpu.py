@@ -281,19 +281,39 @@ class CpuTier:
             assert len(self.policy) == ready, "eviction order and entries disagree"
             self.policy.check_invariants()
 
+    def give_back(self, timeout_s: float = 0.05) -> bool:
+        """Free one slot of a budget-sharing pool for another pool (see :mod:`kvtier.memory.budget`).
+
+        Uses a spare slot if the pool has one, else evicts one unreferenced,
+        unpinned leaf chunk. Waits at most ``timeout_s`` seconds for the tier's
+        lock (two tiers asking each other cannot deadlock). Returns False if
+        nothing could be freed.
+        """
+        if not self._lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            if self.pool.release_spare():
+                return True
+            if not self._evict_one_locked(None):
+                return False
+            return self.pool.release_spare()
+        finally:
+            self._lock.release()
+
+    def _evict_one_locked(self, keep: bytes | None) -> bool:
+        for key in self.policy.candidates():
+            if key != keep and self._refs[self._entries[key]] == 0 and not self._is_pinned(key):
+                self._drop_locked(key, self._entries[key])  # asserts: a leaf, unreferenced
+                self.evicted_chunks += 1
+                self.evicted_bytes += self.chunk_bytes
+                return True
+        return False
+
     def _alloc_locked(self, keep: bytes | None = None) -> int | None:
         try:
             return self.pool.alloc()
         except PoolExhausted:
             pass
-        victim = None
-        for key in self.policy.candidates():
-            if key != keep and self._refs[self._entries[key]] == 0 and not self._is_pinned(key):
-                victim = key
-                break
-        if victim is None:
+        if not self._evict_one_locked(keep):
             return None
-        self._drop_locked(victim, self._entries[victim])  # asserts: a leaf, unreferenced
-        self.evicted_chunks += 1
-        self.evicted_bytes += self.chunk_bytes
         return self.pool.alloc()

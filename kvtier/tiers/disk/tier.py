@@ -172,6 +172,24 @@ class DiskTier(LowerTier):
     def capacity_bytes(self) -> int:
         return self._index.capacity_bytes
 
+    def set_capacity(self, capacity_bytes: int) -> bool:
+        """Change the byte bound; a smaller one evicts leaves (policy order) down to it.
+
+        Returns False while chunks that cannot be evicted now (pinned, being read or
+        written) keep the tier above the new bound; writes then wait for room, and
+        a later call (or eviction by writes) finishes the job.
+
+        Raises:
+            ValueError: ``capacity_bytes`` is negative.
+        """
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        with self._lock:
+            self._index.capacity_bytes = int(capacity_bytes)
+            fits = self._index.make_room(0)
+            self._index.check_invariants()
+            return fits
+
     @property
     def used_bytes(self) -> int:
         """File bytes on disk plus bytes reserved by writes in flight."""

@@ -29,6 +29,7 @@ warning).
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -331,8 +332,10 @@ def _env_values(environ: Mapping[str, str]) -> dict[str, str]:
             continue
         key = name[len(ENV_PREFIX) :].lower()
         if key not in fields:
+            close = difflib.get_close_matches(key, sorted(fields), n=1)
+            hint = f" (did you mean {ENV_PREFIX}{close[0].upper()}?)" if close else ""
             raise ConfigError(
-                f"unknown environment variable {name}; kvtier settings are "
+                f"unknown environment variable {name}{hint}; kvtier settings are "
                 + ", ".join(ENV_PREFIX + f.upper() for f in sorted(fields))
                 + " (tooling variables allowed: " + ", ".join(sorted(NON_SETTING_ENV)) + ")"
             )

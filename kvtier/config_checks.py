@@ -25,12 +25,15 @@ log = logging.getLogger(__name__)
 
 
 def probe_dir(path: Path) -> None:
-    """Create ``path`` (and parents) if missing and write, then delete, a temporary file in it.
+    """Create ``path`` (and parents) owner-only (0700) if missing and write, then delete, a temporary file in it.
+
+    The directory will hold users' cached KV: created 0700 like every directory the
+    disk tier makes (an existing directory's mode is left to its owner).
 
     Raises:
         OSError: the directory cannot be created or written.
     """
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=".kvtier-probe-", dir=path)
     os.close(fd)
     os.unlink(name)

@@ -83,6 +83,16 @@ def test_unknown_environment_variable_is_refused() -> None:
         load_config(environ={"KVTIER_CPU_CAPACTY": "1GiB"})
     assert "KVTIER_CPU_CAPACTY" in str(err.value)
     assert "environment variable" in str(err.value)
+    assert "did you mean KVTIER_CPU_CAPACITY?" in str(err.value)
+
+
+def test_a_disk_path_kvtier_creates_is_owner_only(tmp_path: Path) -> None:
+    """The directory that will hold users' cached KV is created 0700 at start (issue 14, item 1)."""
+    from kvtier.config import validate_config
+
+    d = tmp_path / "new" / "cache"
+    validate_config(load_config({"disk_path": d}, environ={}))
+    assert d.is_dir() and (d.stat().st_mode & 0o777) == 0o700
 
 
 # -- files -------------------------------------------------------------------------------

@@ -93,6 +93,11 @@ def test_lookup_tokens_give_a_token_hit_rate(short_dir: Path) -> None:  # noqa: 
         a.lookup_keys(KEYS[:3], "r")
         text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
         v = _values(text)
+        # One family per name (Prometheus refuses a second HELP/TYPE for a name; a dict hides it).
+        helps = [line.split()[2] for line in text.splitlines() if line.startswith("# HELP ")]
+        assert len(helps) == len(set(helps)), sorted({h for h in helps if helps.count(h) > 1})
+        samples = [line.rsplit(" ", 1)[0] for line in text.splitlines() if line and line[0] != "#"]
+        assert len(samples) == len(set(samples)), sorted({x for x in samples if samples.count(x) > 1})
         cs = srv.hosts()[0].namespace.chunk_size
         assert v["kvtier_lookup_tokens_total"] == 3 * cs
         assert v['kvtier_lookup_hit_tokens_total{tier="cpu"}'] == 2 * cs

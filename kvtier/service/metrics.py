@@ -51,7 +51,6 @@ _GAUGE_STATS = {
     "referenced_chunks": "CPU chunks being read or written",
     "cpu_chunks": "Chunks in the CPU tier",
     "cpu_used_bytes": "Bytes used in the CPU tier",
-    "cpu_capacity_bytes": "Byte bound of the CPU tier",
     "disk_chunks": "Chunks in the disk tier",
     "disk_used_bytes": "Bytes used in the disk tier",
 }

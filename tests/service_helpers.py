@@ -18,7 +18,7 @@ from kvtier.index.keys import KeyNamespace
 from kvtier.service.client import ServiceClient
 from kvtier.service.server import CacheServer, ServerOptions
 
-from conftest import CHUNK, small_namespace
+from conftest import CHUNK, payload_for, small_namespace
 
 
 @pytest.fixture
@@ -72,3 +72,14 @@ def start_server_process(d: Path, cpu_chunks: int = 16, disk: bool = True) -> su
         cmd += ["--disk-path", str(d / "disk"), "--disk-capacity", str(1 << 20)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def store(c: ServiceClient, keys: list[bytes]) -> None:
+    """Store ``keys`` as one chain through ``c`` (payloads from ``payload_for``); every slot must be granted."""
+    parent = None
+    for k in keys:
+        buf = c.open_write(k)
+        assert buf is not None
+        buf[:] = payload_for(k, c.chunk_bytes)
+        c.commit(k, parent)
+        parent = k

@@ -15,25 +15,13 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
-from conftest import payload_for
-from service_helpers import connect, short_dir, start_server  # noqa: F401 (fixture)
+from service_helpers import connect, store, short_dir, start_server  # noqa: F401 (fixture)
 
 from kvtier import __version__
 from kvtier.config import KVTierConfig
-from kvtier.service.client import ServiceClient
 from kvtier.service.metrics import ServerMetrics
 
 KEYS = [bytes([i + 1]) * 32 for i in range(4)]
-
-
-def store(c: ServiceClient, keys: list[bytes]) -> None:
-    parent = None
-    for k in keys:
-        buf = c.open_write(k)
-        assert buf is not None
-        buf[:] = payload_for(k, c.chunk_bytes)
-        c.commit(k, parent)
-        parent = k
 
 
 def _values(text: str) -> dict[str, float]:

@@ -20,10 +20,9 @@ import pytest
 from conftest import payload_for, small_layout, small_namespace
 from kvtier import protocol as P
 from kvtier.index.keys import KeyNamespace
-from kvtier.service.client import ServiceClient
 from kvtier.service.server import ServerOptions
 from kvtier.storage.types import WriteSkip
-from service_helpers import connect, short_dir, start_server, wait_until  # noqa: F401 (fixture)
+from service_helpers import connect, store, short_dir, start_server, wait_until  # noqa: F401 (fixture)
 
 KEYS = [bytes([i + 1]) * 32 for i in range(16)]
 
@@ -50,16 +49,6 @@ class Raw:
 
     def close(self) -> None:
         self.sock.close()
-
-
-def store(c: ServiceClient, keys: list[bytes]) -> None:
-    parent = None
-    for k in keys:
-        buf = c.open_write(k)
-        assert buf is not None
-        buf[:] = payload_for(k, c.chunk_bytes)
-        c.commit(k, parent)
-        parent = k
 
 
 # -- 5. one client starves everyone ------------------------------------------------------------

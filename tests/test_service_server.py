@@ -18,19 +18,9 @@ from conftest import payload_for, small_namespace
 from kvtier import protocol as P
 from kvtier.service.client import ServiceClient
 from kvtier.storage.types import WriteSkip
-from service_helpers import connect, short_dir, start_server, wait_until  # noqa: F401 (fixture)
+from service_helpers import connect, store, short_dir, start_server, wait_until  # noqa: F401 (fixture)
 
 KEYS = [bytes([i + 1]) * 32 for i in range(8)]
-
-
-def store(c: ServiceClient, keys: list[bytes]) -> None:
-    parent = None
-    for k in keys:
-        buf = c.open_write(k)
-        assert buf is not None
-        buf[:] = payload_for(k, c.chunk_bytes)
-        c.commit(k, parent)
-        parent = k
 
 
 def test_store_then_load_through_shared_memory(short_dir: Path) -> None:

@@ -243,6 +243,18 @@ def server(
     ),
     auth_backoff_max_s: float = typer.Option(30.0, min=0.5, help="Longest wait imposed on an address after failed TCP tokens."),
     http_max_connections: int = typer.Option(32, min=1, help="Open connections to the metrics endpoint."),
+    controller: Optional[str] = typer.Option(
+        None, help="Fleet controller to register with, e.g. tcp://10.0.0.5:7600 (setting controller)."
+    ),
+    instance_id: Optional[str] = typer.Option(
+        None, help="Instance id at the controller (default host:port-or-server:pid; setting instance_id)."
+    ),
+    kv_events_endpoint: Optional[str] = typer.Option(
+        None, help="Publish KV events (vLLM's schema) on this ZMQ PUB address, e.g. tcp://*:5557."
+    ),
+    kv_events_replay_endpoint: Optional[str] = typer.Option(
+        None, help="ZMQ ROUTER address answering replay requests for missed KV event batches."
+    ),
 ) -> None:
     """Run the cache service that every engine process on this machine shares."""
     from kvtier.service.main import run_server
@@ -256,6 +268,10 @@ def server(
                 "disk_capacity": disk_capacity,
                 "config_file": config_file,
                 "log_level": log_level,
+                "controller": controller,
+                "instance_id": instance_id,
+                "kv_events_endpoint": kv_events_endpoint,
+                "kv_events_replay_endpoint": kv_events_replay_endpoint,
             },
             tcp_host=tcp_host,
             tcp_port=tcp_port,
@@ -298,6 +314,24 @@ def bench_server(
         _finish("bench server", lambda: run_bench_server(json_path=out, chunks=chunks, reps=reps, lookups=lookups, enforce=True))
 
 
+@bench_app.command("controller")
+def bench_controller(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    instances: int = typer.Option(3, min=1, help="Real instances (StorageManager + fleet agent) registered."),
+    prompt_tokens: int = typer.Option(32768, min=1, help="Tokens of the looked-up prompt, stored on every instance."),
+    lookups: int = typer.Option(2000, min=10, help="Lookups timed (in-process and over HTTP)."),
+    event_rate: float = typer.Option(50_000.0, min=1.0, help="Chunk events per second fed to the controller."),
+    event_seconds: float = typer.Option(3.0, min=0.1, help="Seconds of paced event ingestion."),
+) -> None:
+    """Controller lookup latency (32k-token prompt across instances) and KV-event apply latency."""
+    from kvtier.bench.controller import run_bench_controller
+
+    with _json_target(json_path) as out:
+        _finish("bench controller", lambda: run_bench_controller(
+            json_path=out, instances=instances, prompt_tokens=prompt_tokens, lookups=lookups,
+            event_rate=event_rate, event_seconds=event_seconds))
+
+
 @bench_app.command("soak")
 def bench_soak(
     minutes: float = typer.Option(10.0, help="Length of the measured run, minutes (fractions allowed)."),
@@ -315,6 +349,180 @@ def bench_soak(
     raise typer.Exit(
         soak_main(minutes, clients, rate, cpu_capacity, rss_allowance, not no_tcp, json_path, restart_every)
     )
+
+
+ctl_app = typer.Typer(
+    help="Talk to a running `kvtier controller` over HTTP. Exit codes: 0 done, 1 the operation failed, "
+    "2 usage error or controller unreachable/refusing.",
+    no_args_is_help=True,
+)
+app.add_typer(ctl_app, name="ctl")
+
+_CTL_URL = typer.Option("http://127.0.0.1:7601", "--url", help="Controller HTTP URL.")
+_CTL_TOKEN = typer.Option(None, "--token", help="Bearer token (default $KVTIER_CONTROLLER_TOKEN).")
+_CTL_JSON = typer.Option(False, "--json", help="Print the JSON answer instead of a table.")
+_CTL_TOKENS = typer.Option(None, "--tokens", help="Token ids, comma separated: 1,2,3.")
+_CTL_TOKENS_FILE = typer.Option(None, "--tokens-file", help="File of token ids (JSON list or comma/space separated).")
+_CTL_SALT = typer.Option(None, "--cache-salt", help="Tenant cache salt the keys were made with.")
+_CTL_WAIT = typer.Option(True, "--wait/--no-wait", help="Wait for the operation's terminal state.")
+
+
+@app.command()
+def controller(
+    host: str = typer.Option("127.0.0.1", "--host", help="HTTP API address (beyond loopback needs --token)."),
+    port: int = typer.Option(7601, "--port", help="HTTP API port (0: any free port)."),
+    zmq: str = typer.Option("tcp://127.0.0.1:7600", "--zmq", help="Where instance agents connect, e.g. tcp://0.0.0.0:7600."),
+    token: Optional[str] = typer.Option(
+        None, "--token", help="Bearer token for HTTP and agents (default $KVTIER_CONTROLLER_TOKEN); "
+        "required when an address is beyond loopback."),
+    op_deadline: float = typer.Option(10.0, "--op-deadline", min=0.01, help="Seconds an operation may take before it fails."),
+) -> None:
+    """Run the fleet controller: one HTTP API over every registered kvtier instance's cache."""
+    from kvtier.controller.server import Controller, ControllerConfigError
+
+    try:
+        ctl = Controller(http_host=host, http_port=port, zmq_endpoint=zmq, token=token, op_deadline_s=op_deadline)
+        typer.echo(f"kvtier controller: HTTP on {host}:{port}, agents on {zmq}", err=True)
+        ctl.serve_forever()
+    except (ControllerConfigError, OSError) as exc:
+        typer.echo(f"kvtier controller: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except ModuleNotFoundError as exc:
+        typer.echo(f"kvtier controller: needs the Python module {exc.name!r}: pip install 'kvtier[controller]'", err=True)
+        raise typer.Exit(2) from None
+
+
+def _ctl(kind: str, url: str, token: Optional[str], as_json: bool, call: Callable[..., dict]) -> NoReturn:
+    from kvtier.controller.client import ControllerClient
+    from kvtier.controller.ctl import run
+
+    with ControllerClient(url, token) as client:
+        raise typer.Exit(run(kind, lambda: call(client), as_json))
+
+
+def _ctl_tokens(tokens: Optional[str], tokens_file: Optional[Path]) -> list[int]:
+    from kvtier.controller.ctl import CtlUsageError, parse_tokens
+
+    try:
+        return parse_tokens(tokens, tokens_file)
+    except CtlUsageError as exc:
+        typer.echo(f"kvtier ctl: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@ctl_app.command("lookup")
+def ctl_lookup(
+    tokens: Optional[str] = _CTL_TOKENS, tokens_file: Optional[Path] = _CTL_TOKENS_FILE,
+    keys: Optional[str] = typer.Option(None, "--keys", help="Chunk keys (hex, comma separated) instead of tokens."),
+    cache_salt: Optional[str] = _CTL_SALT, instance: Optional[str] = typer.Option(None, "--instance"),
+    url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
+) -> None:
+    """Longest cached prefix of a prompt per instance and tier."""
+    ids = None if keys is not None else _ctl_tokens(tokens, tokens_file)
+    key_list = [k for k in keys.split(",") if k] if keys is not None else None
+    _ctl("lookup", url, token, as_json, lambda c: c.lookup(ids, key_list, cache_salt, instance))
+
+
+@ctl_app.command("clear")
+def ctl_clear(
+    instance: Optional[str] = typer.Option(None, "--instance"), tier: Optional[str] = typer.Option(None, "--tier"),
+    cache_salt: Optional[str] = _CTL_SALT, wait: bool = _CTL_WAIT,
+    url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
+) -> None:
+    """Clear the cache of the fleet, one instance, one tier or one tenant salt."""
+    _ctl("clear", url, token, as_json, lambda c: c.clear(instance, tier, cache_salt, wait))
+
+
+@ctl_app.command("pin")
+def ctl_pin(
+    tokens: Optional[str] = _CTL_TOKENS, tokens_file: Optional[Path] = _CTL_TOKENS_FILE,
+    instance: Optional[str] = typer.Option(None, "--instance"),
+    ttl: Optional[float] = typer.Option(None, "--ttl", min=0.001, help="Seconds the pin lasts (default: until unpinned)."),
+    cache_salt: Optional[str] = _CTL_SALT, wait: bool = _CTL_WAIT,
+    url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
+) -> None:
+    """Pin the cached prefix of a prompt (it survives eviction)."""
+    ids = _ctl_tokens(tokens, tokens_file)
+    _ctl("pin", url, token, as_json, lambda c: c.pin(ids, instance, ttl, cache_salt, wait))
+
+
+@ctl_app.command("unpin")
+def ctl_unpin(
+    tokens: Optional[str] = _CTL_TOKENS, tokens_file: Optional[Path] = _CTL_TOKENS_FILE,
+    instance: Optional[str] = typer.Option(None, "--instance"), pin_id: Optional[str] = typer.Option(None, "--pin-id"),
+    cache_salt: Optional[str] = _CTL_SALT, wait: bool = _CTL_WAIT,
+    url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
+) -> None:
+    """Release pins: the one named --pin-id, or every pin covering the prompt's chunks (evictable again)."""
+    ids = None if (tokens is None and tokens_file is None and pin_id) else _ctl_tokens(tokens, tokens_file)
+    _ctl("unpin", url, token, as_json, lambda c: c.unpin(ids, instance, pin_id, cache_salt, wait))
+
+
+@ctl_app.command("move")
+def ctl_move(
+    from_instance: str = typer.Option(..., "--from", help="Source instance."),
+    to_tier: str = typer.Option(..., "--to-tier", help="Target tier: cpu, disk, remote."),
+    to_instance: Optional[str] = typer.Option(None, "--to", help="Target instance (default: the source)."),
+    from_tier: Optional[str] = typer.Option(None, "--from-tier", help="Source tier (default: the one holding most)."),
+    copy: bool = typer.Option(False, "--copy", help="Keep the source copy."),
+    tokens: Optional[str] = _CTL_TOKENS, tokens_file: Optional[Path] = _CTL_TOKENS_FILE,
+    cache_salt: Optional[str] = _CTL_SALT, wait: bool = _CTL_WAIT,
+    url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
+) -> None:
+    """Move (or copy) a prompt's cached prefix between tiers or instances, verified on the target."""
+    ids = _ctl_tokens(tokens, tokens_file)
+    _ctl("move", url, token, as_json,
+         lambda c: c.move(ids, from_instance, to_tier, to_instance, from_tier, copy, cache_salt, wait))
+
+
+@ctl_app.command("compress")
+def ctl_compress(
+    codec: str = typer.Option(..., "--codec", help="raw, shuffle-zstd, int8, cachegen."),
+    tokens: Optional[str] = _CTL_TOKENS, tokens_file: Optional[Path] = _CTL_TOKENS_FILE,
+    instance: Optional[str] = typer.Option(None, "--instance"), tier: Optional[str] = typer.Option(None, "--tier"),
+    cache_salt: Optional[str] = _CTL_SALT, wait: bool = _CTL_WAIT,
+    url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
+) -> None:
+    """Re-encode a prompt's stored chunks with a codec, in place."""
+    ids = _ctl_tokens(tokens, tokens_file)
+    _ctl("compress", url, token, as_json, lambda c: c.compress(ids, codec, instance, tier, cache_salt, wait))
+
+
+@ctl_app.command("decompress")
+def ctl_decompress(
+    tokens: Optional[str] = _CTL_TOKENS, tokens_file: Optional[Path] = _CTL_TOKENS_FILE,
+    instance: Optional[str] = typer.Option(None, "--instance"), tier: Optional[str] = typer.Option(None, "--tier"),
+    cache_salt: Optional[str] = _CTL_SALT, wait: bool = _CTL_WAIT,
+    url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
+) -> None:
+    """Re-encode a prompt's stored chunks raw, in place."""
+    ids = _ctl_tokens(tokens, tokens_file)
+    _ctl("decompress", url, token, as_json, lambda c: c.decompress(ids, instance, tier, cache_salt, wait))
+
+
+@ctl_app.command("health")
+def ctl_health(
+    instance: Optional[str] = typer.Option(None, "--instance"),
+    live: bool = typer.Option(False, "--live", help="Ask each instance now instead of its last heartbeat."),
+    url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
+) -> None:
+    """Per-instance, per-tier health."""
+    _ctl("health", url, token, as_json, lambda c: c.health(instance, live))
+
+
+@ctl_app.command("instances")
+def ctl_instances(url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON) -> None:
+    """Registered instances, their tiers, namespaces and last heartbeat."""
+    _ctl("instances", url, token, as_json, lambda c: c.instances())
+
+
+@ctl_app.command("check-finish")
+def ctl_check_finish(
+    event_id: str = typer.Argument(..., help="The event_id an operation returned."),
+    url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
+) -> None:
+    """State of an asynchronous operation (pending, running, done, failed with a reason)."""
+    _ctl("check-finish", url, token, as_json, lambda c: c.check_finish(event_id))
 
 
 def main() -> None:

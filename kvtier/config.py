@@ -63,6 +63,7 @@ SERVER_KEYS = frozenset(
         "cpu_capacity", "cpu_eviction", "disk_path", "disk_capacity", "disk_eviction", "disk_fsync",
         "disk_direct_io", "disk_write_queue", "remote_url", "remote_codec", "remote_ttl_s",
         "remote_timeout_s", "remote_write_queue", "lease_ttl_s", "log_level", "config_file",
+        "controller", "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint",
     }
 )
 
@@ -148,10 +149,38 @@ class KVTierConfig(BaseModel):
         description="vLLM's kv_role: kv_producer only saves, kv_consumer only loads, kv_both does both "
         "(combined with save/load: see should_save/should_load).",
     )
+    controller: str | None = Field(
+        None,
+        description="Address of a `kvtier controller` (tcp://HOST:PORT) this instance registers with and keeps "
+        "informed of its tiers; unset: no controller.",
+    )
+    instance_id: str | None = Field(
+        None,
+        description="This instance's id at the controller; default: host:port:pid (host:embedded:pid in an engine).",
+    )
+    controller_token: str | None = Field(None, description="Bearer token sent to the controller when registering.")
+    kv_events_endpoint: str | None = Field(
+        None,
+        description="ZMQ endpoint where a `kvtier server` publishes its tier changes as vLLM KV events "
+        "(e.g. tcp://*:5557); unset: not published. Engines publish through vLLM's --kv-events-config instead.",
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        None, description="ZMQ endpoint of the KV events replay socket (e.g. tcp://*:5558); unset: no replay."
+    )
+    kv_events_map_chunks: int = Field(
+        16384,
+        ge=1,
+        le=1 << 24,
+        description="Chunks whose engine block hashes and tokens the connector remembers to translate kvtier's "
+        "tier changes into vLLM KV events (LRU; about 1.5 KiB each); changes of others are counted, not published.",
+    )
     log_level: str = Field("INFO", description="Log level of kvtier's loggers: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
     config_file: Path | None = Field(None, description="TOML or JSON file with any of these keys.")
 
-    @field_validator("disk_path", "config_file", "model_id", "remote_url", "remote_ttl_s", "server", "server_token", mode="before")
+    @field_validator(
+        "disk_path", "config_file", "model_id", "remote_url", "remote_ttl_s", "server", "server_token", "controller",
+        "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint", mode="before",
+    )
     @classmethod
     def _empty_is_unset(cls, v: Any) -> Any:
         # KVTIER_DISK_PATH="" must not mean "the current directory".
@@ -192,6 +221,38 @@ class KVTierConfig(BaseModel):
             from kvtier.protocol.transport import parse_address
 
             parse_address(v)
+        return v
+
+    @field_validator("controller")
+    @classmethod
+    def _controller_address(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        scheme, sep, rest = v.partition("://")
+        host, colon, port = rest.rpartition(":")
+        if scheme != "tcp" or not sep or not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"controller address {v!r} must be tcp://HOST:PORT with a port in 1-65535")
+        return v
+
+    @field_validator("instance_id")
+    @classmethod
+    def _instance_id(cls, v: str | None) -> str | None:
+        if v is not None and (len(v) > 255 or not v.isprintable()):
+            raise ValueError(f"instance_id must be 1-255 printable characters, got {v[:64]!r}")
+        return v
+
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None:
+            return v
+        scheme, sep, rest = v.partition("://")
+        if scheme not in ("tcp", "ipc", "inproc") or not sep or not rest:
+            raise ValueError(f"{info.field_name} {v!r} must be a ZMQ endpoint: tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+        if scheme == "tcp":
+            host, colon, port = rest.rpartition(":")
+            if not colon or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+                raise ValueError(f"{info.field_name} {v!r}: expected tcp://HOST:PORT with a port in 0-65535")
         return v
 
     @field_validator("cpu_eviction", "disk_eviction")
@@ -237,8 +298,9 @@ class KVTierConfig(BaseModel):
             values = {k: v for k, v in values.items() if k in SERVER_KEYS}
         if values.get("remote_url"):
             values["remote_url"] = mask_url(values["remote_url"])
-        if values.get("server_token"):
-            values["server_token"] = "***"
+        for secret in ("server_token", "controller_token"):
+            if values.get(secret):
+                values[secret] = "***"
         return " ".join(f"{k}={v}" for k, v in values.items())
 
 

@@ -67,6 +67,10 @@ def run_server(
     ``server_token`` setting; a ``tcp_host`` that is not a loopback address is
     refused unless ``allow_remote`` (every machine that reaches it may try tokens).
     ``extra_options``: further :class:`ServerOptions` fields (quotas, namespaces).
+    The fleet options (``controller``, ``instance_id``, ``controller_token``,
+    ``kv_events_endpoint``, ``kv_events_replay_endpoint``) come from the settings of
+    the same names (``overrides``, ``KVTIER_*``, the config file) unless
+    ``extra_options`` gives them.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -97,6 +101,14 @@ def run_server(
     if tcp_host is not None and not token:
         log.error("--tcp-host needs a token: --token-file FILE or the server_token setting (KVTIER_SERVER_TOKEN)")
         return 2
+    fleet = {
+        "controller": config.controller,
+        "instance_id": config.instance_id,
+        "controller_token": config.controller_token,
+        "kv_events_endpoint": config.kv_events_endpoint,
+        "kv_events_replay_endpoint": config.kv_events_replay_endpoint,
+    }
+    fleet.update({k: v for k, v in (extra_options or {}).items() if k in fleet})
     try:
         options = ServerOptions(
             socket_path=socket_path or default_socket_path(),
@@ -107,7 +119,7 @@ def run_server(
             metrics_port=metrics_port,
             max_clients=max_clients,
             max_namespaces=max_namespaces,
-            **(extra_options or {}),
+            **{**(extra_options or {}), **fleet},
         )
     except ValueError as exc:
         log.error("cannot start kvtier server: %s", exc)

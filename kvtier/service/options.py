@@ -73,6 +73,14 @@ class ServerOptions:
         verify_loads: check a chunk's commit checksum (xxh3) before serving it
             from the CPU tier; a chunk another client overwrote is then a miss,
             dropped and counted (:mod:`kvtier.service.integrity`).
+        controller: ``tcp://host:port`` of a ``kvtier controller`` to register
+            with (:mod:`kvtier.fleet.agent`); None: none.
+        instance_id: this server's id at the controller (default
+            ``host:tcp-port:pid``, ``host:server:pid`` without TCP).
+        controller_token: bearer token sent to the controller.
+        kv_events_endpoint: ZMQ endpoint where tier changes are published as
+            vLLM KV events (``tcp://*:5557`` binds); None: not published.
+        kv_events_replay_endpoint: ZMQ endpoint of the events' replay socket.
     """
 
     socket_path: str
@@ -102,6 +110,11 @@ class ServerOptions:
     reservation_timeout_s: float = 30.0
     refusal_log_interval_s: float = 60.0
     verify_loads: bool = True
+    controller: str | None = None
+    instance_id: str | None = None
+    controller_token: str | None = None
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         """Raises ValueError for a bound that cannot work (non-positive, or a port outside 0-65535)."""
@@ -125,6 +138,13 @@ class ServerOptions:
                 raise ValueError(f"server option {name} must be a port in 0-65535, got {v}")
         if not self.socket_path:
             raise ValueError("server option socket_path must not be empty")
+        if self.controller is not None:
+            scheme, sep, rest = self.controller.partition("://")
+            host, colon, port = rest.rpartition(":")
+            if scheme != "tcp" or not sep or not host or not colon or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"server option controller must be tcp://HOST:PORT, got {self.controller!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("server option kv_events_replay_endpoint needs kv_events_endpoint")
         self.namespace_policy()  # raises ValueError for a namespace/quota option that cannot work
 
     def namespace_policy(self) -> NamespacePolicy:

@@ -60,10 +60,15 @@ class CacheServer:
         ConfigError: a setting that cannot work (disk path not writable,
             capacity below the floor; see :func:`kvtier.config.validate_config`).
 
+    Fleet: with ``options.controller`` the server registers with that controller
+    (:class:`kvtier.fleet.agent.FleetAgent`, role ``"server"``) and keeps it informed
+    of every hosted namespace's tiers; with ``options.kv_events_endpoint`` it
+    publishes its tier changes as vLLM KV events (:mod:`kvtier.fleet.service_link`).
+
     Raises (from ``start``):
         RuntimeError: another server listens on ``socket_path``.
         UnsafeSocketDir: the socket directory is not private to this user.
-        OSError: a listener cannot be bound.
+        OSError: a listener (or the KV events endpoint) cannot be bound.
     """
 
     def __init__(self, config: KVTierConfig, options: ServerOptions):
@@ -96,6 +101,7 @@ class CacheServer:
         self._started = False
         self.tcp_address: tuple[str, int] | None = None
         self.protocol_errors = 0
+        self.fleet: Any = None  # kvtier.fleet.service_link.ServiceLink when a controller or KV events are set
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> "CacheServer":
@@ -123,6 +129,16 @@ class CacheServer:
             except OSError as exc:
                 msg = f"--metrics-host/--metrics-port {o.metrics_host}:{o.metrics_port}: {exc.strerror}"
                 raise OSError(exc.errno, msg) from None
+        if o.controller or o.kv_events_endpoint:
+            # The fleet layer sits above the service; imported only when asked for.
+            import zmq
+
+            from kvtier.fleet.service_link import ServiceLink
+
+            try:
+                self.fleet = ServiceLink(self).start()
+            except zmq.ZMQError as exc:
+                raise OSError(exc.errno, f"--kv-events-endpoint {o.kv_events_endpoint}: {exc}") from None
         log.info(
             "kvtier server pid %d on %s%s%s; %s",
             os.getpid(),
@@ -145,6 +161,8 @@ class CacheServer:
         """Stop listening, drop every connection (releasing what it holds), flush and close the tiers."""
         if self._frames.stopping:
             return
+        if self.fleet is not None:
+            self.fleet.close()  # first: unsubscribes from the managers before they close
         self._frames.close()
         deadline = time.monotonic() + 5
         while self.num_sessions() and time.monotonic() < deadline:
@@ -280,7 +298,13 @@ class CacheServer:
     # -- register ----------------------------------------------------------------------------
     def _register(self, s: Session, r: P.Register) -> tuple[dict[str, Any], int | None]:
         """Registration (validation, allow-list, namespace table, quotas): :mod:`kvtier.service.namespaces`."""
-        return self._namespaces.register(s, r, self.options.token, self.instance)
+        out = self._namespaces.register(s, r, self.options.token, self.instance)
+        if self.fleet is not None:
+            try:
+                self.fleet.sync()  # a new namespace host reports from its first store
+            except Exception:
+                log.exception("kvtier server: fleet sync after a registration failed")
+        return out
 
     def _cuda_register(self, r: P.CudaRegister) -> dict[str, Any]:
         # Guarded path (see kvtier.service.cuda_ipc): only machines with CUDA get past here.

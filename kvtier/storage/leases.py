@@ -7,14 +7,24 @@ Invariants (kept under ``self._lock``):
   aborted), when replaced by a new lease with the same id (the scheduler asked
   again), or when its TTL expires (``reap``). Ending a lease decrements the pin
   of each of its keys, so no pin outlives its lease.
+
+Each lease has its own TTL (``grant(..., ttl_s=...)``; the table's by default;
+None: never expires). Operator pins (:mod:`kvtier.storage.instance_ops`) are
+leases whose owner is :data:`PIN_PREFIX` + the pin id.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+#: Owner prefix of operator pins (``"pin:" + pin_id``); request leases never use it.
+PIN_PREFIX = "pin:"
+
+_TABLE_TTL = object()  # sentinel: the table's default TTL
 
 
 @dataclass(slots=True)
@@ -41,13 +51,29 @@ class LeaseTable:
         self._lock = threading.Lock()
         self.expired = 0
 
-    def grant(self, owner: str, keys: Sequence[bytes]) -> None:
-        """Lease ``keys`` for ``owner``, replacing any lease it held."""
+    def grant(self, owner: str, keys: Sequence[bytes], ttl_s: float | None | object = _TABLE_TTL) -> None:
+        """Lease ``keys`` for ``owner``, replacing any lease it held.
+
+        Args:
+            ttl_s: seconds until the lease expires (default: the table's ``ttl_s``);
+                None: it never expires (only ``release`` ends it).
+
+        Raises:
+            ValueError: ``ttl_s`` is not positive.
+        """
+        if ttl_s is _TABLE_TTL:
+            ttl = self.ttl_s
+        elif ttl_s is None:
+            ttl = math.inf
+        else:
+            ttl = float(ttl_s)  # type: ignore[arg-type]
+            if not ttl > 0:
+                raise ValueError(f"lease TTL must be positive (or None for no expiry), got {ttl_s}")
         with self._lock:
             self._end_locked(owner)
             if not keys:
                 return
-            lease = Lease(tuple(keys), self._clock() + self.ttl_s)
+            lease = Lease(tuple(keys), self._clock() + ttl)
             self._leases[owner] = lease
             for k in lease.keys:
                 self._pins[k] = self._pins.get(k, 0) + 1
@@ -77,6 +103,16 @@ class LeaseTable:
         """Chunks ``owner``'s live lease pins (0 without one; an expired lease counts until reaped)."""
         lease = self._leases.get(owner)
         return 0 if lease is None else len(lease.keys)
+
+    def keys_of(self, owner: str) -> tuple[bytes, ...]:
+        """The keys ``owner``'s lease lists (empty without one)."""
+        lease = self._leases.get(owner)
+        return () if lease is None else lease.keys
+
+    def owners(self, prefix: str = "") -> list[str]:
+        """Owners of live leases whose id starts with ``prefix``."""
+        with self._lock:
+            return [o for o in self._leases if o.startswith(prefix)]
 
     def __len__(self) -> int:
         return len(self._leases)

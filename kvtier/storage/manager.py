@@ -18,6 +18,8 @@ operation is a loop over the tiers:
 - ``prefetch`` runs the same promotion on a background thread.
 - ``clear``, ``flush``, ``close`` and ``stats`` loop over the tiers; ``clear``
   removes only this manager's namespace, also in a store other models share.
+- ``subscribe`` registers a listener of every tier change (stored / removed /
+  cleared chunks, :mod:`.tier_events`); without listeners no tier reports anything.
 
 A failing lower tier is a miss (bounded by its timeout), never an exception.
 """
@@ -39,9 +41,10 @@ from kvtier.storage.lookup import contains_many_safe, held_prefix
 from kvtier.storage.lower_tiers import open_lower_tiers
 from kvtier.storage.promotion import Promoter
 from kvtier.storage.stats import Counters, tier_prefixes, tier_stats
+from kvtier.storage.tier_events import TierChange, TierEvents, TierListener
 from kvtier.storage.types import LOCAL_TIER_KINDS, LookupResult, ReadHandle, WriteSkip
 from kvtier.storage.write_behind import WriteBehind
-from kvtier.tiers.base import LowerTier
+from kvtier.tiers.base import ChunkWrite, LowerTier
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.policies import make_policy
 
@@ -107,12 +110,101 @@ class StorageManager:
         self.write_behind = WriteBehind(self.cpu, self.lower, queues, self.WRITE_BATCH)
         self.promoter = Promoter(self.cpu, self.lower, self.write_behind, self.chunk_bytes, self.PREFETCH_QUEUE)
         self._local = [t for t in self.lower if t.kind in LOCAL_TIER_KINDS]
+        self.events = TierEvents()
+        self._hooks_lock = threading.Lock()  # orders hook (un)installation of concurrent (un)subscribes
+        #: Per lower tier: True if it reports its own changes (set while someone listens).
+        self._self_reporting = [False] * len(self.lower)
         log.info(
             "kvtier storage: chunk_bytes=%d lower tiers=[%s] %s",
             self.chunk_bytes,
             ", ".join(t.name for t in self.lower),
             config.describe(),
         )
+
+    # -- tier change notifications ------------------------------------------------------
+    def subscribe(self, listener: TierListener) -> None:
+        """Call ``listener`` with every :class:`~kvtier.storage.tier_events.TierChange` of this
+        manager's tiers from now on (see :mod:`kvtier.storage.tier_events`: it must only
+        enqueue; it runs on any thread, possibly under a tier lock; its exceptions are
+        logged and swallowed).
+
+        Raises:
+            TypeError: ``listener`` is not callable.
+        """
+        with self._hooks_lock:
+            if self.events.subscribe(listener):
+                self._install_hooks(True)
+
+    def unsubscribe(self, listener: TierListener) -> None:
+        """Stop calling ``listener`` (an unknown one is ignored)."""
+        with self._hooks_lock:
+            if self.events.unsubscribe(listener):
+                self._install_hooks(False)
+
+    def _install_hooks(self, on: bool) -> None:
+        self.cpu.set_change_hook(self.events.hook("cpu") if on else None)
+        for i, tier in enumerate(self.lower):
+            try:
+                own = bool(tier.set_change_hook(self.events.hook(tier.kind) if on else None))
+            except Exception:  # defensive: a plug-in's hook failure means the manager reports
+                log.exception("kvtier: %s refused a change hook", tier.name)
+                own = False
+            self._self_reporting[i] = own and on
+            self.write_behind.reporters[i] = self.events.hook(tier.kind) if on and not own else None
+
+    def _report(self, tier: LowerTier, change: TierChange) -> None:
+        """Emit ``change`` of ``tier`` unless the tier reports its own changes or nobody listens."""
+        if not self.events.active:
+            return
+        i = self.lower.index(tier)
+        if not self._self_reporting[i]:
+            self.events.emit(change)
+
+    def lower_put(self, tier: LowerTier, writes: Sequence[ChunkWrite]) -> list[bool]:
+        """``tier.put_many(writes)`` now (not by write-behind), reporting the stored chunks.
+
+        Returns per write whether it was stored; a failing tier gives all False.
+
+        Raises:
+            TypeError/ValueError: bad keys or payloads (before any write).
+        """
+        if not writes:
+            return []
+        try:
+            ok = [bool(x) for x in tier.put_many(writes)]
+        except (TypeError, ValueError):
+            raise
+        except Exception:  # defensive: a failing tier is a miss
+            log.exception("kvtier: writing to %s failed", tier.name)
+            return [False] * len(writes)
+        done = [w for w, good in zip(writes, ok) if good]
+        if done:
+            self._report(tier, TierChange("s", tier.kind, tuple(w.key for w in done), tuple(w.parent for w in done)))
+        return ok
+
+    def lower_delete(self, tier: LowerTier, keys: Sequence[bytes]) -> int:
+        """``tier.delete_many(keys)``, reporting them removed; returns how many existed (0 on failure)."""
+        if not keys:
+            return 0
+        try:
+            n = int(tier.delete_many(keys))
+        except (TypeError, ValueError):
+            raise
+        except Exception:  # defensive
+            log.exception("kvtier: deleting from %s failed", tier.name)
+            return 0
+        self._report(tier, TierChange("r", tier.kind, tuple(keys)))
+        return n
+
+    def lower_clear(self, tier: LowerTier) -> int:
+        """``tier.clear()``, reporting the tier cleared; returns chunks removed (0 on failure)."""
+        try:
+            n = int(tier.clear())
+        except Exception:  # defensive: report nothing removed rather than raise
+            log.exception("kvtier: clearing %s failed", tier.name)
+            return 0
+        self._report(tier, TierChange("c", tier.kind))
+        return n
 
     # -- tiers -------------------------------------------------------------------------
     def _first_of_kind(self, kind: str) -> LowerTier | None:
@@ -349,11 +441,7 @@ class StorageManager:
         self.flush(30)  # queued write-behind holds CPU references that would keep chunks alive
         out = {"cpu": self.cpu.clear()}
         for prefix, tier in zip(self._prefixes, self.lower):
-            try:
-                out[prefix] = int(tier.clear())
-            except Exception:  # defensive: report nothing removed rather than raise
-                log.exception("kvtier: clearing %s failed", tier.name)
-                out[prefix] = 0
+            out[prefix] = self.lower_clear(tier)
         return out
 
     def stats(self) -> dict[str, int | float]:

@@ -8,6 +8,11 @@ is copied). A full queue drops the write (counted); the engine's step never wait
 for a lower tier. Touches of remote tiers (TTL refreshes of a prompt's hit chain)
 ride the same queue, so lookups never wait for them either.
 
+A tier that does not report its own changes (see
+:meth:`kvtier.tiers.base.LowerTier.set_change_hook`) gets a ``reporters[i]``
+hook from the manager while someone listens: each successful write is reported
+to it as ``"s"`` after ``put_many`` returns.
+
 Invariants:
 - every CPU reference taken by :meth:`WriteBehind.submit` is released exactly once:
   after the write, when the queue refuses it, or when the worker discards it.
@@ -22,7 +27,7 @@ from typing import Sequence, Union
 
 from kvtier.storage.batch_worker import BatchWorker
 from kvtier.storage.types import LOCAL_TIER_KINDS
-from kvtier.tiers.base import ChunkWrite, LowerTier
+from kvtier.tiers.base import ChangeHook, ChunkWrite, LowerTier
 from kvtier.tiers.cpu import CpuTier
 
 log = logging.getLogger(__name__)
@@ -66,13 +71,15 @@ class WriteBehind:
         self._workers: list[BatchWorker[_Item]] = [
             BatchWorker(
                 f"kvtier-{tier.name or tier.kind}-write",
-                lambda batch, tier=tier: self._write_batch(tier, batch),
+                lambda batch, i=i: self._write_batch(i, batch),
                 max(1, int(size)),
                 max_batch,
                 on_discard=self._discard,
             )
-            for tier, size in zip(self.tiers, queue_sizes)
+            for i, (tier, size) in enumerate(zip(self.tiers, queue_sizes))
         ]
+        #: Per tier: called with ``("s", keys, parents)`` after successful writes (None: not reported here).
+        self.reporters: list[ChangeHook | None] = [None] * len(self.tiers)
         # Touch only tiers that do something with it: the class overrides touch_many
         # and the instance does not say otherwise (``touch_needed``, e.g. Redis without TTL).
         self._touches = [
@@ -138,11 +145,17 @@ class WriteBehind:
         return ok
 
     # -- worker side -----------------------------------------------------------------
-    def _write_batch(self, tier: LowerTier, batch: list[_Item]) -> None:
+    def _write_batch(self, i: int, batch: list[_Item]) -> None:
+        tier = self.tiers[i]
         writes = [item for item in batch if isinstance(item, ChunkWrite)]
         try:
             if writes:
-                tier.put_many(writes)  # failures are dropped and counted by the tier
+                ok = tier.put_many(writes)  # failures are dropped and counted by the tier
+                report = self.reporters[i]
+                if report is not None:
+                    done = [w for w, good in zip(writes, ok) if good]
+                    if done:
+                        report("s", [w.key for w in done], [w.parent for w in done])
             for item in batch:
                 if isinstance(item, TouchChain):
                     tier.touch_many(item.keys)

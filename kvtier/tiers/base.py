@@ -12,9 +12,15 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
-from kvtier.serde.base import Buffer
+from kvtier.serde.base import Buffer, Codec
+
+#: What a tier that reports its own changes calls: ``(op, keys, parents)`` with ``op``
+#: ``"s"`` (stored; ``parents`` as long as ``keys``), ``"r"`` (removed) or ``"c"``
+#: (cleared; ``keys`` empty). Called under the tier's lock: it must only enqueue
+#: (see :mod:`kvtier.storage.tier_events`).
+ChangeHook = Callable[[str, Sequence[bytes], Sequence["bytes | None"]], None]
 
 
 @dataclass
@@ -193,6 +199,41 @@ class LowerTier(ABC):
     def writable(self) -> bool:
         """False once the tier stopped accepting writes (e.g. disk full); reads go on."""
         return True
+
+    # -- optional capabilities (operations of the controller) ------------------
+    def set_change_hook(self, hook: ChangeHook | None) -> bool:
+        """Ask the tier to report its own stores and removals to ``hook`` (None: stop).
+
+        Returns True if the tier does (it then reports every change, evictions
+        included, under its own lock); False (the default) if it cannot, and the
+        storage manager reports the changes made through it instead.
+        """
+        return False
+
+    def scan_keys(self) -> Iterator[tuple[bytes, bytes | None]]:
+        """Every ``(key, parent)`` of this tier's namespace (parent None when unknown or first).
+
+        Raises:
+            NotImplementedError: the tier cannot list its chunks (the default).
+        """
+        raise NotImplementedError(f"the {self.name or type(self).__name__} tier cannot list its chunks")
+
+    def stored_sizes(self, keys: Sequence[bytes]) -> list[int]:
+        """Stored bytes of each key (record or value, headers included); 0 where absent.
+
+        Raises:
+            NotImplementedError: the tier cannot tell (the default).
+        """
+        raise NotImplementedError(f"the {self.name or type(self).__name__} tier cannot report stored sizes")
+
+    def put_many_with_codec(self, items: Sequence[ChunkWrite], codec: Codec) -> list[bool]:
+        """:meth:`put_many` encoding the bodies with ``codec`` instead of the tier's own codec
+        (re-encoding stored chunks in place).
+
+        Raises:
+            NotImplementedError: the tier's format has no codec field (the default).
+        """
+        raise NotImplementedError(f"the {self.name or type(self).__name__} tier cannot store chunks with a codec")
 
     # -- single-key conveniences -----------------------------------------------
     def contains(self, key: bytes) -> bool:

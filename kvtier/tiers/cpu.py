@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from kvtier.memory.pool import ChunkPool, PoolExhausted
+from kvtier.tiers.base import ChangeHook
 from kvtier.tiers.policies import EvictionPolicy, LRUPolicy
 
 WRITING = 0
@@ -98,6 +99,15 @@ class CpuTier:
         self._lock = threading.Lock()
         self.evicted_chunks = 0
         self.evicted_bytes = 0
+        self._on_change: ChangeHook | None = None
+
+    def set_change_hook(self, hook: ChangeHook | None) -> None:
+        """Report every commit (``"s"``), drop (``"r"``: eviction, delete) and clear (``"c"``
+        when nothing is left, else ``"r"`` of what went) to ``hook``, under the tier's lock
+        (see :mod:`kvtier.storage.tier_events`); None stops it. Without a hook the hot
+        path pays one ``is None`` check."""
+        with self._lock:
+            self._on_change = hook
 
     # -- queries -----------------------------------------------------------
     def contains(self, key: bytes) -> bool:
@@ -119,6 +129,12 @@ class CpuTier:
         with self._lock:
             if key in self._entries:
                 self.policy.touch(key)
+
+    def resident(self) -> list[tuple[bytes, bytes | None]]:
+        """``(key, parent)`` of every committed chunk (a copy taken under the lock; O(entries))."""
+        with self._lock:
+            parent_of = self.policy.parent_of
+            return [(k, parent_of(k)) for k, slot in self._entries.items() if self._state[slot] == READY]
 
     def referenced_chunks(self) -> int:
         """Entries with readers or writers (should be 0 when idle)."""
@@ -176,6 +192,8 @@ class CpuTier:
             self.policy.insert(key, parent)  # first: if it raises, the chunk stays unpublished
             self._state[slot] = READY
             self._refs[slot] -= 1
+            if self._on_change is not None:
+                self._on_change("s", (key,), (parent,))
 
     def abort(self, key: bytes) -> None:
         """Drop a reserved chunk (the copy failed)."""
@@ -235,26 +253,75 @@ class CpuTier:
                     parent = self.policy.parent_of(parent)
             victims = [k for k in self._entries if k not in keep]
             # Leaf-first: drop a chunk only after every resident child of it.
-            done = 0
+            dropped: list[bytes] = []
             while victims:
                 rest = []
                 for k in victims:
                     if self.policy.num_children(k):
                         rest.append(k)
                     else:
-                        self._drop_locked(k, self._entries[k])
-                        done += 1
+                        self._drop_locked(k, self._entries[k], report=False)
+                        dropped.append(k)
                 if len(rest) == len(victims):  # pragma: no cover - a parent cycle; cannot happen
                     break
                 victims = rest
-            return done
+            if self._on_change is not None:
+                if len(self.policy) == 0:  # nothing committed is left (reservations are not resident)
+                    self._on_change("c", (), ())
+                elif dropped:
+                    self._on_change("r", dropped, ())
+            return len(dropped)
 
-    def _drop_locked(self, key: bytes, slot: int) -> None:
+    def delete_tree(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Remove ``keys`` and their resident descendants, deepest first; returns the keys removed.
+
+        A chunk in use (read, written, or queued for a lower tier) stays, and so do its
+        ancestors (the tier stays prefix-closed). Keys not resident are ignored. O(entries).
+        """
+        with self._lock:
+            kids: dict[bytes, list[bytes]] = {}
+            for k in self._entries:
+                p = self.policy.parent_of(k)
+                if p is not None:
+                    kids.setdefault(p, []).append(k)
+            order: list[bytes] = []
+            seen: set[bytes] = set()
+            stack = [k for k in keys if k in self._entries]
+            while stack:
+                k = stack.pop()
+                if k in seen:
+                    continue
+                seen.add(k)
+                order.append(k)
+                stack.extend(kids.get(k, ()))
+            removed: list[bytes] = []
+            pending = order
+            while pending:  # leaves first, until no chunk of the subtrees can go
+                rest = []
+                for k in pending:
+                    slot = self._entries[k]
+                    if self._refs[slot] or self._state[slot] != READY:
+                        continue  # in use: it stays (and so do its ancestors)
+                    if self.policy.num_children(k):
+                        rest.append(k)
+                        continue
+                    self._drop_locked(k, slot, report=False)
+                    removed.append(k)
+                if len(rest) == len(pending):
+                    break
+                pending = rest
+            if removed and self._on_change is not None:
+                self._on_change("r", removed, ())
+            return removed
+
+    def _drop_locked(self, key: bytes, slot: int, report: bool = True) -> None:
         assert self._refs[slot] == 0, "dropping a chunk in use"
         assert self.policy.num_children(key) == 0, "dropping the parent of a resident chunk"
         del self._entries[key]
         self.policy.remove(key)
         self.pool.free(slot)
+        if report and self._on_change is not None:
+            self._on_change("r", (key,), ())
 
     def check_invariants(self) -> None:
         """Assert the module's invariants (O(entries); for tests and debugging).

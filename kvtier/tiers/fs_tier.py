@@ -43,7 +43,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kvtier.serde.base import Buffer, Codec, CodecError, ValueSpec
@@ -271,6 +271,14 @@ class FsTier(LowerTier):
         Raises:
             TypeError/ValueError: a bad key or parent, or a payload that is not C-contiguous.
         """
+        return self._put_many(items, self.codec)
+
+    def put_many_with_codec(self, items: Sequence[ChunkWrite], codec: Codec) -> list[bool]:
+        """:meth:`put_many` with ``codec`` instead of the tier's codec (the record names it, so
+        every reader decodes it). Raises as :meth:`put_many`."""
+        return self._put_many(items, codec)
+
+    def _put_many(self, items: Sequence[ChunkWrite], codec: Codec) -> list[bool]:
         writes = [as_chunk_write(it) for it in items]
         views = [as_bytes_view(w.payload) for w in writes]
         out = [False] * len(writes)
@@ -285,7 +293,7 @@ class FsTier(LowerTier):
                 continue
             failed.add(w.key)  # until written
             try:
-                parts, nbytes = encode_record(w.key, self.namespace, w.parent, views[i], self.codec, self.spec)
+                parts, nbytes = encode_record(w.key, self.namespace, w.parent, views[i], codec, self.spec)
             except (CodecError, ValueError) as exc:
                 log.warning("kvtier fs tier: chunk %s not stored: %s", w.key.hex()[:16], exc)
                 continue
@@ -386,6 +394,49 @@ class FsTier(LowerTier):
             self.counters.add(errors=1)
             log.warning("kvtier fs tier: read of chunk %s failed: %s", key.hex()[:16], exc)
             return "miss", 0
+
+    # -- listing ------------------------------------------------------------------------------
+    def parent_of(self, key: bytes) -> bytes | None:
+        """The parent recorded in ``key``'s record header (None: a first chunk, absent or unreadable)."""
+        hdr = self._header(key)
+        return None if hdr is None else hdr.parent
+
+    def scan_keys(self) -> Iterator[tuple[bytes, bytes | None]]:
+        """``(key, parent)`` of every record of this namespace (reads each record's header;
+        O(records) file opens). Expired, unreadable and foreign records are skipped."""
+        if self._closed:
+            return
+        try:
+            subdirs = [e.path for e in os.scandir(self.dir) if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return
+        for sub in subdirs:
+            try:
+                names = [e.name for e in os.scandir(sub) if e.name.endswith(SUFFIX) and not e.name.startswith(".")]
+            except OSError:
+                continue
+            for name in names:
+                path = os.path.join(sub, name)
+                try:
+                    with open(path, "rb", buffering=0) as f:
+                        if self._expired_ns(os.fstat(f.fileno()).st_mtime_ns):
+                            continue
+                        hdr = decode_header(f.read(MAX_FIELDS_BYTES), full=False)
+                except (OSError, RecordError):
+                    continue
+                if hdr.namespace == self.namespace and self.path_of(hdr.key) == Path(path):
+                    yield hdr.key, hdr.parent
+
+    def stored_sizes(self, keys: Sequence[bytes]) -> list[int]:
+        """File bytes of each key's record (0 where absent or unreadable)."""
+        out = []
+        for k in keys:
+            check_key(k)
+            try:
+                out.append(os.stat(self.path_of(k)).st_size)
+            except OSError:
+                out.append(0)
+        return out
 
     # -- removal and lifecycle -------------------------------------------------------------
     def delete_many(self, keys: Sequence[bytes]) -> int:

@@ -22,7 +22,8 @@ Prefix closure under TTLs (``ttl_s``): a chunk must not expire before the chunks
 that extend it. ``put_many`` sends a batch tail first and refreshes each written
 chunk's parent right after it (``PEXPIRE parent``), so a head gets the later
 expiry; ``touch_many`` (the manager calls it for every lookup's hit chain)
-refreshes a whole chain tail first in one pipelined batch. **Capacity is Redis's own**: set ``maxmemory`` and ``maxmemory-policy
+refreshes a whole chain tail first in one pipelined batch. **Capacity is Redis's
+own**: set ``maxmemory`` and ``maxmemory-policy
 allkeys-lru`` (or ``volatile-lru`` with a TTL) on the server; kvtier does no
 remote accounting. Under ``noeviction`` a full Redis answers writes with an OOM
 error: those writes are dropped and counted (``put_failed``).
@@ -59,79 +60,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from typing import Any, Iterator, Mapping, Sequence
 
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-
-from kvtier.serde.base import Buffer, Codec, ValueSpec
-from kvtier.serde.envelope import ValueMiss, encode_value, read_value_into
+from kvtier.serde.base import Buffer, Codec
 from kvtier.serde.registry import decoders_with, make_codec
 from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, check_key, writable_view
-from kvtier.tiers.redis_checks import connection_params, store_problems
-from kvtier.tiers.redis_nodes import Addr, Batch, NodeSettings, RedisNodes, glob_escape
-from kvtier.tiers.resp import RespError, Wire
+from kvtier.tiers.redis_checks import store_problems
+from kvtier.tiers.redis_nodes import NodeSettings, RedisNodes
+from kvtier.tiers.redis_pipeline import GetTally, Handler, count_into, exists_into, ignore_reply, pipeline, value_into
+from kvtier.tiers.redis_scan import scan_pages, unlink_on
+from kvtier.tiers.redis_url import TIER_QUERY_OPTIONS, RedisTierOptions, parse_target, split_query_options
+from kvtier.tiers.redis_writes import encode_writes, write_commands
 
 log = logging.getLogger(__name__)
 
-
-
-@dataclass(frozen=True)
-class RedisTierOptions:
-    """Settings of a :class:`RedisTier` (units: seconds, bytes).
-
-    Attributes:
-        codec: codec name for writes (``raw``, ``shuffle-zstd``, ``int8``) or instance.
-        codec_options: options of the named codec, e.g. ``{"level": 3}``.
-        spec: dtype and shape hint of the payloads (for codecs).
-        ttl_s: expiry of stored chunks in Redis; None keeps them until Redis evicts.
-        key_prefix: prefix of every Redis key this tier writes.
-        namespace: key namespace digest (32 bytes,
-            :meth:`kvtier.index.keys.KeyNamespace.digest`); part of every Redis key,
-            and ``clear`` removes only its keys. Default: 32 zero bytes.
-        timeout_s: bound on one call, all round trips included.
-        connect_timeout_s: bound on opening one connection (within ``timeout_s``).
-        breaker_failures: consecutive failures that open a node's circuit breaker.
-        breaker_backoff_s / breaker_max_backoff_s: first and largest back-off.
-        max_idle_connections: idle connections kept per node.
-        seeds: extra cluster seed nodes ``"host:port"``.
-    """
-
-    codec: str | Codec = "raw"
-    codec_options: Mapping[str, Any] = field(default_factory=dict)
-    spec: ValueSpec = ValueSpec()
-    ttl_s: float | None = None
-    key_prefix: str = "kvtier:"
-    namespace: bytes = bytes(32)
-    timeout_s: float = 1.0
-    connect_timeout_s: float = 0.5
-    breaker_failures: int = 3
-    breaker_backoff_s: float = 1.0
-    breaker_max_backoff_s: float = 30.0
-    max_idle_connections: int = 8
-    seeds: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ValueError("timeout_s and connect_timeout_s must be positive")
-        if self.ttl_s is not None and self.ttl_s <= 0:
-            raise ValueError("ttl_s must be positive (or None for no expiry)")
-        if not isinstance(self.namespace, (bytes, bytearray)) or not 8 <= len(self.namespace) <= 64:
-            raise ValueError("namespace must be 8..64 bytes (a KeyNamespace digest)")
-
-
-_FLOAT_OPTS = {"ttl_s", "timeout_s", "connect_timeout_s", "breaker_backoff_s", "breaker_max_backoff_s"}
-_INT_OPTS = {"breaker_failures", "max_idle_connections"}
-_STR_OPTS = {"codec", "key_prefix"}
-#: Options a URL query may carry for the tier itself (the others go to redis-py).
-TIER_QUERY_OPTIONS = frozenset(_FLOAT_OPTS | _INT_OPTS | _STR_OPTS | {"seeds"})
+__all__ = ["TIER_QUERY_OPTIONS", "RedisTier", "RedisTierOptions"]
 
 
 class RedisTier(LowerTier):
     """Chunk payloads in Redis (standalone or cluster). See the module doc for semantics.
+
+    URL and option parsing live in :mod:`kvtier.tiers.redis_url`, connections and
+    routing in :mod:`kvtier.tiers.redis_nodes`, command batching and reply handlers
+    in :mod:`kvtier.tiers.redis_pipeline`, namespace listing in :mod:`kvtier.tiers.redis_scan`.
 
     Args:
         url: ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://`` or ``rediss+cluster://``.
@@ -164,43 +115,8 @@ class RedisTier(LowerTier):
         self._tls = threading.local()
         self._lock = threading.Lock()
         self._closed = False
-        parts = urlsplit(url)
-        scheme = parts.scheme.lower()
-        if scheme not in self.schemes:
-            raise ValueError(f"RedisTier cannot open {url!r}: scheme must be one of {self.schemes}")
-        self.cluster = scheme.endswith("+cluster")
-        # String surgery, not urlunsplit: that drops the "//" of unix:///path URLs.
-        base_url = scheme.split("+")[0] + url[len(parts.scheme) :]
-        try:
-            proto = redis.ConnectionPool.from_url(
-                base_url,
-                socket_timeout=opts.timeout_s,
-                socket_connect_timeout=opts.connect_timeout_s,
-                retry=Retry(NoBackoff(), 0),  # kvtier's deadline and breaker decide, not redis-py retries
-                protocol=2,  # the data path speaks RESP2 (kvtier.tiers.resp)
-            )
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"bad Redis URL {self._masked(url)!r}: {exc}") from None
-        conn_kwargs = dict(proto.connection_kwargs)
-        accepted = connection_params(proto.connection_class)
-        unknown = sorted({k for k, _ in parse_qsl(parts.query, keep_blank_values=True)} - accepted)
-        if unknown:
-            raise ValueError(
-                f"Redis URL {self._masked(url)!r}: unknown option {', '.join(unknown)}; kvtier options: "
-                f"{', '.join(sorted(TIER_QUERY_OPTIONS))}; redis-py options: {', '.join(sorted(accepted))}"
-            )
-        seeds: list[Addr] = []
-        if self.cluster:
-            if conn_kwargs.get("db", 0) != 0:
-                raise ValueError("Redis Cluster has only database 0")
-            if not parts.hostname:
-                raise ValueError(f"cluster URL {url!r} needs host:port")
-            seeds.append((parts.hostname, parts.port or 6379))
-            for s in opts.seeds:
-                host, _, port = s.rpartition(":")
-                if not host or not port.isdigit():
-                    raise ValueError(f"cluster seed {s!r} is not host:port")
-                seeds.append((host, int(port)))
+        target = parse_target(url, opts, self.schemes)
+        self.cluster = target.cluster
         settings = NodeSettings(
             opts.connect_timeout_s,
             opts.max_idle_connections,
@@ -208,11 +124,12 @@ class RedisTier(LowerTier):
             opts.breaker_backoff_s,
             opts.breaker_max_backoff_s,
         )
-        self._probe = (proto.connection_class, conn_kwargs, seeds[0] if seeds else None)
+        conn = (target.connection_class, target.connection_kwargs)
+        self._probe = (*conn, target.seeds[0] if target.seeds else None)
         #: Connections, cluster routing and pipelined round trips.
-        self.nodes = RedisNodes((proto.connection_class, conn_kwargs), settings, self.counters, seeds)
+        self.nodes = RedisNodes(conn, settings, self.counters, target.seeds)
         #: The URL with any password masked (for logs).
-        self.url = url.replace(f":{parts.password}@", ":***@") if parts.password else url
+        self.url = target.url
 
     def check_store(self) -> list[str]:
         """Problems an operator should fix, found with one ``INFO memory`` within ``timeout_s``
@@ -222,11 +139,6 @@ class RedisTier(LowerTier):
         if seed is not None:
             kw["host"], kw["port"] = seed
         return store_problems(lambda: cls(**kw), self.url, has_ttl=self._ttl_ms is not None)
-
-    @staticmethod
-    def _masked(url: str) -> str:
-        password = urlsplit(url).password
-        return url.replace(f":{password}@", ":***@") if password else url
 
     @classmethod
     def check_url(cls, url: str) -> None:
@@ -245,33 +157,8 @@ class RedisTier(LowerTier):
         Raises:
             ValueError: see the class doc; an option value of the wrong type names the option.
         """
-        scheme, _, after = url.partition("://")
-        netloc = after.split("/", 1)[0].split("?", 1)[0]
-        if scheme.lower().endswith("+cluster") and "," in netloc:  # redis+cluster://h1:p1,h2:p2: more seeds
-            cred, at, hosts = netloc.rpartition("@")
-            first, *more = [h for h in hosts.split(",") if h]
-            options.setdefault("seeds", tuple(more))
-            url = f"{scheme}://{cred}{at}{first}{after[len(netloc):]}"
-        parts = urlsplit(url)
-        rest: list[tuple[str, str]] = []
-        for k, v in parse_qsl(parts.query, keep_blank_values=True):
-            if k in _FLOAT_OPTS or k in _INT_OPTS:
-                kind = float if k in _FLOAT_OPTS else int
-                try:
-                    options.setdefault(k, kind(v))
-                except ValueError:
-                    raise ValueError(
-                        f"Redis URL {cls._masked(url)!r}: option {k}={v!r} is not a{'' if kind is float else 'n'} "
-                        f"{kind.__name__}"
-                    ) from None
-            elif k in _STR_OPTS:
-                options.setdefault(k, v)
-            elif k == "seeds":
-                options.setdefault("seeds", tuple(s for s in v.split(",") if s))
-            else:
-                rest.append((k, v))
-        base = url.split("?", 1)[0]
-        return cls(base + ("?" + urlencode(rest) if rest else ""), **options)
+        url = split_query_options(url, options)
+        return cls(url, **options)
 
     # -- plumbing ----------------------------------------------------------------
     def redis_key(self, key: bytes) -> bytes:
@@ -296,6 +183,15 @@ class RedisTier(LowerTier):
             return True
         return n == 0
 
+    def _run(
+        self, rkeys: Sequence[bytes], commands: list[list[Any]], handlers: Sequence[Handler], deadline: float
+    ) -> bool:
+        """:func:`~kvtier.tiers.redis_pipeline.pipeline` on this tier's nodes."""
+        return pipeline(self.nodes, rkeys, commands, handlers, deadline)
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.options.timeout_s
+
     # -- operations ----------------------------------------------------------------
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         for k in keys:
@@ -303,34 +199,22 @@ class RedisTier(LowerTier):
         out = [False] * len(keys)
         if self._unavailable(len(keys)):
             return out
-        deadline = time.monotonic() + self.options.timeout_s
         rkeys = [self._rkey(k) for k in keys]
-        groups = self.nodes.group(rkeys, deadline)
-        if groups is not None:
-            batches = []
-            for addr, idx in groups.items():
-                b = Batch(addr)
-                for i in idx:
-                    b.commands.append([b"EXISTS", rkeys[i]])
-                    b.handlers.append(self._exists_handler(out, i))
-                batches.append(b)
-            self.nodes.run(batches, deadline)
-        else:
+        commands = [[b"EXISTS", rk] for rk in rkeys]
+        handlers = [exists_into(self.nodes, out, i) for i in range(len(keys))]
+        if not self._run(rkeys, commands, handlers, self._deadline()):
             self.counters.add(skipped_calls=1)
         self.counters.add(contains_keys=len(keys), contains_hits=sum(out))
         return out
 
-    def _exists_handler(self, out: list[bool], i: int) -> Callable[[Wire], None]:
-        def handle(wire: Wire) -> None:
-            reply = wire.read_reply()
-            if isinstance(reply, RespError):
-                self.nodes.note_error(reply)
-            else:
-                out[i] = reply == 1
-
-        return handle
-
     def put_many(self, items: Sequence[ChunkWrite]) -> list[bool]:
+        return self._put_many(items, self.codec)
+
+    def put_many_with_codec(self, items: Sequence[ChunkWrite], codec: Codec) -> list[bool]:
+        """:meth:`put_many` with ``codec`` instead of the tier's codec (the envelope names it)."""
+        return self._put_many(items, codec)
+
+    def _put_many(self, items: Sequence[ChunkWrite], codec: Codec) -> list[bool]:
         for item in items:
             if not isinstance(item, ChunkWrite):
                 raise TypeError(f"put_many takes ChunkWrite items, got {type(item).__name__}")
@@ -339,60 +223,17 @@ class RedisTier(LowerTier):
         if self._unavailable(len(items)):
             self.counters.add(puts=len(items), put_failed=len(items))
             return out
-        deadline = time.monotonic() + self.options.timeout_s
-        encoded: list[Any] = []
-        for item in items:
-            try:
-                encoded.append(encode_value(self._ekey(item.key), item.payload, self.codec, self.options.spec))
-            except ValueError as exc:  # CodecError is a ValueError: bad payload, not a store failure
-                log.warning("kvtier redis: chunk %s not stored: %s", item.key.hex()[:16], exc)
-                encoded.append(None)
-        # Tail first, each write followed by a TTL refresh of its parent: a chain's
-        # head always expires after its tails (prefix closure under TTLs).
-        rkeys: list[bytes] = []
-        commands: list[list[Any]] = []
-        handlers: list[Callable[[Wire], None]] = []
-        px = [b"PX", b"%d" % self._ttl_ms] if self._ttl_ms is not None else []
-        for i in reversed(range(len(items))):
-            ev = encoded[i]
-            if ev is None:
-                continue
-            rkeys.append(self._rkey(items[i].key))
-            commands.append([b"SET", rkeys[-1], ev.parts, *px])
-            handlers.append(self._set_handler(out, i))
-            parent = items[i].parent
-            if self._ttl_ms is not None and parent is not None and len(parent) and len(parent) <= 255:
-                rkeys.append(self._rkey(parent))
-                commands.append([b"PEXPIRE", rkeys[-1], b"%d" % self._ttl_ms])
-                handlers.append(self._ignore_handler)
-        groups = self.nodes.group(rkeys, deadline) if rkeys else {}
+        deadline = self._deadline()
+        encoded = encode_writes(items, codec, self.options.spec, self._ekey)
+        rkeys, commands, handlers = write_commands(self.nodes, items, encoded, self._rkey, self._ttl_ms, out)
         written = 0
-        if groups is not None:
-            self.nodes.run(self._batches(groups, commands, handlers), deadline)
-            written = sum(encoded[i].nbytes for i in range(len(items)) if out[i])
+        if self._run(rkeys, commands, handlers, deadline):
+            written = sum(ev.nbytes for ev, ok in zip(encoded, out) if ok and ev is not None)
         else:
             self.counters.add(skipped_calls=1)
         ok = sum(out)
         self.counters.add(puts=len(items), put_ok=ok, put_failed=len(items) - ok, bytes_written=written)
         return out
-
-    @staticmethod
-    def _batches(
-        groups: dict[Addr, list[int]], commands: list[list[Any]], handlers: list[Callable[[Wire], None]]
-    ) -> list[Batch]:
-        batches = []
-        for addr, idx in groups.items():
-            b = Batch(addr)
-            for i in idx:
-                b.commands.append(commands[i])
-                b.handlers.append(handlers[i])
-            batches.append(b)
-        return batches
-
-    def _ignore_handler(self, wire: Wire) -> None:
-        reply = wire.read_reply()
-        if isinstance(reply, RespError):
-            self.nodes.note_error(reply)
 
     @property
     def touch_needed(self) -> bool:
@@ -407,24 +248,10 @@ class RedisTier(LowerTier):
             check_key(k)
         if self._ttl_ms is None or self._unavailable(len(keys)):
             return
-        deadline = time.monotonic() + self.options.timeout_s
         rkeys = [self._rkey(k) for k in reversed(keys)]
         commands = [[b"PEXPIRE", rk, b"%d" % self._ttl_ms] for rk in rkeys]
-        groups = self.nodes.group(rkeys, deadline)
-        if groups is None:
+        if not self._run(rkeys, commands, [ignore_reply(self.nodes)] * len(commands), self._deadline()):
             self.counters.add(skipped_calls=1)
-            return
-        self.nodes.run(self._batches(groups, commands, [self._ignore_handler] * len(commands)), deadline)
-
-    def _set_handler(self, out: list[bool], i: int) -> Callable[[Wire], None]:
-        def handle(wire: Wire) -> None:
-            reply = wire.read_reply()
-            if isinstance(reply, RespError):
-                self.nodes.note_error(reply)  # e.g. OOM under noeviction: the write is dropped
-            else:
-                out[i] = reply == b"OK"
-
-        return handle
 
     def get_many_into(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
         views = []
@@ -435,94 +262,41 @@ class RedisTier(LowerTier):
         if self._unavailable(len(items)):
             self.counters.add(gets=len(items), get_misses=len(items))
             return out
-        deadline = time.monotonic() + self.options.timeout_s
         rkeys = [self._rkey(k) for k, _ in items]
-        groups = self.nodes.group(rkeys, deadline)
-        stats = {"hits": 0, "absent": 0, "corrupt": 0, "bytes": 0}
-        corrupt: list[bytes] = []
-        if groups is not None:
-            batches = []
-            for addr, idx in groups.items():
-                b = Batch(addr)
-                for i in idx:
-                    b.commands.append([b"GET", rkeys[i]])
-                    b.handlers.append(self._get_handler(out, i, items[i][0], views[i], stats, corrupt))
-                batches.append(b)
-            self.nodes.run(batches, deadline)
-        else:
+        tally = GetTally()
+        commands = [[b"GET", rk] for rk in rkeys]
+        handlers = [
+            value_into(self.nodes, out, i, k, rkeys[i], self._ekey(k), views[i], self.decoders, self._scratch, tally)
+            for i, (k, _) in enumerate(items)
+        ]
+        if not self._run(rkeys, commands, handlers, self._deadline()):
             self.counters.add(skipped_calls=1)
-        misses = len(items) - stats["hits"]
+        misses = len(items) - tally.hits
         self.counters.add(
             gets=len(items),
-            get_hits=stats["hits"],
-            get_misses=misses - stats["corrupt"],
-            get_corrupt=stats["corrupt"],
-            bytes_read=stats["bytes"],
+            get_hits=tally.hits,
+            get_misses=misses - tally.corrupt,
+            get_corrupt=tally.corrupt,
+            bytes_read=tally.bytes,
         )
-        if stats["absent"]:
-            log.debug("kvtier redis: %d of %d chunks absent on get", stats["absent"], len(items))
-        if corrupt:
-            self._delete_rkeys(corrupt, time.monotonic() + self.options.timeout_s)
+        if tally.absent:
+            log.debug("kvtier redis: %d of %d chunks absent on get", tally.absent, len(items))
+        if tally.corrupt_rkeys:
+            self._delete_rkeys(tally.corrupt_rkeys, self._deadline())
         return out
 
-    def _get_handler(
-        self, out: list[bool], i: int, key: bytes, dst: memoryview, stats: dict, corrupt: list[bytes]
-    ) -> Callable[[Wire], None]:
-        def handle(wire: Wire) -> None:
-            n = wire.read_bulk_len()
-            if isinstance(n, RespError):
-                self.nodes.note_error(n)
-                return
-            if n < 0:
-                stats["absent"] += 1
-                return
-            try:
-                read_value_into(wire.read_exact_into, n, self._ekey(key), dst, self.decoders, self._scratch)
-            except ValueMiss as miss:
-                wire.skip(n - miss.consumed)
-                wire.expect_crlf()
-                stats["corrupt"] += 1
-                corrupt.append(self._rkey(key))
-                log.warning("kvtier redis: chunk %s is a miss: %s", key.hex()[:16], miss.reason)
-                return
-            wire.expect_crlf()
-            out[i] = True
-            stats["hits"] += 1
-            stats["bytes"] += n
-
-        return handle
-
     def _delete_rkeys(self, rkeys: Sequence[bytes], deadline: float) -> int:
-        groups = self.nodes.group(rkeys, deadline)
-        if groups is None:
-            return 0
         counts = [0] * len(rkeys)
-        batches = []
-        for addr, idx in groups.items():
-            b = Batch(addr)
-            for i in idx:
-                b.commands.append([b"UNLINK", rkeys[i]])
-                b.handlers.append(self._count_handler(counts, i))
-            batches.append(b)
-        self.nodes.run(batches, deadline)
+        commands = [[b"UNLINK", rk] for rk in rkeys]
+        self._run(rkeys, commands, [count_into(self.nodes, counts, i) for i in range(len(rkeys))], deadline)
         return sum(counts)
-
-    def _count_handler(self, counts: list[int], i: int) -> Callable[[Wire], None]:
-        def handle(wire: Wire) -> None:
-            reply = wire.read_reply()
-            if isinstance(reply, RespError):
-                self.nodes.note_error(reply)
-            elif isinstance(reply, int):
-                counts[i] = reply
-
-        return handle
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         for k in keys:
             check_key(k)
         if self._unavailable(len(keys)):
             return 0
-        n = self._delete_rkeys([self._rkey(k) for k in keys], time.monotonic() + self.options.timeout_s)
+        n = self._delete_rkeys([self._rkey(k) for k in keys], self._deadline())
         self.counters.add(deletes=n)
         return n
 
@@ -537,32 +311,38 @@ class RedisTier(LowerTier):
         """
         if self._unavailable(1):
             return 0
-        nodes = self.nodes.primaries(time.monotonic() + self.options.timeout_s)
-        pattern = glob_escape(self._prefix) + b"*"
         removed = 0
-        for addr in nodes:
-            cursor = b"0"
-            while True:
-                reply: list[Any] = []
-                b = Batch(addr)
-                b.commands.append([b"SCAN", cursor, b"MATCH", pattern, b"COUNT", b"1000"])
-                b.handlers.append(lambda wire, r=reply: r.append(wire.read_reply()))
-                self.nodes.run([b], time.monotonic() + self.options.timeout_s)
-                if b.failed or not reply or not isinstance(reply[0], list):
-                    break
-                cursor, found = reply[0][0], reply[0][1]
-                if found:
-                    counts = [0] * len(found)
-                    d = Batch(addr)
-                    for i, rk in enumerate(found):
-                        d.commands.append([b"UNLINK", rk])
-                        d.handlers.append(self._count_handler(counts, i))
-                    self.nodes.run([d], time.monotonic() + self.options.timeout_s)
-                    removed += sum(counts)
-                if cursor == b"0":
-                    break
+        for addr, found in scan_pages(self.nodes, self._prefix, self.options.timeout_s):
+            if found:
+                removed += unlink_on(self.nodes, addr, found, self.options.timeout_s)
         self.counters.add(deletes=removed)
         return removed
+
+    def scan_keys(self) -> Iterator[tuple[bytes, bytes | None]]:
+        """``(key, None)`` of every chunk of this namespace (``SCAN MATCH`` on every primary;
+        parents are not stored in Redis). A node that fails mid-way yields what it gave."""
+        if self._unavailable(1):
+            return
+        plen = len(self._prefix)
+        for _, found in scan_pages(self.nodes, self._prefix, self.options.timeout_s):
+            for rk in found:
+                try:
+                    yield bytes.fromhex(bytes(rk[plen:]).decode("ascii")), None
+                except ValueError:
+                    continue  # not a chunk key of this tier
+
+    def stored_sizes(self, keys: Sequence[bytes]) -> list[int]:
+        """Stored value bytes (envelope included) of each key (``STRLEN``, one pipelined round
+        trip per node); 0 where absent or on failure."""
+        for k in keys:
+            check_key(k)
+        out = [0] * len(keys)
+        if self._unavailable(len(keys)):
+            return out
+        rkeys = [self._rkey(k) for k in keys]
+        commands = [[b"STRLEN", rk] for rk in rkeys]
+        self._run(rkeys, commands, [count_into(self.nodes, out, i) for i in range(len(keys))], self._deadline())
+        return out
 
     def close(self) -> None:
         self._closed = True

@@ -9,7 +9,7 @@ its half: :class:`~kvtier.integrations.vllm.scheduler.KVTierScheduler` or
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.integrations.vllm.extras import check_engine_extra_keys
+from kvtier.integrations.vllm.kv_events import kv_events_enabled
 from kvtier.integrations.vllm.scheduler import KVTierScheduler
 from kvtier.integrations.vllm.types import KVTierMetadata
 from kvtier.integrations.vllm.worker import KVTierWorker
@@ -26,6 +27,7 @@ from kvtier.integrations.vllm_layout import namespace_from_vllm
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -62,10 +64,11 @@ class KVTierConnector(KVConnectorBase_V1):
         engine_id = str(self._kv_transfer_config.engine_id or "default")
         self.scheduler: KVTierScheduler | None = None
         self.worker: KVTierWorker | None = None
+        kv_events = kv_events_enabled(vllm_config)  # kvtier's tier changes go to vLLM's KV event publisher
         if role == KVConnectorRole.WORKER:
-            self.worker = KVTierWorker(self.config, self.namespace, engine_id)
+            self.worker = KVTierWorker(self.config, self.namespace, engine_id, kv_events=kv_events)
         else:
-            self.scheduler = KVTierScheduler(self.config, self.namespace, engine_id)
+            self.scheduler = KVTierScheduler(self.config, self.namespace, engine_id, kv_events=kv_events)
         log.info(
             "kvtier connector (%s) ready: model=%s layout=%s chunk=%d tokens (%d bytes)",
             role.name,
@@ -120,6 +123,10 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         return self.scheduler.get_external_cache_hit_sources(request, num_external_tokens)
 
+    def take_events(self) -> Iterable["KVCacheEvent"]:
+        """kvtier's tier changes since the last call as vLLM KV events (medium CPU/DISK/REMOTE)."""
+        return self.scheduler.take_events() if self.scheduler is not None else ()
+
     def check_invariants(self) -> None:
         """Assert the scheduler side's request-state invariants (no-op on the worker side)."""
         if self.scheduler is not None:
@@ -159,6 +166,10 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        """This step's tier changes (kvtier keys + tier), carried to the scheduler side by vLLM."""
+        return self.worker.get_kv_cache_events() if self.worker is not None else None
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -33,6 +33,7 @@ from kvtier.config import KVTierConfig
 from kvtier.index.keys import ChunkHasher, KeyNamespace
 from kvtier.integrations.vllm.accounting import RequestLedger
 from kvtier.integrations.vllm.extras import AdapterFingerprints, UnkeyableRequest, request_extras
+from kvtier.integrations.vllm.kv_events import BlockEventTranslator, TierChanges
 from kvtier.integrations.vllm.modes import LookupIndex, close_scheduler_index, open_scheduler_index
 from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, TransferSpec
 from kvtier.storage.types import LookupResult
@@ -58,6 +59,7 @@ class _Tracker:
     loaded_blocks: dict[int, int] = field(default_factory=dict)  # engine block id -> chunk index loaded
     load_async: bool = False  # the last lookup asked vLLM for an asynchronous load
     async_inflight: bool = False  # an async load was sent and its completion not yet seen
+    request: Any = field(default=None, repr=False, compare=False)  # vLLM's Request (block hashes for KV events)
 
     def check(self, queued_async: bool) -> None:
         assert not (self.pending_load is not None and queued_async), f"{self.req_id}: two loads planned"
@@ -70,9 +72,14 @@ class _Tracker:
 
 
 class KVTierScheduler:
-    """The scheduler-role half of :class:`~kvtier.integrations.vllm.KVTierConnector`."""
+    """The scheduler-role half of :class:`~kvtier.integrations.vllm.KVTierConnector`.
 
-    def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str):
+    ``kv_events``: translate the worker's tier changes into vLLM KV events for
+    ``take_events`` (:mod:`kvtier.integrations.vllm.kv_events`); the chunks it can
+    name are those this scheduler planned to save or found by lookup.
+    """
+
+    def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str, kv_events: bool = False):
         self.config = config
         self.namespace = namespace
         self.engine_id = engine_id
@@ -88,6 +95,9 @@ class KVTierScheduler:
         self._async_to_send: list[TransferSpec] = []
         # finished requests whose load outcome is not reported yet: req -> (block -> tier, async)
         self._unsettled: dict[str, tuple[dict[int, str], bool]] = {}
+        self.events: BlockEventTranslator | None = None
+        if kv_events:
+            self.events = BlockEventTranslator(self.chunk_size, self.block_size, config.kv_events_map_chunks)
 
     # -- index and leases ----------------------------------------------------------------------
     def _lookup_index(self) -> LookupIndex | None:
@@ -124,7 +134,7 @@ class KVTierScheduler:
                 return None
             tokens = list(tokens)
             keys = self._hasher.keys(tokens, request.cache_salt, extras=extras)
-            tr = _Tracker(request.request_id, tokens, keys)
+            tr = _Tracker(request.request_id, tokens, keys, request=request)
             self._trackers[request.request_id] = tr
         return tr
 
@@ -154,6 +164,8 @@ class KVTierScheduler:
             tr.lookup = res
             tr.lease_held = res.num_tokens > 0
             tr.saved_chunks = max(tr.saved_chunks, res.num_tokens // self.chunk_size)  # already stored
+            if self.events is not None and res.num_tokens:
+                self.events.remember(request, tr.keys, range(res.num_tokens // self.chunk_size))
             if res.num_tokens <= num_computed_tokens:
                 if tr.lease_held:
                     self._drop_lease(tr)
@@ -266,9 +278,14 @@ class KVTierScheduler:
             for ci in range(tr.saved_chunks, full)
         ]
         meta.saves.append(TransferSpec(tr.req_id, chunks))
+        if self.events is not None and tr.request is not None:
+            self.events.remember(tr.request, tr.keys, range(tr.saved_chunks, full))
         tr.saved_chunks = full
 
     def update_connector_output(self, connector_output: Any) -> None:
+        changes = getattr(connector_output, "kv_cache_events", None)
+        if self.events is not None and isinstance(changes, TierChanges):
+            self.events.update(changes.get_all_events())
         done = set(connector_output.finished_recving or ()) | set(connector_output.finished_sending or ())
         for req_id in connector_output.finished_recving or ():
             tr = self._trackers.get(req_id)
@@ -333,6 +350,10 @@ class KVTierScheduler:
                 )
                 out[src] = out.get(src, 0) + n
         return out
+
+    def take_events(self) -> list[Any]:
+        """vLLM KV events of kvtier's tiers since the last call (empty unless ``kv_events``)."""
+        return self.events.take() if self.events is not None else []
 
     def shutdown(self) -> None:
         if self._index is not None:

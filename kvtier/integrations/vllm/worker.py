@@ -28,10 +28,12 @@ import numpy as np
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import KeyNamespace
 from kvtier.integrations.block_copy import load_blocks, save_blocks
+from kvtier.integrations.vllm.kv_events import TierChanges, WorkerTierFeed
 from kvtier.integrations.vllm.modes import close_worker_store, open_worker_store
 from kvtier.integrations.vllm.types import KVTierMetadata, TransferSpec
 from kvtier.integrations.vllm_layout import paged_views, stacked_view
 from kvtier.storage.backend import KVStore
+from kvtier.storage.manager import StorageManager
 from kvtier.storage.types import WriteSkip
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,17 +43,30 @@ log = logging.getLogger("kvtier.vllm")
 
 
 class KVTierWorker:
-    """The worker-role half of :class:`~kvtier.integrations.vllm.KVTierConnector` (owns the store)."""
+    """The worker-role half of :class:`~kvtier.integrations.vllm.KVTierConnector` (owns the store).
 
-    def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str):
+    In embedded mode (the store is this process's :class:`StorageManager`):
+
+    - ``kv_events``: its tier changes are handed to the scheduler side each step
+      (:meth:`get_kv_cache_events`, :mod:`kvtier.integrations.vllm.kv_events`);
+    - ``config.controller``: a :class:`~kvtier.fleet.agent.FleetAgent` (role
+      ``"embedded"``) registers this instance with the controller; closed at shutdown.
+
+    With a shared ``kvtier server`` the server does both itself.
+    """
+
+    def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str, kv_events: bool = False):
         self.config = config
         self.namespace = namespace
         self.block_size = namespace.layout.block_size
         self.blocks_per_chunk = namespace.blocks_per_chunk
         self.store: KVStore | None = None
         self._lookup_server: Any = None
+        self.tier_feed: WorkerTierFeed | None = None
+        self.agent: Any = None  # kvtier.fleet.agent.FleetAgent with config.controller (embedded mode)
         if config.enabled:
             self.store, self._lookup_server = open_worker_store(config, namespace, engine_id)
+            self._start_fleet(kv_events)
         self._layers: list[np.ndarray] = []
         self._kv: np.ndarray | list[np.ndarray] = []  # stacked view if possible, else _layers
         self._load_errors: set[int] = set()
@@ -61,6 +76,36 @@ class KVTierWorker:
         self._async_done: set[str] = set()  # finished, to report in get_finished
         self._finished_while_loading: set[str] = set()  # vLLM finished them mid-load
         self._failed_sync_loads: set[str] = set()  # requests whose load failed in this step
+
+    def _start_fleet(self, kv_events: bool) -> None:
+        """The KV event feed and the fleet agent (embedded mode only; a failure disables them, never the engine)."""
+        manager = self.store
+        if not isinstance(manager, StorageManager):
+            if kv_events or self.config.controller:
+                log.info("kvtier: with a kvtier server, the server registers with the controller and publishes "
+                         "its own tier events (kv_events_endpoint); the connector adds none")
+            return
+        if kv_events:
+            self.tier_feed = WorkerTierFeed(manager)
+        if self.config.controller:
+            try:
+                from kvtier.fleet.agent import FleetAgent, namespace_info, tier_infos
+                from kvtier.storage.instance_ops import InstanceOps
+
+                info = namespace_info(self.namespace)
+                self.agent = FleetAgent(
+                    self.config.controller, self.config.instance_id, "embedded",
+                    {info.digest: (info, InstanceOps(manager))}, tier_infos(manager),
+                    token=self.config.controller_token,
+                ).start()
+                log.info("kvtier: registering with controller %s as %s", self.config.controller, self.agent.instance_id)
+            except Exception:
+                log.exception("kvtier: cannot start the fleet agent; running without the controller")
+                self.agent = None
+
+    def get_kv_cache_events(self) -> TierChanges | None:
+        """This step's tier changes for the scheduler side (None if none or not enabled)."""
+        return self.tier_feed.take() if self.tier_feed is not None else None
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         """Map the engine's paged KV tensors (per layer) as numpy views; disable kvtier on a mismatch."""
@@ -223,6 +268,12 @@ class KVTierWorker:
         return skip in (WriteSkip.PRESENT, WriteSkip.IN_FLIGHT)
 
     def shutdown(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+        if self.tier_feed is not None:
+            self.tier_feed.close()
+            self.tier_feed = None
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from kvtier.tiers.base import ChangeHook
 from kvtier.tiers.policies import EvictionPolicy
 
 
@@ -64,6 +65,8 @@ class ChunkIndex:
         self.used_bytes = 0
         self.evicted_chunks = 0
         self.evicted_bytes = 0
+        #: Told of every chunk that becomes resident (``"s"``) or leaves (``"r"``); None: nobody listens.
+        self.on_change: ChangeHook | None = None
 
     def __contains__(self, key: object) -> bool:
         return key in self.entries
@@ -122,6 +125,8 @@ class ChunkIndex:
         self._add(key, size, parent)
 
     def _add(self, key: bytes, size: int, parent: bytes | None) -> None:
+        if self.on_change is not None:
+            self.on_change("s", (key,), (parent,))
         self.entries[key] = Entry(size, parent)
         self.used_bytes += size
         self.policy.insert(key, parent)
@@ -182,6 +187,8 @@ class ChunkIndex:
             if child in self.entries:
                 self.early.add(child)
         self._unlink(key)
+        if self.on_change is not None:
+            self.on_change("r", (key,), ())
         return entry.size
 
     # -- checks ------------------------------------------------------------------------

@@ -43,9 +43,9 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-from kvtier.serde.base import Buffer
+from kvtier.serde.base import Buffer, Codec
 from kvtier.serde.record import (
     HEADER_BYTES,
     KeepRecord,
@@ -54,7 +54,15 @@ from kvtier.serde.record import (
     encode_payload_header,
     record_relpath,
 )
-from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, as_chunk_write, check_key, writable_view
+from kvtier.tiers.base import (
+    ChangeHook,
+    ChunkWrite,
+    LowerTier,
+    TierCounters,
+    as_chunk_write,
+    check_key,
+    writable_view,
+)
 from kvtier.tiers.disk.fileops import DIR_MODE, FileOps
 from kvtier.tiers.disk.index import ChunkIndex
 from kvtier.tiers.disk.record_io import RecordIO, payload_view, unlink_quietly
@@ -231,6 +239,41 @@ class DiskTier(LowerTier):
     def file_of(self, key: bytes) -> Path:
         """Path of ``key``'s record file (whether or not it exists)."""
         return self.path / record_relpath(key)
+
+    def set_change_hook(self, hook: ChangeHook | None) -> bool:
+        """Report every chunk that becomes resident (``"s"``) or leaves (``"r"``: capacity
+        eviction, delete, a corrupt record) and clears (``"c"`` when the tier is left empty)
+        to ``hook``, under the tier's lock. Chunks indexed at open are not reported."""
+        with self._lock:
+            self._index.on_change = hook
+        return True
+
+    def scan_keys(self) -> Iterator[tuple[bytes, bytes | None]]:
+        """``(key, parent)`` of every resident chunk (a copy of the index taken under the lock)."""
+        with self._lock:
+            items = [(k, e.parent) for k, e in self._index.entries.items()]
+        return iter(items)
+
+    def stored_sizes(self, keys: Sequence[bytes]) -> list[int]:
+        """File bytes of each key's record (0 where absent), from the index."""
+        entries = self._index.entries
+        out = []
+        for k in keys:
+            e = entries.get(k)
+            out.append(0 if e is None else e.size)
+        return out
+
+    def put_many_with_codec(self, items: Sequence[ChunkWrite], codec: Codec) -> list[bool]:
+        """Rewrite chunks with ``codec``: the disk record format stores raw payloads only.
+
+        Raises:
+            NotImplementedError: ``codec`` is not ``raw`` (the disk tier reads raw records only).
+        """
+        if codec.name != "raw":
+            raise NotImplementedError(
+                f"the disk tier stores raw records only; codec {codec.name!r} is unsupported there"
+            )
+        return self.put_many(items)
 
     def check_invariants(self) -> None:
         """Assert the index invariants (byte accounting, prefix closure); for tests and debugging."""
@@ -490,8 +533,18 @@ class DiskTier(LowerTier):
                     busy.add(p)
                     p = self.parent_of(p)
             removed = 0
-            for key in [k for k in self._index.entries if k not in busy]:
-                removed += self._index.remove(key)  # no descendant of a non-busy chunk is busy
+            hook, self._index.on_change = self._index.on_change, None  # one change, not one per chunk
+            try:
+                gone = [k for k in self._index.entries if k not in busy]
+                for key in gone:
+                    removed += self._index.remove(key)  # no descendant of a non-busy chunk is busy
+            finally:
+                self._index.on_change = hook
+            if hook is not None:
+                if not self._index.entries:
+                    hook("c", (), ())
+                elif gone:
+                    hook("r", gone, ())
         self.counters.add(deletes=removed)
         return removed
 

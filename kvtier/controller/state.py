@@ -1,0 +1,159 @@
+"""The controller's fleet state: registry + index behind one lock, and the agent-message logic.
+
+:meth:`FleetState.handle` is the whole controller side of :mod:`kvtier.protocol.fleet`
+without sockets (the endpoint thread feeds it decoded frames), so it is testable alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+from kvtier.controller.index import FleetIndex
+from kvtier.controller.registry import InstanceRegistry, RegistrationError
+from kvtier.protocol.fleet import (
+    DEFAULT_EXPIRY_S,
+    DEFAULT_HEARTBEAT_S,
+    Ack,
+    AgentMessage,
+    Changes,
+    FleetProtocolError,
+    Heartbeat,
+    OpResult,
+    Register,
+    Snapshot,
+)
+
+log = logging.getLogger(__name__)
+
+#: A resync is not asked for again within this many seconds of the last request.
+RESYNC_RETRY_S = 0.3
+
+
+class FleetState:
+    """Registry and index of the fleet, guarded by :attr:`lock`.
+
+    Args:
+        token: token agents must present in ``Register.token`` (None: none).
+        expiry_s: silence (seconds) after which an instance and its index are dropped.
+        heartbeat_s: heartbeat period the controller asks for in every ``Ack``.
+    """
+
+    def __init__(self, token: str | None = None, expiry_s: float = DEFAULT_EXPIRY_S,
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S):
+        self.lock = threading.RLock()
+        self.registry = InstanceRegistry(token=token, expiry_s=expiry_s)
+        self.index = FleetIndex()
+        self.epoch = os.urandom(8).hex()
+        self.heartbeat_s = heartbeat_s
+        self._resync_asked: dict[str, float] = {}
+        #: Called (outside the lock) with the id of every dropped instance (expired or restarted).
+        self.on_drop: list[Callable[[str], None]] = []
+        self.counters: dict[str, int] = {
+            "malformed_frames": 0, "refused_registrations": 0, "registrations": 0, "expirations": 0,
+            "resyncs_requested": 0, "unknown_sender_messages": 0,
+        }
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    def handle(self, identity: str, msg: AgentMessage, now: float | None = None) -> Ack | None:
+        """Apply one agent message; the ``Ack`` to send back, if any.
+
+        ``OpResult`` is not handled here (the endpoint routes it); it only counts as a sign of life.
+
+        Raises:
+            FleetProtocolError: the message does not fit (wrong sender, unknown tier or
+                namespace, bad key lists); the caller drops and counts it.
+        """
+        now_m = time.monotonic() if now is None else now
+        dropped: list[str] = []
+        try:
+            with self.lock:
+                if isinstance(msg, OpResult):
+                    rec = self.registry.get(identity)
+                    if rec is not None:
+                        rec.last_seen = now_m
+                    return None
+                if msg.instance != identity:
+                    raise FleetProtocolError(f"message for instance {msg.instance!r} came from identity {identity!r}")
+                if isinstance(msg, Register):
+                    return self._register(msg, now_m, dropped)
+                rec = self.registry.touch(msg.instance, msg.epoch, now_m)
+                if rec is None:
+                    self.counters["unknown_sender_messages"] += 1
+                    if isinstance(msg, Heartbeat):
+                        return Ack(self.epoch, known=False, heartbeat_s=self.heartbeat_s)
+                    return None
+                if isinstance(msg, Heartbeat):
+                    rec.last_heartbeat = time.time()
+                    rec.health = dict(msg.health)
+                    self.index.heartbeat_seq(msg.instance, msg.seq)
+                    return Ack(self.epoch, known=True, resync=self._take_resync(msg.instance, now_m),
+                               heartbeat_s=self.heartbeat_s)
+                if isinstance(msg, Snapshot):
+                    label = rec.tier_label(msg.tier)
+                    if label is None:
+                        raise FleetProtocolError(f"instance {msg.instance!r} has no tier {msg.tier!r}")
+                    if self.index.apply_snapshot(msg, label):
+                        self._resync_asked.pop(msg.instance, None)
+                    return None
+                if isinstance(msg, Changes):
+                    self.index.apply_changes(msg)
+                    return None
+                raise FleetProtocolError(f"unexpected message {type(msg).__name__}")
+        finally:
+            for inst in dropped:
+                self._notify_drop(inst)
+
+    def _register(self, msg: Register, now_m: float, dropped: list[str]) -> Ack | None:
+        try:
+            rec, replaced = self.registry.register(msg, now_m)
+        except RegistrationError as exc:
+            self.counters["refused_registrations"] += 1
+            log.warning("controller: refused registration: %s", exc)
+            return None
+        if replaced:
+            dropped.append(msg.instance)
+        self.index.add_instance(msg.instance, rec.tiers, list(rec.namespaces))
+        self.counters["registrations"] += 1
+        self._resync_asked[msg.instance] = now_m
+        self.counters["resyncs_requested"] += 1
+        return Ack(self.epoch, known=True, resync=True, heartbeat_s=self.heartbeat_s)
+
+    def _take_resync(self, instance: str, now_m: float) -> bool:
+        if instance not in self.index.needs_resync:
+            return False
+        asked = self._resync_asked.get(instance)
+        if asked is not None and now_m - asked < RESYNC_RETRY_S:
+            return False
+        self.index.needs_resync.discard(instance)
+        self._resync_asked[instance] = now_m
+        self.counters["resyncs_requested"] += 1
+        return True
+
+    def sweep(self, now: float | None = None) -> list[str]:
+        """Drop instances silent past the expiry; their ids."""
+        with self.lock:
+            gone = self.registry.expired(now)
+            for inst in gone:
+                self.registry.drop(inst)
+                self.index.drop_instance(inst)
+                self._resync_asked.pop(inst, None)
+                self.counters["expirations"] += 1
+        for inst in gone:
+            log.info("controller: instance %s expired (silent > %.2f s); its index is dropped",
+                     inst, self.registry.expiry_s)
+            self._notify_drop(inst)
+        return gone
+
+    def _notify_drop(self, instance: str) -> None:
+        for cb in list(self.on_drop):
+            try:
+                cb(instance)
+            except Exception:  # noqa: BLE001 - a listener's bug must not stop the endpoint
+                log.exception("controller: on_drop listener failed")

@@ -1,0 +1,258 @@
+"""Publish KV event batches over ZeroMQ exactly as vLLM's ``ZmqEventPublisher`` does.
+
+Wire (what vLLM's own subscribers read):
+
+* a ``PUB`` socket sends one multipart message per batch: ``[topic, seq, payload]`` where
+  ``topic`` is UTF-8, ``seq`` an 8-byte big-endian counter starting at 0, ``payload`` the
+  msgpack batch (:func:`kvtier.events.codec.encode_batch`);
+* an optional ``ROUTER`` replay socket: a client (``REQ``, or ``DEALER`` sending an empty
+  delimiter frame first) sends the first seq it wants as 8 bytes big-endian; the publisher
+  answers, for every buffered batch with ``seq >= start``, ``[b"", topic, seq, payload]``
+  (as seen by a ``DEALER``; a ``REQ`` strips the empty frame), then the end marker
+  ``[b"", b"", seq=-1 (8 bytes, signed big-endian), b""]``. Requests of another shape are
+  ignored.
+
+:meth:`EventPublisher.publish` never blocks: batches go through a bounded queue to one
+sender thread, which owns the sockets; a full queue drops the batch and counts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import zmq
+
+from kvtier.events.codec import EventEncodeError, encode_batch, make_batch
+from kvtier.events.schema import KVEvent, KVEventBatch
+
+log = logging.getLogger(__name__)
+
+#: The replay end marker's seq frame (-1, 8 bytes big-endian, signed).
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def _is_bind_endpoint(endpoint: str) -> bool:
+    """vLLM's rule (wildcard host, ipc, inproc: bind; otherwise connect), plus port 0: bind."""
+    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            or endpoint.endswith(":0"))
+
+
+class EventPublisher:
+    """A thread-safe, non-blocking KV event publisher (vLLM-compatible PUB + replay ROUTER).
+
+    Args:
+        endpoint: PUB address; ``tcp://*:5557`` binds, ``tcp://host:5557`` connects (to a
+            forwarder), ``tcp://127.0.0.1:0`` binds an ephemeral port (see :attr:`endpoint`).
+        replay_endpoint: ROUTER address for replay requests (always bound); ``None``: none.
+        topic: topic frame of every message (vLLM's default is ``""``).
+        buffer_batches: batches kept for replay.
+        hwm: ZeroMQ send high-water mark of the PUB socket (messages).
+        queue_size: batches waiting for the sender thread before :meth:`publish` drops.
+        data_parallel_rank: stamped on batches that carry none.
+        drop_filter: fault injection for tests: called with each seq; True skips the PUB send
+            (the batch is still numbered and kept for replay, like a message lost in transit).
+
+    Raises:
+        zmq.ZMQError: an endpoint cannot be bound or connected.
+        ValueError: a non-positive size.
+    """
+
+    def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None,
+                 topic: str = "kv-events", buffer_batches: int = 10_000, hwm: int = 100_000,
+                 queue_size: int = 10_000, data_parallel_rank: int | None = None,
+                 drop_filter: Callable[[int], bool] | None = None) -> None:
+        if buffer_batches <= 0 or hwm <= 0 or queue_size <= 0:
+            raise ValueError("buffer_batches, hwm and queue_size must be positive")
+        self._topic = topic.encode("utf-8")
+        self._dp_rank = data_parallel_rank
+        self._drop_filter = drop_filter
+        self._queue: queue.Queue[KVEventBatch] = queue.Queue(maxsize=queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._lock = threading.Lock()
+        self._published = 0
+        self._dropped = 0
+        self._encode_errors = 0
+        self._replays = 0
+        self._next_seq = 0
+        self._closed = False
+        self._drain_until = 0.0
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._pub: zmq.Socket = self._ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket | None = None
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            if _is_bind_endpoint(endpoint):
+                self._pub.bind(endpoint)
+                self._endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._pub.connect(endpoint)
+                self._endpoint = endpoint
+            self._replay_endpoint: str | None = None
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(replay_endpoint)
+                self._replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except Exception:
+            self._close_sockets()
+            raise
+        self._thread = threading.Thread(target=self._run, name="kvtier-event-publisher",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        """The PUB endpoint as bound (ephemeral port resolved) or connected."""
+        return self._endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """The replay ROUTER endpoint as bound, or ``None``."""
+        return self._replay_endpoint
+
+    @property
+    def published(self) -> int:
+        """Batches sent on the PUB socket."""
+        with self._lock:
+            return self._published
+
+    @property
+    def dropped(self) -> int:
+        """Batches not sent: the queue was full, the publisher was closed, or encoding failed."""
+        with self._lock:
+            return self._dropped
+
+    def stats(self) -> dict[str, int]:
+        """Counters: ``published``, ``dropped``, ``encode_errors``, ``replays``, ``queued``."""
+        with self._lock:
+            return {"published": self._published, "dropped": self._dropped,
+                    "encode_errors": self._encode_errors, "replays": self._replays,
+                    "queued": self._queue.qsize()}
+
+    def publish(self, events: Sequence[KVEvent], ts: float | None = None) -> bool:
+        """Queue one batch of ``events`` (stamped ``ts``, now if ``None``); never blocks.
+
+        Returns:
+            True if queued (or ``events`` is empty: nothing to send); False if dropped
+            (queue full or publisher closed), counted in :attr:`dropped`.
+        """
+        if not events:
+            return True
+        return self.publish_batch(make_batch(events, ts, self._dp_rank))
+
+    def publish_batch(self, batch: KVEventBatch) -> bool:
+        """Queue a ready batch (its ``data_parallel_rank`` set to ours if ``None``); never blocks.
+
+        Returns:
+            True if queued, False if dropped (counted).
+        """
+        if batch.data_parallel_rank is None and self._dp_rank is not None:
+            batch.data_parallel_rank = self._dp_rank
+        with self._lock:  # put_nowait never blocks; the lock orders it against close()
+            if not self._closed:
+                try:
+                    self._queue.put_nowait(batch)
+                    return True
+                except queue.Full:
+                    pass
+            self._dropped += 1
+        return False
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Send what is queued (for up to ``timeout_s`` seconds), stop the thread, close sockets.
+
+        Idempotent. Batches still queued after the timeout are dropped (counted).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._drain_until = time.monotonic() + max(0.0, timeout_s) * 0.8
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():  # stuck: leave its sockets to it rather than race it
+            log.warning("kvtier event publisher thread did not stop within %.1fs", timeout_s)
+            return
+        with self._lock:
+            self._dropped += self._queue.qsize()
+        self._close_sockets()
+
+    def __enter__(self) -> EventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+    # --- sender thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            if self._stop.is_set():
+                if self._queue.empty() or time.monotonic() > self._drain_until:
+                    return
+            if self._replay is not None:
+                try:
+                    while self._replay.poll(0):
+                        self._serve_replay(self._replay)
+                except zmq.ZMQError as exc:
+                    log.warning("kvtier event replay failed: %s", exc)
+            try:
+                batch = self._queue.get(timeout=0.02)
+            except queue.Empty:
+                continue
+            try:
+                self._send(batch)
+            except Exception:  # the thread must outlive any one bad batch
+                log.exception("kvtier event publisher: batch dropped")
+                with self._lock:
+                    self._dropped += 1
+
+    def _send(self, batch: KVEventBatch) -> None:
+        try:
+            payload = encode_batch(batch)
+        except EventEncodeError as exc:
+            log.warning("kvtier event batch dropped: %s", exc)
+            with self._lock:
+                self._encode_errors += 1
+                self._dropped += 1
+            return
+        seq = self._next_seq
+        if self._drop_filter is None or not self._drop_filter(seq):
+            try:
+                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload),
+                                         flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # EAGAIN on a connected PUB with no peer yet, ...
+                log.debug("kvtier event batch %d not sent: %s", seq, exc)
+        # Numbered and buffered even if the PUB send failed: a subscriber sees the gap and
+        # gets it from the replay buffer.
+        self._next_seq = seq + 1
+        self._buffer.append((seq, payload))
+        with self._lock:
+            self._published += 1
+
+    def _serve_replay(self, sock: zmq.Socket) -> None:
+        frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+        if len(frames) != 3:
+            log.debug("kvtier event replay: ignored a request of %d frames", len(frames))
+            return
+        client, _empty, start_bytes = frames
+        start = int.from_bytes(start_bytes, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start:
+                sock.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        sock.send_multipart((client, b"", b"", END_SEQ, b""))
+        with self._lock:
+            self._replays += 1

@@ -1,0 +1,199 @@
+"""Subscribe to a KV event stream (vLLM's or kvtier's publisher), filling gaps by replay.
+
+Reads ``[topic, seq (8 bytes big-endian), payload]`` messages from a ``PUB`` socket and
+decodes each payload with :func:`kvtier.events.codec.decode_batch`. When a ``seq`` skips
+ahead (messages lost at the high-water mark, a slow joiner...) and a replay endpoint is
+configured, it asks the publisher's ``ROUTER`` for the missing batches (8-byte big-endian
+start seq; replies ``[b"", topic, seq, payload]`` until the ``seq = -1`` end marker) and
+delivers them, in order, before the batch that revealed the gap. What replay cannot fill is
+counted (:attr:`EventSubscriber.missed`), never waited for.
+
+A socket is not thread-safe: use one subscriber from one thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+
+import zmq
+
+from kvtier.events.codec import EventDecodeError, decode_batch
+from kvtier.events.schema import KVEventBatch
+
+_END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class EventSubscriber:
+    """Receive ``(seq, KVEventBatch)`` pairs in seq order, with gap detection and replay.
+
+    Args:
+        endpoint: the publisher's PUB endpoint to connect to (e.g. ``tcp://127.0.0.1:5557``).
+        replay_endpoint: its replay ROUTER endpoint (``None``: gaps are only counted).
+        topic: only messages whose topic frame equals this (``""``: every topic).
+        replay_timeout_s: longest wait for one replay answer to complete (seconds).
+        from_seq: if set (with a replay endpoint), the first message received also fetches
+            every buffered batch from this seq on (a late joiner's catch-up).
+        normalize: decode ``STORAGE`` mediums as ``DISK``.
+
+    Counters: ``received`` (batches delivered), ``gaps`` (seq jumps seen), ``replayed``
+    (batches delivered from replay), ``missed`` (seqs never obtained), ``decode_errors``
+    (malformed messages skipped), ``restarts`` (seq went backwards: publisher restarted).
+    """
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None,
+                 topic: str = "kv-events", replay_timeout_s: float = 1.0,
+                 from_seq: int | None = None, normalize: bool = True) -> None:
+        self._topic = topic.encode("utf-8")
+        self._replay_endpoint = replay_endpoint
+        self._replay_timeout_s = replay_timeout_s
+        self._normalize = normalize
+        self._last_seq: int | None = None if from_seq is None else from_seq - 1
+        self._pending: deque[tuple[int, KVEventBatch]] = deque()
+        self.received = 0
+        self.gaps = 0
+        self.replayed = 0
+        self.missed = 0
+        self.decode_errors = 0
+        self.restarts = 0
+        self._closed = False
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        self._sub.connect(endpoint)
+        self._replay: zmq.Socket | None = None
+
+    @property
+    def last_seq(self) -> int | None:
+        """The seq of the last batch delivered or accounted for (``None``: none yet)."""
+        return self._last_seq
+
+    def stats(self) -> dict[str, int]:
+        """The counters as a dict."""
+        return {"received": self.received, "gaps": self.gaps, "replayed": self.replayed,
+                "missed": self.missed, "decode_errors": self.decode_errors,
+                "restarts": self.restarts}
+
+    def poll(self, timeout_s: float = 0.0) -> tuple[int, KVEventBatch] | None:
+        """The next batch in seq order, waiting up to ``timeout_s`` seconds; ``None`` if none.
+
+        Malformed messages are skipped (counted in ``decode_errors``); never raises for
+        wire content. Raises ``RuntimeError`` once closed.
+        """
+        if self._closed:
+            raise RuntimeError("EventSubscriber is closed")
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while not self._pending:
+            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._sub.poll(wait_ms):
+                return None
+            self._on_message(self._sub.recv_multipart())
+            if not self._pending and time.monotonic() >= deadline:
+                return None
+        self.received += 1
+        return self._pending.popleft()
+
+    def __iter__(self) -> Iterator[tuple[int, KVEventBatch]]:
+        """Yield batches until :meth:`close` (checks every 0.1 s)."""
+        while not self._closed:
+            item = self.poll(0.1)
+            if item is not None:
+                yield item
+
+    def items(self, idle_s: float) -> Iterator[tuple[int, KVEventBatch]]:
+        """Yield batches until none arrives for ``idle_s`` seconds."""
+        while True:
+            item = self.poll(idle_s)
+            if item is None:
+                return
+            yield item
+
+    def close(self) -> None:
+        """Close the sockets (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for sock in (self._sub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> EventSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.decode_errors += 1
+            return
+        topic, seq_bytes, payload = frames
+        if self._topic and topic != self._topic:
+            return  # a longer topic sharing our prefix
+        seq = int.from_bytes(seq_bytes, "big")
+        try:
+            batch = decode_batch(payload, normalize=self._normalize)
+        except EventDecodeError:
+            self.decode_errors += 1
+            batch = None
+        last = self._last_seq
+        if last is not None and seq <= last:
+            self.restarts += 1  # the publisher restarted (its seq starts at 0 again)
+        elif last is not None and seq > last + 1:
+            self.gaps += 1
+            self._fill(last + 1, seq)
+        self._last_seq = seq
+        if batch is not None:
+            self._pending.append((seq, batch))
+
+    def _fill(self, start: int, stop: int) -> None:
+        """Deliver replayed batches with ``start <= seq < stop``; count the rest as missed."""
+        got: dict[int, KVEventBatch] = {}
+        if self._replay_endpoint is not None:
+            for seq, payload in self._request_replay(start):
+                if start <= seq < stop and seq not in got:
+                    try:
+                        got[seq] = decode_batch(payload, normalize=self._normalize)
+                    except EventDecodeError:
+                        self.decode_errors += 1
+        self.missed += (stop - start) - len(got)
+        for seq in sorted(got):
+            self._pending.append((seq, got[seq]))
+        self.replayed += len(got)
+
+    def _request_replay(self, start: int) -> list[tuple[int, bytes]]:
+        sock = self._replay_socket()
+        while sock.poll(0):  # leftovers of an earlier, timed-out answer
+            sock.recv_multipart()
+        out: list[tuple[int, bytes]] = []
+        try:
+            sock.send_multipart((b"", start.to_bytes(8, "big")), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return out
+        deadline = time.monotonic() + self._replay_timeout_s
+        while True:
+            wait_ms = int((deadline - time.monotonic()) * 1000)
+            if wait_ms <= 0 or not sock.poll(wait_ms):
+                return out  # publisher gone or slow: what we have is all we get
+            frames = sock.recv_multipart()
+            if frames and frames[0] == b"":
+                frames = frames[1:]
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.decode_errors += 1
+                continue
+            if frames[1] == _END_SEQ:
+                return out
+            out.append((int.from_bytes(frames[1], "big"), frames[2]))
+
+    def _replay_socket(self) -> zmq.Socket:
+        if self._replay is None:
+            assert self._replay_endpoint is not None
+            self._replay = self._ctx.socket(zmq.DEALER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.connect(self._replay_endpoint)
+        return self._replay

@@ -1,0 +1,14 @@
+"""The instance side of the fleet control plane (:mod:`kvtier.protocol.fleet`).
+
+- :mod:`.agent`: :class:`FleetAgent`, one per kvtier instance (an embedded connector's
+  worker, a ``kvtier server``): registers, resyncs, streams tier changes, heartbeats,
+  runs the controller's operations.
+- :mod:`.changes`: the bounded, coalescing queue between the storage managers'
+  listeners and the agent thread.
+- :mod:`.service_link`: wires an agent and a KV event publisher into ``kvtier server``.
+"""
+
+from kvtier.fleet.agent import FleetAgent, default_instance_id, namespace_info, tier_infos
+from kvtier.fleet.changes import ChangeQueue
+
+__all__ = ["ChangeQueue", "FleetAgent", "default_instance_id", "namespace_info", "tier_infos"]

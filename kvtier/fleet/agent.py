@@ -1,0 +1,545 @@
+"""The instance side of the fleet control plane: one agent per kvtier instance.
+
+A :class:`FleetAgent` runs one daemon thread with one ZMQ ``DEALER`` socket (its
+identity the instance id) connected to the controller's ``ROUTER``; the wire
+protocol is :mod:`kvtier.protocol.fleet`. What it does:
+
+- **Register** at start, again whenever the controller answers ``Ack(known=False)``
+  (a restarted controller), after silence longer than the expiry, and when a
+  namespace is added or removed (:meth:`FleetAgent.add_namespace`).
+- **Snapshot** every ``(namespace, tier)`` after each ``Ack(known=True)`` that
+  answers a register, whenever an ``Ack`` asks ``resync``, and after a local loss
+  (a queue overflow, a send refused). The pending changes are folded in first:
+  the snapshot is read after they are discarded, its ``seq`` is the last
+  ``Changes`` sent.
+- **Changes**: tier changes from the storage managers' listeners (a bounded,
+  coalescing :class:`~kvtier.fleet.changes.ChangeQueue`), numbered 1, 2, 3...
+  per epoch.
+- **Heartbeat** every ``heartbeat_s`` with the last ``seq`` and the last health
+  report (health is computed on the op pool, never on the agent thread).
+- **Operations**: ``OpRequest``\\ s run on a small thread pool against the
+  namespace's :class:`~kvtier.storage.instance_ops.InstanceOps`; the answer is
+  ``OpResult`` (``ok=False`` with the error text for any exception or a passed
+  deadline).
+
+Never blocks the engine: the engine's threads only append to the change queue;
+every send is ``NOBLOCK`` on a socket with a small ``SNDHWM`` and
+``ZMQ_IMMEDIATE`` (nothing queues for a controller that is not connected). A
+refused send is dropped and counted; a lost ``Changes`` or ``Snapshot`` part is
+repaired by a snapshot once the controller answers again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Protocol, Sequence
+
+import zmq
+
+from kvtier.fleet.changes import ChangeQueue
+from kvtier.protocol import fleet as F
+
+log = logging.getLogger(__name__)
+
+#: OpRequest ``op`` -> InstanceOps method name (where they differ).
+_METHODS = {"import": "import_"}
+#: Args that carry key lists (a binary of n * 32 bytes, or a list of 32-byte keys).
+_KEY_ARGS = ("keys",)
+_PARENT_ARGS = ("parents",)
+
+
+class OpsLike(Protocol):
+    """What the agent needs of :class:`kvtier.storage.instance_ops.InstanceOps`."""
+
+    def snapshot(self) -> dict[str, Sequence[tuple[bytes, bytes | None]]]: ...
+
+    def pinned_keys(self) -> Any: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def run(self, op: str, args: dict[str, Any]) -> dict[str, Any]: ...
+
+
+def default_instance_id(port: int | str | None = None) -> str:
+    """``"<hostname>:<port or 'embedded'>:<pid>"``: unique per process, several per machine allowed.
+
+    ``port`` is the instance's TCP port, or a label (``"server"`` for a Unix-socket-only server).
+    """
+    return f"{socket.gethostname()}:{port if port else 'embedded'}:{os.getpid()}"
+
+
+def parse_controller(url: str) -> str:
+    """Check a controller address (``tcp://host:port``) and return it as a ZMQ endpoint.
+
+    Raises:
+        ValueError: not ``tcp://host:port`` with a port in 1-65535.
+    """
+    scheme, sep, rest = url.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if scheme != "tcp" or not sep or not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"controller address {url!r} must be tcp://HOST:PORT (port 1-65535)")
+    return url
+
+
+@dataclass
+class AgentStats:
+    """Counters of one agent (monotonic; for tests and ``/metrics``)."""
+
+    registers: int = 0
+    snapshots: int = 0
+    changes_sent: int = 0
+    heartbeats: int = 0
+    ops: int = 0
+    dropped_sends: int = 0  # refused by ZMQ (controller absent or its queue full)
+    injected_drops: int = 0  # Changes dropped by the fault-injection hook
+    bad_frames: int = 0  # controller frames that did not decode
+    ops_refused: int = 0  # OpRequests refused because the op pool was full
+
+
+class FleetAgent:
+    """Registers an instance with the controller and keeps its index in sync (see module doc).
+
+    Args:
+        controller_url: ``tcp://host:port`` of the controller's ROUTER.
+        instance_id: this instance's id (default :func:`default_instance_id`).
+        role: ``"embedded"`` (a vLLM connector's worker) or ``"server"`` (``kvtier server``).
+        namespaces: namespace digest -> (its :class:`~kvtier.protocol.fleet.NamespaceInfo`,
+            its :class:`~kvtier.storage.instance_ops.InstanceOps`). The agent subscribes to
+            the storage manager behind each (``ops.m``) for its tier changes.
+        tiers: the instance's tiers.
+        token: bearer token sent in ``Register``.
+        heartbeat_s: heartbeat period in seconds (an ``Ack`` may change it).
+        expiry_s: silence from the controller after which the agent registers again.
+        max_pending_keys: bound of the change queue (beyond: dropped, then a snapshot).
+        op_workers: threads running operations.
+        drop_fraction: fault injection: this fraction of ``Changes`` messages is dropped
+            instead of sent (tests; 0 in production).
+        port: the instance's port, for the default id.
+
+    Raises:
+        ValueError: a bad controller address, role or fraction.
+    """
+
+    def __init__(
+        self,
+        controller_url: str,
+        instance_id: str | None = None,
+        role: Literal["embedded", "server"] = "embedded",
+        namespaces: dict[bytes, tuple[F.NamespaceInfo, OpsLike]] | None = None,
+        tiers: Sequence[F.TierInfo] = (),
+        token: str | None = None,
+        heartbeat_s: float = F.DEFAULT_HEARTBEAT_S,
+        expiry_s: float = 2 * F.DEFAULT_EXPIRY_S,
+        max_pending_keys: int = 1 << 20,
+        op_workers: int = 2,
+        drop_fraction: float = 0.0,
+        port: int | str | None = None,
+        seed: int | None = None,
+    ):
+        self.endpoint = parse_controller(controller_url)
+        if role not in ("embedded", "server"):
+            raise ValueError(f"role must be 'embedded' or 'server', got {role!r}")
+        if not 0.0 <= drop_fraction <= 1.0:
+            raise ValueError(f"drop_fraction must be in [0, 1], got {drop_fraction}")
+        if not heartbeat_s > 0 or not expiry_s > 0:
+            raise ValueError("heartbeat_s and expiry_s must be > 0 seconds")
+        self.instance_id = instance_id or default_instance_id(port)
+        self.role = role
+        self.tiers = list(tiers)
+        self.token = token or ""
+        self.heartbeat_s = heartbeat_s
+        self.expiry_s = expiry_s
+        self.drop_fraction = drop_fraction
+        self.epoch = os.urandom(8).hex()
+        self.stats = AgentStats()
+        self.changes = ChangeQueue(max_pending_keys)
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()  # guards _namespaces and _unsubs
+        self._namespaces: dict[bytes, tuple[F.NamespaceInfo, OpsLike]] = {}
+        self._unsubs: dict[bytes, Callable[[], None]] = {}
+        self._seq = 0  # last Changes seq sent (or dropped) in this epoch
+        self._resync_id = 0
+        self._registered = False  # the controller acked our last Register with known=True
+        self._register_due = True  # send a Register (first, or namespaces changed)
+        self._awaiting_ack = False  # a Register is in flight
+        self._snapshot_due = False
+        self._snapshot_retry_at = 0.0  # after a failed snapshot: wait a heartbeat before the next
+        self._last_register = 0.0
+        self._last_rx = 0.0
+        self._last_hb = 0.0
+        self._health: dict[str, Any] = {}
+        self._health_busy = False
+        self._last_health = 0.0
+        self._results: queue.SimpleQueue[F.OpResult] = queue.SimpleQueue()
+        self._pool = ThreadPoolExecutor(max(1, op_workers), thread_name_prefix="kvtier-fleet-op")
+        self._ops_inflight = 0
+        self._op_lock = threading.Lock()
+        self._max_inflight = 64 * max(1, op_workers)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        for digest, (info, ops) in (namespaces or {}).items():
+            self._attach(digest, info, ops)
+
+    # -- namespaces ----------------------------------------------------------------------------
+    def _attach(self, digest: bytes, info: F.NamespaceInfo, ops: OpsLike) -> None:
+        with self._lock:
+            if digest in self._namespaces:
+                return
+            self._namespaces[digest] = (info, ops)
+        manager = _manager_of(ops)
+        subscribe = getattr(manager, "subscribe", None)
+        if subscribe is None:
+            return
+        listener = self.changes.listener(digest)
+        subscribe(listener)
+
+        def unsub() -> None:
+            fn = getattr(manager, "unsubscribe", None)
+            if fn is not None:
+                fn(listener)
+
+        with self._lock:
+            self._unsubs[digest] = unsub
+
+    def add_namespace(self, digest: bytes, info: F.NamespaceInfo, ops: OpsLike) -> None:
+        """Start reporting another namespace: a new Register, then a full snapshot (no-op if known)."""
+        with self._lock:
+            known = digest in self._namespaces
+        if known:
+            return
+        self._attach(digest, info, ops)
+        self._register_due = True
+
+    def remove_namespace(self, digest: bytes) -> None:
+        """Stop reporting a namespace (e.g. the server released it): unsubscribe, register again."""
+        with self._lock:
+            entry = self._namespaces.pop(digest, None)
+            unsub = self._unsubs.pop(digest, None)
+        if unsub is not None:
+            unsub()
+        if entry is not None:
+            self._register_due = True
+
+    def namespaces(self) -> dict[bytes, tuple[F.NamespaceInfo, OpsLike]]:
+        with self._lock:
+            return dict(self._namespaces)
+
+    @property
+    def seq(self) -> int:
+        """The last ``Changes`` seq of this epoch."""
+        return self._seq
+
+    @property
+    def registered(self) -> bool:
+        """True while the controller knows this instance (its last Ack said so)."""
+        return self._registered
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> "FleetAgent":
+        """Start the agent thread (idempotent); returns self."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvtier-fleet-agent", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop within ``timeout_s``: the thread ends, listeners are removed, running ops are abandoned."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            unsubs, self._unsubs = list(self._unsubs.values()), {}
+        for unsub in unsubs:
+            try:
+                unsub()
+            except Exception:
+                log.exception("kvtier fleet agent: unsubscribing failed")
+
+    def __enter__(self) -> "FleetAgent":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the agent thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.IDENTITY, self.instance_id.encode())
+            sock.setsockopt(zmq.SNDHWM, 256)
+            sock.setsockopt(zmq.RCVHWM, 1024)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            sock.connect(self.endpoint)
+            self._loop(sock)
+        except Exception:
+            log.exception("kvtier fleet agent: stopped by an error (the engine goes on without the controller)")
+        finally:
+            sock.close(0)
+            ctx.term()
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            now = time.monotonic()
+            self._maybe_register(sock, now)
+            if self._registered and self._snapshot_due and now >= self._snapshot_retry_at:
+                self._send_snapshot(sock)
+            if self._registered:
+                if self.changes.overflowed:
+                    self._snapshot_due = True
+                else:
+                    self._send_changes(sock)
+            elif not self._awaiting_ack:
+                self.changes.fold()  # the snapshot after the register covers them
+            self._send_results(sock)
+            if self._registered and now - self._last_hb >= self.heartbeat_s:
+                self._last_hb = now
+                self._refresh_health(now)
+                self._send(sock, F.Heartbeat(self.instance_id, self.epoch, self._seq, self._health))
+                self.stats.heartbeats += 1
+            if self._registered and now - self._last_rx > self.expiry_s:
+                log.info("kvtier fleet agent: controller silent for %.1f s; registering again", now - self._last_rx)
+                self._registered = False
+                self._register_due = True
+            timeout_ms = max(1, int(min(self.heartbeat_s, 0.05) * 1000))
+            for s, _ in poller.poll(timeout_ms):
+                while True:
+                    try:
+                        frame = s.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_frame(frame)
+
+    def _maybe_register(self, sock: zmq.Socket, now: float) -> None:
+        retry = max(0.2, self.heartbeat_s)
+        if not (self._register_due or (not self._registered and now - self._last_register >= retry)):
+            return
+        if self._awaiting_ack and not self._register_due and now - self._last_register < retry:
+            return
+        with self._lock:
+            infos = [info for info, _ in self._namespaces.values()]
+        msg = F.Register(
+            self.instance_id, self.epoch, F.FLEET_PROTOCOL_VERSION, self.role, socket.gethostname(), os.getpid(),
+            infos, list(self.tiers), self.token,
+        )
+        self._last_register = now
+        self._register_due = False
+        self._registered = False
+        if self._send(sock, msg):
+            self._awaiting_ack = True
+            self.stats.registers += 1
+
+    def _on_frame(self, frame: bytes) -> None:
+        try:
+            msg = F.decode_controller_message(frame)
+        except F.FleetProtocolError as exc:
+            self.stats.bad_frames += 1
+            log.warning("kvtier fleet agent: dropped a bad controller frame: %s", exc)
+            return
+        self._last_rx = time.monotonic()
+        if isinstance(msg, F.Ack):
+            if msg.heartbeat_s and msg.heartbeat_s > 0:
+                self.heartbeat_s = float(msg.heartbeat_s)
+            if not msg.known:
+                self._registered = False
+                self._awaiting_ack = False
+                self._register_due = True
+                return
+            if self._awaiting_ack:
+                self._awaiting_ack = False
+                self._snapshot_due = True  # a full resync after every (re)register
+            self._registered = True
+            if msg.resync:
+                self._snapshot_due = True
+        elif isinstance(msg, F.OpRequest):
+            self._submit_op(msg)
+
+    # -- sending -------------------------------------------------------------------------------
+    def _send(self, sock: zmq.Socket, msg: F.AgentMessage) -> bool:
+        """Send without blocking; False (counted) if ZMQ refused it."""
+        try:
+            sock.send(F.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            self.stats.dropped_sends += 1
+            return False
+
+    def _send_changes(self, sock: zmq.Socket) -> None:
+        while len(self.changes):
+            batch = self.changes.drain()
+            if not batch:
+                return
+            self._seq += 1
+            if self.drop_fraction and self._rng.random() < self.drop_fraction:
+                self.stats.injected_drops += 1
+                continue
+            if self._send(sock, F.Changes(self.instance_id, self.epoch, self._seq, batch)):
+                self.stats.changes_sent += 1
+            else:
+                self._snapshot_due = True  # the gap is repaired by a snapshot
+                return
+
+    def _send_snapshot(self, sock: zmq.Socket) -> None:
+        """Fold the pending changes, read every (namespace, tier), send it in parts."""
+        self.changes.fold()
+        self._snapshot_due = False
+        self._resync_id += 1
+        rid = self._resync_id
+        for digest, (_, ops) in self.namespaces().items():
+            try:
+                tiers = ops.snapshot()
+                pinned = b"".join(sorted(ops.pinned_keys() or ()))
+            except Exception:
+                log.exception("kvtier fleet agent: snapshot of namespace %s failed", digest.hex()[:16])
+                self._snapshot_due = True
+                self._snapshot_retry_at = time.monotonic() + max(1.0, self.heartbeat_s)
+                continue
+            names = list(tiers) + [t.kind for t in self.tiers if t.kind not in tiers]  # empty tiers too
+            for tier in names:
+                entries = list(tiers.get(tier, ()))
+                step = F.MAX_KEYS_PER_PART
+                starts = list(range(0, len(entries), step)) or [0]
+                for i, start in enumerate(starts):
+                    part = entries[start : start + step]
+                    last = i == len(starts) - 1
+                    msg = F.Snapshot(
+                        self.instance_id, self.epoch, rid, digest, tier,
+                        b"".join(k for k, _ in part), F.join_parents([p for _, p in part]),
+                        last, self._seq, pinned if last else b"",
+                    )
+                    if not self._send(sock, msg):
+                        self._snapshot_due = True  # retried soon
+                        self._snapshot_retry_at = time.monotonic() + 0.05
+                        return
+        self.stats.snapshots += 1
+
+    # -- operations ----------------------------------------------------------------------------
+    def _submit_op(self, req: F.OpRequest) -> None:
+        with self._op_lock:
+            busy = self._ops_inflight >= self._max_inflight
+            if not busy:
+                self._ops_inflight += 1
+        if busy:
+            self.stats.ops_refused += 1
+            self._results.put(F.OpResult(req.op_id, False, error="busy: too many operations in flight"))
+            return
+        try:
+            self._pool.submit(self._run_op, req)
+        except RuntimeError:  # closing
+            with self._op_lock:
+                self._ops_inflight -= 1
+
+    def _run_op(self, req: F.OpRequest) -> None:
+        try:
+            self._results.put(self.execute(req))
+        finally:
+            with self._op_lock:
+                self._ops_inflight -= 1
+
+    def execute(self, req: F.OpRequest) -> F.OpResult:
+        """Run one operation against its namespace's InstanceOps (any failure is an ``ok=False`` result)."""
+        if req.deadline and time.time() > req.deadline:
+            return F.OpResult(req.op_id, False, error="deadline")
+        try:
+            out = self._dispatch(req)
+        except Exception as exc:  # OpError and anything else: reported, never raised
+            return F.OpResult(req.op_id, False, error=f"{type(exc).__name__}: {exc}"[:4096])
+        if req.deadline and time.time() > req.deadline:
+            return F.OpResult(req.op_id, False, error="deadline")
+        self.stats.ops += 1
+        return F.OpResult(req.op_id, True, result=out if isinstance(out, dict) else {"value": out})
+
+    def _dispatch(self, req: F.OpRequest) -> Any:
+        spaces = self.namespaces()
+        if not req.namespace and req.op in ("health", "stats") and len(spaces) != 1:
+            return {d.hex(): self._call(ops, req.op, {}) for d, (_, ops) in spaces.items()}
+        if not req.namespace and len(spaces) == 1:
+            ops = next(iter(spaces.values()))[1]
+        elif req.namespace in spaces:
+            ops = spaces[req.namespace][1]
+        else:
+            raise KeyError(f"namespace {req.namespace.hex()[:16] or '(none)'} is not on this instance")
+        return self._call(ops, req.op, dict(req.args))
+
+    @staticmethod
+    def _call(ops: OpsLike, op: str, args: dict[str, Any]) -> Any:
+        """``ops.run(op, args)`` (InstanceOps checks the op and its args); key binaries become key lists."""
+        for name in _KEY_ARGS + _PARENT_ARGS:
+            v = args.get(name)
+            if isinstance(v, (bytes, bytearray)):
+                keys = F.split_keys(bytes(v))
+                args[name] = [None if (name in _PARENT_ARGS and k == F.NO_PARENT) else k for k in keys]
+        run = getattr(ops, "run", None)
+        if run is not None:
+            return run(op, args)
+        if op not in F.OPS:
+            raise ValueError(f"unknown op {op!r}; known: {', '.join(F.OPS)}")
+        return getattr(ops, _METHODS.get(op, op))(**args)
+
+    def _send_results(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                res = self._results.get_nowait()
+            except queue.Empty:
+                return
+            self._send(sock, res)
+
+    def _refresh_health(self, now: float) -> None:
+        """Recompute the heartbeat's health on the op pool (at most once a second)."""
+        if self._health_busy or now - self._last_health < 1.0:
+            return
+        self._health_busy = True
+        self._last_health = now
+
+        def work() -> None:
+            try:
+                spaces = self.namespaces()
+                if len(spaces) == 1:
+                    self._health = dict(next(iter(spaces.values()))[1].health())
+                else:
+                    self._health = {d.hex(): ops.health() for d, (_, ops) in spaces.items()}
+            except Exception as exc:
+                self._health = {"error": f"{type(exc).__name__}: {exc}"[:512]}
+            finally:
+                self._health_busy = False
+
+        try:
+            self._pool.submit(work)
+        except RuntimeError:
+            self._health_busy = False
+
+
+def _manager_of(ops: Any) -> Any:
+    """The storage manager behind an InstanceOps (its ``m``; ``manager`` for look-alikes), or None."""
+    return getattr(ops, "m", None) or getattr(ops, "manager", None)
+
+
+def namespace_info(namespace: Any) -> F.NamespaceInfo:
+    """The :class:`~kvtier.protocol.fleet.NamespaceInfo` of a :class:`kvtier.index.keys.KeyNamespace`."""
+    return F.NamespaceInfo(
+        namespace.digest(), namespace.canonical_bytes(), int(namespace.chunk_size), int(namespace.chunk_bytes)
+    )
+
+
+def tier_infos(manager: Any) -> list[F.TierInfo]:
+    """The tiers of a :class:`kvtier.storage.manager.StorageManager`, CPU first."""
+    out = [F.TierInfo("cpu", "cpu", int(manager.cpu.capacity_bytes), False)]
+    for tier in manager.lower:
+        cap = int(getattr(tier, "capacity_bytes", 0) or 0)
+        url = getattr(tier, "url", None) or getattr(tier, "name", "") or tier.kind
+        out.append(F.TierInfo(tier.kind, str(url), cap, tier.kind not in ("disk",)))
+    return out

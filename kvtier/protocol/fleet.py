@@ -1,0 +1,223 @@
+"""The fleet control plane: messages between a kvtier instance's agent and the controller.
+
+Transport: ZeroMQ. The controller binds a ``ROUTER`` socket (``tcp://host:port``);
+every instance (an embedded connector's worker, a ``kvtier server`` process) runs an
+agent with one ``DEALER`` socket connected to it, its ZMQ identity set to the
+instance id. Every frame is one msgpack document, a tagged union encoded with
+msgspec (``{"type": "<tag>", ...fields}``); bytes fields are msgpack binaries.
+Chunk keys are the kvtier chunk keys (:mod:`kvtier.index.keys`, 32 bytes): the
+controller computes the same keys from tokens with the instance's registered
+:class:`~kvtier.index.keys.KeyNamespace`, so there is one hash scheme fleet-wide.
+
+Agent -> controller
+-------------------
+``Register``   on start and whenever the controller does not know it (``Ack.known``
+               false): who it is, its namespaces and tiers. A new ``epoch`` (random per
+               process start) tells the controller the instance restarted: its old
+               index is dropped.
+``Snapshot``   the full index of one (namespace, tier), in parts; the controller swaps
+               it in when the part with ``last=True`` arrives (``resync_id`` ties parts).
+``Changes``    admitted/removed/cleared chunks since the last ``Changes``, numbered by
+               ``seq`` (1, 2, 3... per epoch). A gap (a lost message) makes the
+               controller ask for a resync.
+``Heartbeat``  every ``heartbeat_s`` (default 0.25 s): carries the last ``seq`` sent so a
+               lost final ``Changes`` is noticed within one heartbeat.
+``OpResult``   the outcome of an ``OpRequest``.
+
+Controller -> agent
+-------------------
+``Ack``        reply to ``Register`` and ``Heartbeat``: ``known`` false asks the agent to
+               register again (a restarted controller); ``resync`` true asks for a full
+               ``Snapshot`` (a gap was seen).
+``OpRequest``  run one operation (:data:`OPS`) and answer with ``OpResult``.
+
+Invariant kept by the pair: after the agent's last ``Changes``/``Snapshot`` is applied
+the controller's index for that instance equals the instance's tier state; every
+message loss is detected by ``seq`` (in ``Changes`` and ``Heartbeat``) and repaired by a
+``Snapshot``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import msgspec
+
+#: Version of this message set; a ``Register`` with another version is refused.
+FLEET_PROTOCOL_VERSION = 1
+#: Default agent heartbeat period (seconds).
+DEFAULT_HEARTBEAT_S = 0.25
+#: The controller forgets an instance silent for this long (seconds).
+DEFAULT_EXPIRY_S = 0.9
+#: Most keys in one ``Snapshot`` part or ``Changes`` entry.
+MAX_KEYS_PER_PART = 65536
+#: Operations an ``OpRequest`` may ask for (args documented in :mod:`kvtier.storage.instance_ops`).
+OPS = ("clear", "delete", "pin", "unpin", "move_local", "export", "import", "compress",
+       "decompress", "verify", "health", "stats")
+#: Parent "none" in the ``parents`` binary of a Snapshot/Changes (32 zero bytes).
+NO_PARENT = b"\x00" * 32
+
+
+class NamespaceInfo(msgspec.Struct, frozen=True):
+    """One key namespace an instance stores.
+
+    Attributes:
+        digest: ``KeyNamespace.digest()`` (32 bytes).
+        spec: ``KeyNamespace.canonical_bytes()`` (JSON, UTF-8): enough to rebuild the
+            namespace and compute its chunk keys from tokens.
+        chunk_size: tokens per chunk.
+        chunk_bytes: payload bytes per chunk.
+    """
+
+    digest: bytes
+    spec: bytes
+    chunk_size: int
+    chunk_bytes: int
+
+
+class TierInfo(msgspec.Struct, frozen=True):
+    """One tier of an instance: ``kind`` in ``TIER_KINDS``, ``name`` (e.g. ``redis://h:6379/0``),
+    ``capacity_bytes`` (0: unbounded or unknown), ``shared`` (True: other instances see the same
+    store, e.g. Redis or a shared filesystem)."""
+
+    kind: str
+    name: str
+    capacity_bytes: int = 0
+    shared: bool = False
+
+
+class Register(msgspec.Struct, tag="register", frozen=True):
+    instance: str
+    epoch: str
+    version: int
+    role: Literal["embedded", "server"]
+    host: str
+    pid: int
+    namespaces: list[NamespaceInfo]
+    tiers: list[TierInfo]
+    token: str = ""
+
+
+class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
+    """Part of a full index resync of one (namespace, tier).
+
+    ``keys`` is ``n * 32`` bytes; ``parents`` is ``n * 32`` bytes (:data:`NO_PARENT` where none).
+    ``pinned`` lists keys (``m * 32`` bytes) pinned on the instance.
+    """
+
+    instance: str
+    epoch: str
+    resync_id: int
+    namespace: bytes
+    tier: str
+    keys: bytes
+    parents: bytes
+    last: bool
+    #: ``seq`` of the last ``Changes`` folded into this snapshot (changes after it follow).
+    seq: int = 0
+    pinned: bytes = b""
+
+
+class Change(msgspec.Struct, frozen=True, array_like=True):
+    """``op``: ``"s"`` stored, ``"r"`` removed, ``"c"`` tier cleared (``keys`` empty)."""
+
+    op: Literal["s", "r", "c"]
+    namespace: bytes
+    tier: str
+    keys: bytes = b""
+    parents: bytes = b""
+
+
+class Changes(msgspec.Struct, tag="changes", frozen=True):
+    instance: str
+    epoch: str
+    seq: int
+    changes: list[Change]
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    instance: str
+    epoch: str
+    seq: int
+    #: Per-tier health, as :meth:`kvtier.storage.instance_ops.InstanceOps.health` returns it.
+    health: dict[str, Any] = {}
+
+
+class OpResult(msgspec.Struct, tag="op_result", frozen=True):
+    op_id: str
+    ok: bool
+    result: dict[str, Any] = {}
+    error: str = ""
+
+
+class Ack(msgspec.Struct, tag="ack", frozen=True):
+    controller_epoch: str
+    known: bool
+    resync: bool = False
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+
+
+class OpRequest(msgspec.Struct, tag="op", frozen=True):
+    op_id: str
+    op: str
+    namespace: bytes
+    args: dict[str, Any] = {}
+    #: The agent answers ``ok=False, error="deadline"`` past this wall-clock time (time.time()).
+    deadline: float = 0.0
+
+
+AgentMessage = Union[Register, Snapshot, Changes, Heartbeat, OpResult]
+ControllerMessage = Union[Ack, OpRequest]
+
+_ENCODER = msgspec.msgpack.Encoder()
+_AGENT_DECODER = msgspec.msgpack.Decoder(AgentMessage)
+_CONTROLLER_DECODER = msgspec.msgpack.Decoder(ControllerMessage)
+
+
+class FleetProtocolError(ValueError):
+    """A frame that is not a valid fleet message (the receiver drops it and counts it)."""
+
+
+def encode(msg: AgentMessage | ControllerMessage) -> bytes:
+    """msgpack bytes of one message."""
+    return _ENCODER.encode(msg)
+
+
+def decode_agent_message(frame: bytes) -> AgentMessage:
+    """Decode a frame an agent sent.
+
+    Raises:
+        FleetProtocolError: not msgpack, unknown ``type``, or a field of the wrong type.
+    """
+    try:
+        return _AGENT_DECODER.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FleetProtocolError(f"malformed agent message: {exc}") from exc
+
+
+def decode_controller_message(frame: bytes) -> ControllerMessage:
+    """Decode a frame the controller sent.
+
+    Raises:
+        FleetProtocolError: not msgpack, unknown ``type``, or a field of the wrong type.
+    """
+    try:
+        return _CONTROLLER_DECODER.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FleetProtocolError(f"malformed controller message: {exc}") from exc
+
+
+def split_keys(blob: bytes) -> list[bytes]:
+    """The 32-byte keys of a ``keys``/``parents``/``pinned`` binary.
+
+    Raises:
+        FleetProtocolError: the length is not a multiple of 32.
+    """
+    if len(blob) % 32:
+        raise FleetProtocolError(f"key list of {len(blob)} bytes is not a multiple of 32")
+    return [blob[i : i + 32] for i in range(0, len(blob), 32)]
+
+
+def join_parents(parents: list[bytes | None]) -> bytes:
+    """The ``parents`` binary of a list of parents (None -> :data:`NO_PARENT`)."""
+    return b"".join(NO_PARENT if p is None else p for p in parents)

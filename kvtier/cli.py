@@ -332,6 +332,27 @@ def bench_controller(
             event_rate=event_rate, event_seconds=event_seconds))
 
 
+@bench_app.command("serve")
+def bench_serve(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout); the PNG plot goes next to it."),
+    configs: str = typer.Option("vllm,kvtier-cpu,kvtier-cpu-disk,rr-2x,router-2x", help="Configurations, comma-separated."),
+    users: Optional[int] = typer.Option(None, min=1, help="Multi-round QA users (default 12; --quick 6)."),
+    rounds: Optional[int] = typer.Option(None, min=1, help="Questions per user (default 3; --quick 2)."),
+    concurrency: Optional[int] = typer.Option(None, min=1, help="Requests in flight (default 2; --quick 1)."),
+    qps: Optional[float] = typer.Option(None, min=0.001, help="Also pace request starts to this rate."),
+    url: list[str] = typer.Option([], "--url", help="Target running servers instead: NAME[@fits]=URL[,METRICS_URL...] (repeatable)."),
+    vllm_bench: bool = typer.Option(True, "--vllm-bench/--no-vllm-bench", help="Also run vLLM's own benchmark client."),
+    quick: bool = typer.Option(False, "--quick", help="Tiny workload (a few minutes on 2 cores)."),
+) -> None:
+    """Serving benchmark: vLLM alone vs + kvtier vs two instances (round robin, kvtier router), real streaming clients."""
+    from kvtier.bench.serve import parse_target, run_bench_serve
+
+    with _json_target(json_path) as out:
+        _finish("bench serve", lambda: run_bench_serve(
+            json_path=out, configs=configs, users=users, rounds=rounds, concurrency=concurrency, qps=qps, quick=quick,
+            targets=dict(parse_target(u) for u in url) or None, vllm_bench=vllm_bench, enforce=True))
+
+
 @bench_app.command("soak")
 def bench_soak(
     minutes: float = typer.Option(10.0, help="Length of the measured run, minutes (fractions allowed)."),
@@ -523,6 +544,48 @@ def ctl_check_finish(
 ) -> None:
     """State of an asynchronous operation (pending, running, done, failed with a reason)."""
     _ctl("check-finish", url, token, as_json, lambda c: c.check_finish(event_id))
+
+
+@app.command("config-check")
+def config_check(
+    config_file: Optional[Path] = typer.Option(
+        None, "--config", help="kvtier file (TOML/JSON) or LMCache YAML config; default: the KVTIER_* / LMCACHE_CONFIG_FILE environment."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """Load the config and print the effective settings; for an LMCache YAML, what was mapped, refused and ignored."""
+    from kvtier.config_report import config_check as run
+
+    _finish("config-check", lambda: run(config_file, as_json))
+
+
+@app.command()
+def router(
+    backend: list[str] = typer.Option(..., "--backend", help="URL[=INSTANCE_ID][@EVENTS_ENDPOINT[,REPLAY]] of a vLLM "
+                                      "server (repeat): its kvtier instance id at the controller, its KV events."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model folder (tokenizer, chat template)."),
+    policy: str = typer.Option("kv-aware", "--policy", help="kv-aware, round-robin or least-loaded."),
+    controller_url: Optional[str] = typer.Option(None, "--controller", help="Fleet controller URL for /lookup."),
+    controller_token: Optional[str] = typer.Option(None, "--controller-token", help="Its bearer token."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8100, "--port", help="Port of the OpenAI-compatible API (0: any free port)."),
+    load_weight: float = typer.Option(0.5, "--load-weight", min=0.0, help="Score penalty per token of load."),
+) -> None:
+    """OpenAI-compatible KV-aware proxy in front of N vLLM servers (routes each prompt to the best cached prefix net of load)."""
+    from kvtier.router.app import RouterServer
+    from kvtier.router.config import RouterConfig, RouterConfigError, Weights, parse_backend
+    from kvtier.router.tokenize import TokenizeError
+
+    try:
+        cfg = RouterConfig(backends=tuple(parse_backend(b) for b in backend), policy=policy, model=model,
+                           controller_url=controller_url, controller_token=controller_token,
+                           weights=Weights(load=load_weight)).validate()
+        server = RouterServer(cfg, host=host, port=port)
+    except (RouterConfigError, TokenizeError, OSError) as exc:
+        typer.echo(f"kvtier router: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"kvtier router: {server.url} -> {', '.join(b.url for b in cfg.backends)} (policy {policy})", err=True)
+    server.serve_forever()
 
 
 def main() -> None:

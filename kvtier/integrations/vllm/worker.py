@@ -281,3 +281,4 @@ class KVTierWorker:
             store, self.store = self.store, None
             close_worker_store(store, self._lookup_server)
             self._lookup_server = None
+            log.info("kvtier: worker shut down (write-behind flushed, tiers closed)")

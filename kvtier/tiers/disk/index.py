@@ -96,10 +96,16 @@ class ChunkIndex:
         """
         if key in self.reserved or size > self.capacity_bytes:
             return False
+        # A rewrite of a resident key needs room only for its growth: the old record goes at
+        # commit. (Reserving the whole size would evict another chunk, even the parent of a
+        # chunk written next, to rewrite one already on disk; used_bytes overshoots the
+        # capacity by at most the old record until the commit.)
+        old = self.entries.get(key)
+        need = size - old.size if old is not None else size
         if parent is not None and parent not in self.entries:
-            room = self.used_bytes + size <= self.capacity_bytes
+            room = self.used_bytes + need <= self.capacity_bytes
         else:
-            room = self.make_room(size, {key, parent, *self.children.get(key, ())})
+            room = self.make_room(need, {key, parent, *self.children.get(key, ())})
         if not room:
             return False
         self.reserved[key] = size

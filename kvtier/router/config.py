@@ -1,0 +1,184 @@
+"""Router configuration: backends, policy, controller, score weights.
+
+A backend on the command line is ``URL[=INSTANCE_ID][@EVENTS_ENDPOINT[,REPLAY_ENDPOINT]]``:
+
+* ``URL``: the vLLM OpenAI server's base URL (``http://127.0.0.1:8000``);
+* ``INSTANCE_ID``: its kvtier instance id at the fleet controller (for ``/lookup`` answers);
+* ``EVENTS_ENDPOINT``: its KV events PUB endpoint (vLLM ``--kv-events-config`` ``endpoint``;
+  the router connects to it), optionally followed by the replay ROUTER endpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+#: Routing policies.
+POLICIES: tuple[str, ...] = ("kv-aware", "round-robin", "least-loaded")
+
+
+class RouterConfigError(ValueError):
+    """A router setting is invalid (the message names it)."""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One vLLM instance behind the router.
+
+    Attributes:
+        url: base URL of its OpenAI server, no trailing slash.
+        instance_id: its instance id at the fleet controller (``None``: not registered).
+        events: its KV events PUB endpoint (``None``: no events; kv-aware then relies on the
+            controller, or on load alone).
+        replay: its KV events replay endpoint (``None``: gaps are not filled).
+    """
+
+    url: str
+    instance_id: str | None = None
+    events: str | None = None
+    replay: str | None = None
+
+    @property
+    def name(self) -> str:
+        """Display name: the instance id, else ``host:port``."""
+        if self.instance_id:
+            return self.instance_id
+        return urlsplit(self.url).netloc or self.url
+
+
+def parse_backend(text: str) -> BackendSpec:
+    """Parse ``URL[=INSTANCE_ID][@EVENTS_ENDPOINT[,REPLAY_ENDPOINT]]``.
+
+    Raises:
+        RouterConfigError: no ``http(s)://host:port`` URL, or an empty instance id/endpoint.
+    """
+    s = text.strip()
+    events = replay = None
+    if "@" in s:
+        s, ev = s.split("@", 1)
+        parts = [p.strip() for p in ev.split(",")]
+        if not parts[0] or len(parts) > 2 or (len(parts) == 2 and not parts[1]):
+            raise RouterConfigError(f"--backend {text!r}: events must be ENDPOINT or ENDPOINT,REPLAY_ENDPOINT")
+        events = parts[0]
+        replay = parts[1] if len(parts) == 2 else None
+    instance = None
+    if "=" in s:
+        s, instance = s.split("=", 1)
+        if not instance:
+            raise RouterConfigError(f"--backend {text!r}: empty instance id after '='")
+    url = s.rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise RouterConfigError(f"--backend {text!r}: expected an http(s)://host:port URL")
+    return BackendSpec(url=url, instance_id=instance, events=events, replay=replay)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Score weights (kv-aware: score = sum of cached prefix tokens x tier weight - load x ``load``).
+
+    Attributes:
+        gpu, cpu, disk, remote: value of one cached prompt token by where it is (engine
+            blocks > kvtier CPU > disk > remote); must be decreasing and in (0, 1].
+        load: penalty per token of load (see :mod:`kvtier.router.load`).
+        recent_tokens: load tokens charged per recent assignment (decayed count).
+        recent_half_life_s: half life of the recent-assignment count (seconds).
+        kv_usage_tokens: load tokens charged at 100 % engine KV usage (scaled linearly).
+        external_request_tokens: load tokens per running/waiting request the router did not
+            send itself (from the backend's metrics), when no prompt size was seen yet.
+    """
+
+    gpu: float = 1.0
+    cpu: float = 0.8
+    disk: float = 0.5
+    remote: float = 0.3
+    load: float = 0.5
+    recent_tokens: float = 32.0
+    recent_half_life_s: float = 10.0
+    kv_usage_tokens: float = 256.0
+    external_request_tokens: float = 512.0
+
+    def medium(self, medium: str | None) -> float:
+        """The weight of a KV-event medium (``None``/``GPU``: engine; ``STORAGE`` = ``DISK``)."""
+        return {"CPU": self.cpu, "DISK": self.disk, "STORAGE": self.disk,
+                "REMOTE": self.remote}.get(medium or "GPU", self.gpu)
+
+    def validate(self) -> None:
+        """Raises RouterConfigError when a weight is out of range or the tiers are not ordered."""
+        tiers = (self.gpu, self.cpu, self.disk, self.remote)
+        if any(not 0 < w <= 1 for w in tiers):
+            raise RouterConfigError(f"tier weights must be in (0, 1], got {tiers}")
+        if not tiers[0] >= tiers[1] >= tiers[2] >= tiers[3]:
+            raise RouterConfigError(f"tier weights must satisfy gpu >= cpu >= disk >= remote, got {tiers}")
+        for name in ("load", "recent_tokens", "kv_usage_tokens", "external_request_tokens"):
+            if getattr(self, name) < 0:
+                raise RouterConfigError(f"weight {name} must be >= 0")
+        if self.recent_half_life_s <= 0:
+            raise RouterConfigError("recent_half_life_s must be > 0")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router needs.
+
+    Attributes:
+        backends: the vLLM instances (at least one, distinct URLs).
+        policy: one of :data:`POLICIES`.
+        model: the model folder (tokenizer and chat template); ``None``: prompts given as
+            token ids only are scored, text prompts are routed by load alone.
+        controller_url: fleet controller base URL for ``/lookup`` (``None``: not used).
+        controller_token: its bearer token (``None``: none).
+        weights: score weights.
+        events_topic: KV events topic to subscribe to (``""``: every topic; vLLM's default).
+        health_interval_s: seconds between ``GET /health`` probes of each backend.
+        metrics_interval_s: seconds between ``GET /metrics`` polls of each backend.
+        connect_timeout_s: connect timeout to a backend (a request then tries another one).
+        health_timeout_s: timeout of one health probe.
+        read_timeout_s: longest wait for a backend's next bytes once connected.
+        controller_timeout_s: timeout of one controller lookup (a slow one is a miss).
+        down_after_timeouts: consecutive probe timeouts that take a backend out (a refused
+            connection takes it out at once).
+        decisions_kept: routing decisions kept for ``/router/state``.
+    """
+
+    backends: tuple[BackendSpec, ...]
+    policy: str = "kv-aware"
+    model: str | None = None
+    controller_url: str | None = None
+    controller_token: str | None = None
+    weights: Weights = field(default_factory=Weights)
+    events_topic: str = ""
+    health_interval_s: float = 0.5
+    metrics_interval_s: float = 0.5
+    connect_timeout_s: float = 1.0
+    health_timeout_s: float = 1.0
+    read_timeout_s: float = 600.0
+    controller_timeout_s: float = 0.25
+    down_after_timeouts: int = 2
+    decisions_kept: int = 64
+
+    def validate(self) -> RouterConfig:
+        """Check the settings; returns self.
+
+        Raises:
+            RouterConfigError: no backend, duplicate URLs or instance ids, unknown policy,
+                non-positive intervals/timeouts, bad weights.
+        """
+        if not self.backends:
+            raise RouterConfigError("at least one --backend is required")
+        urls = [b.url for b in self.backends]
+        if len(set(urls)) != len(urls):
+            raise RouterConfigError(f"duplicate backend URLs: {urls}")
+        ids = [b.instance_id for b in self.backends if b.instance_id]
+        if len(set(ids)) != len(ids):
+            raise RouterConfigError(f"duplicate backend instance ids: {ids}")
+        if self.policy not in POLICIES:
+            raise RouterConfigError(f"unknown policy {self.policy!r}; choose one of {list(POLICIES)}")
+        for name in ("health_interval_s", "metrics_interval_s", "connect_timeout_s", "health_timeout_s",
+                     "read_timeout_s", "controller_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise RouterConfigError(f"{name} must be > 0")
+        if self.down_after_timeouts < 1 or self.decisions_kept < 1:
+            raise RouterConfigError("down_after_timeouts and decisions_kept must be >= 1")
+        self.weights.validate()
+        return self

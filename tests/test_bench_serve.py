@@ -1,0 +1,350 @@
+"""``kvtier bench serve`` against fake OpenAI-compatible backends (in-process FastAPI, SSE).
+
+No vLLM here: the client's timing math, the workload's shape, the working-set arithmetic,
+the JSON's keys and the answer comparison are checked against fakes whose behaviour is known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import httpx
+import pytest
+
+fastapi = pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import PlainTextResponse, StreamingResponse  # noqa: E402
+
+from kvtier.bench.common import BenchUsageError  # noqa: E402
+from kvtier.bench.serve import Target, parse_target, run_bench_serve  # noqa: E402
+from kvtier.bench.serve.client import stream_request  # noqa: E402
+from kvtier.bench.serve.configs import hit_rate, oracle_hit_rate, parse_configs, parse_prometheus  # noqa: E402
+from kvtier.bench.serve.run import ServeBenchOptions, answer_mismatches, Phase  # noqa: E402
+from kvtier.bench.serve.client import RequestRecord  # noqa: E402
+from kvtier.bench.serve.workload import (  # noqa: E402
+    WorkloadSpec,
+    build_sessions,
+    engine_blocks_for_ratio,
+    prompt_ids,
+    working_set,
+    workload_prompts,
+)
+
+KEYS = (
+    "ttft_mean_ratio_vs_vllm", "throughput_ratio_vs_vllm", "fits_throughput_ratio",
+    "router_hit_rate_ratio_vs_round_robin", "router_hit_rate_vs_oracle",
+    "max_request_share_ratio_no_reuse", "answers_identical",
+)
+
+
+class WordTokenizer:
+    """Word-level tokenizer: a word's id is its crc32 (stable across processes), decode via a table."""
+
+    def __init__(self) -> None:
+        self.words: dict[int, str] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        out = []
+        for w in text.split():
+            i = zlib.crc32(w.encode())
+            self.words[i] = w
+            out.append(i)
+        return out
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(self.words[i] for i in ids)
+
+    def apply_chat_template(self, conversation: Any, tokenize: bool = True, add_generation_prompt: bool = True,
+                            **_: Any) -> list[int]:
+        text = " ".join(f"<{m['role']}> {m['content']} </{m['role']}>" for m in conversation)
+        return self.encode(text + (" <assistant>" if add_generation_prompt else ""))
+
+
+# -- fake backends -------------------------------------------------------------------------
+@dataclass
+class Instance:
+    """Counters of one fake vLLM instance, exposed as vLLM's /metrics names."""
+
+    seen: list[list[str]] = field(default_factory=list)
+    queries: int = 0
+    hits: int = 0
+    requests: int = 0
+
+    def serve(self, words: list[str]) -> None:
+        best = 0
+        for p in self.seen:
+            n = 0
+            while n < min(len(p), len(words)) and p[n] == words[n]:
+                n += 1
+            best = max(best, n)
+        self.queries += len(words)
+        self.hits += best
+        self.requests += 1
+        self.seen.append(words)
+
+    def metrics(self) -> str:
+        return (
+            "# TYPE vllm:prefix_cache_queries_total counter\n"
+            f'vllm:prefix_cache_queries_total{{engine="0",model_name="fake"}} {self.queries}\n'
+            f'vllm:prefix_cache_hits_total{{engine="0",model_name="fake"}} {self.hits}\n'
+            f'vllm:external_prefix_cache_hits_total{{engine="0",model_name="fake"}} 0\n'
+            f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="fake"}} {self.requests}\n'
+        )
+
+
+def fake_app(instances: int = 1, corrupt: str | None = None, first_s: float = 0.0, gap_s: float = 0.0,
+             tokens: int = 4) -> FastAPI:
+    """An OpenAI-compatible fake: answers depend only on the prompt (except ``corrupt``, a request
+    id whose answer is altered); requests spread round robin over ``instances`` counters, each
+    with ``/iN/metrics``; ``/metrics`` is instance 0's. Streams ``tokens`` chunks, the first after
+    ``first_s`` seconds and the others ``gap_s`` apart, then a usage chunk."""
+    app = FastAPI()
+    inst = [Instance() for _ in range(instances)]
+    turn = {"n": 0}
+
+    def text_of(body: dict[str, Any]) -> str:
+        if "messages" in body:
+            return " ".join(f"<{m['role']}> {m['content']} </{m['role']}>" for m in body["messages"]) + " <assistant>"
+        return str(body["prompt"])
+
+    async def respond(request: Request, chat: bool) -> Any:
+        body = await request.json()
+        if body.get("model") == "broken":
+            return PlainTextResponse("no such model", status_code=404)
+        words = text_of(body).split()
+        inst[turn["n"] % instances].serve(words)
+        turn["n"] += 1
+        answer = [f"w{len(words) % 97}", f"x{zlib.crc32(' '.join(words).encode()) % 1000}"] + ["y"] * (tokens - 2)
+        if corrupt is not None and request.headers.get("x-request-id") == corrupt:
+            answer[0] = "CORRUPT"
+
+        async def gen() -> Any:
+            for i, w in enumerate(answer):
+                await asyncio.sleep(first_s if i == 0 else gap_s)
+                piece = (" " if i else "") + w
+                choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            usage = {"prompt_tokens": len(words), "completion_tokens": len(answer)}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        return await respond(request, True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await respond(request, False)
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return {"data": [{"id": "fake"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return PlainTextResponse(inst[0].metrics())
+
+    @app.get("/i{n}/metrics")
+    async def metrics_n(n: int) -> Any:
+        return PlainTextResponse(inst[n].metrics())
+
+    return app
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Serving:
+    def __init__(self, app: FastAPI):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "Serving":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("fake server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture
+def serving() -> Iterator[Any]:
+    started: list[Serving] = []
+
+    def start(app: FastAPI) -> Serving:
+        s = Serving(app).__enter__()
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.__exit__()
+
+
+# -- client ----------------------------------------------------------------------------------
+async def _one(url: str, model: str = "fake", **kw: Any) -> RequestRecord:
+    async with httpx.AsyncClient() as c:
+        return await stream_request(c, url, model, "t-1", **kw)
+
+
+def test_client_ttft_itl_tpot_math(serving: Any) -> None:
+    srv = serving(fake_app(first_s=0.15, gap_s=0.05, tokens=5))
+    rec = asyncio.run(_one(srv.url, messages=[{"role": "user", "content": "hello there"}]))
+    assert rec.ok, rec.error
+    assert rec.answer.split()[2:] == ["y", "y", "y"]
+    assert rec.output_tokens == 5 and rec.prompt_tokens == len("<user> hello there </user> <assistant>".split())
+    assert len(rec.itl) == 4
+    assert rec.ttft >= 0.15  # the fake sleeps that long before the first token
+    assert all(x >= 0.045 for x in rec.itl)
+    assert rec.ttft + sum(rec.itl) <= rec.latency + 1e-9
+    assert rec.tpot == pytest.approx((rec.latency - rec.ttft) / 4)
+    # completions endpoint: same timing fields, text chunks
+    rec2 = asyncio.run(_one(srv.url, prompt="one two three"))
+    assert rec2.ok and rec2.output_tokens == 5 and len(rec2.itl) == 4
+
+
+def test_client_reports_http_error_without_raising(serving: Any) -> None:
+    srv = serving(fake_app())
+    rec = asyncio.run(_one(srv.url, model="broken", prompt="x"))
+    assert not rec.ok and "404" in rec.error and rec.answer == ""
+    with pytest.raises(ValueError):
+        asyncio.run(_one(srv.url, prompt="x", messages=[]))
+
+
+# -- workload --------------------------------------------------------------------------------
+def test_workload_shape_history_grows_and_system_prompt_shared() -> None:
+    tok = WordTokenizer()
+    spec = WorkloadSpec(users=3, rounds=3, system_tokens=40, context_tokens=(60, 90), max_tokens=4)
+    sessions = build_sessions(spec, tok)
+    assert len({s.system for s in sessions}) == 1
+    assert len({s.context for s in sessions}) == 3
+    assert all(60 <= len(tok.encode(s.context)) - 4 <= 90 for s in sessions)  # "Notes of user N:" header
+    s = sessions[0]
+    answers = ["first answer", "second answer"]
+    prev: list[int] = []
+    for r in range(3):
+        msgs = s.messages(r, answers)
+        assert len(msgs) == 2 + 2 * r and msgs[0] == {"role": "system", "content": s.system}
+        ids = prompt_ids(tok, msgs)
+        if prev:  # the previous round's prompt (minus its generation prompt) is a prefix
+            assert ids[: len(prev) - 1] == prev[:-1] and len(ids) > len(prev)
+        prev = ids
+    with pytest.raises(ValueError):
+        s.messages(2, ["only one"])
+    # two users share exactly the system prompt's tokens, then diverge
+    a, b = (prompt_ids(tok, x.messages(0, [])) for x in sessions[:2])
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert shared >= len(tok.encode(s.system))
+
+
+def test_working_set_counts_shared_blocks_once_and_engine_bound() -> None:
+    p1 = list(range(10))
+    p2 = list(range(14))
+    ws = working_set([p1, p2], block_size=4)
+    # p1: [0:4] [0:8] [0:10]; p2 adds [0:12] [0:14]
+    assert ws.blocks == 5 and ws.max_prompt_tokens == 14 and ws.prompt_tokens == (10, 14)
+    big = working_set([[u] + list(range(1000)) for u in range(8)], block_size=128)
+    assert big.blocks == 8 * 8
+    blocks = engine_blocks_for_ratio(big, 4.0, concurrency=1, max_model_len=1024, max_tokens=16)
+    assert big.blocks >= 4 * blocks and blocks >= 9
+    with pytest.raises(ValueError, match="add users"):
+        engine_blocks_for_ratio(big, 4.0, concurrency=3, max_model_len=1024, max_tokens=16)
+
+
+def test_oracle_and_metrics_parsing() -> None:
+    reqs = [("u0", list(range(600))), ("u1", [9] + list(range(600))), ("u0", list(range(700)))]
+    o = oracle_hit_rate(reqs, instances=2, chunk_tokens=256)
+    # u1 goes to the other (emptier) instance; u0's second round hits 512 of its 600-token prefix
+    assert o["hit_tokens"] == 512 and o["prompt_tokens"] == 1901 and o["max_request_share_ratio"] == 2.0
+    m = parse_prometheus('a_total{x="1"} 2\na_total{x="2"} 3.5\n# HELP b\nb 1e3\n')
+    assert m == {"a_total": 5.5, "b": 1000.0}
+    assert hit_rate({"queries": 100, "hits": 20, "external_hits": 30}) == 0.5
+    assert hit_rate({"queries": 0}) == 0.0
+    with pytest.raises(ValueError):
+        parse_configs("vllm,nope")
+    with pytest.raises(BenchUsageError):
+        parse_target("bogus=http://x")
+    assert parse_target("router-2x=http://r:1,http://a:2,http://b:3") == (
+        "router-2x", Target("http://r:1", ("http://a:2", "http://b:3")))
+
+
+def test_answer_mismatch_detection() -> None:
+    def ph(name: str, answers: dict[str, str]) -> Phase:
+        return Phase(name, [RequestRecord(k, ok=True, answer=v) for k, v in answers.items()], 1.0, [], None)
+
+    phases = {"vllm": ph("vllm", {"u0-r0": "a", "u1-r0": "b"}), "kvtier-cpu": ph("kvtier-cpu", {"u0-r0": "a", "u1-r0": "B"}),
+              "rr-2x": ph("rr-2x", {"u0-r0": "a", "u1-r0": "b"})}
+    mm = answer_mismatches(phases)
+    assert [(m["config"], m["request_id"]) for m in mm] == [("kvtier-cpu", "u1-r0")]
+
+
+# -- the whole run against fakes ------------------------------------------------------------
+def test_run_bench_serve_against_fakes_writes_issue_keys(serving: Any, tmp_path: Any) -> None:
+    vllm = serving(fake_app())
+    kv = serving(fake_app(corrupt="u1-r1"))
+    rr = serving(fake_app(instances=2))
+    router = serving(fake_app(instances=2))
+    fits_a, fits_b = serving(fake_app()), serving(fake_app())
+    targets = dict(parse_target(t) for t in (
+        f"vllm={vllm.url}", f"kvtier-cpu={kv.url}", f"rr-2x={rr.url},{rr.url}/i0,{rr.url}/i1",
+        f"router-2x={router.url},{router.url}/i0,{router.url}/i1", f"vllm@fits={fits_a.url}",
+        f"kvtier-cpu@fits={fits_b.url}"))
+    opts = ServeBenchOptions(users=3, rounds=2, concurrency=2, system_tokens=30, context_tokens=(300, 400),
+                             max_tokens=4, no_reuse_requests=6, no_reuse_tokens=20, vllm_bench=False)
+    out = tmp_path / "serve.json"
+    rc = run_bench_serve(json_path=out, targets=targets, tokenizer=WordTokenizer(), options=opts, enforce=True)
+    data = json.loads(out.read_text())
+    for k in KEYS:
+        assert k in data
+    assert rc == 1  # answers differ (and fake speeds meet no target)
+    assert data["answers_identical"] is False
+    assert [(m["config"], m["request_id"]) for m in data["answer_mismatches"]] == [("kvtier-cpu", "u1-r1")]
+    cfg = data["configs"]
+    assert set(cfg) == {"vllm", "kvtier-cpu", "rr-2x", "router-2x", "router-2x@noreuse", "vllm@fits", "kvtier-cpu@fits"}
+    assert cfg["vllm"]["requests"] == 6 and cfg["vllm"]["errors"] == 0
+    assert [r["request_id"] for r in cfg["vllm"]["records"]] == ["u0-r0", "u1-r0", "u2-r0", "u0-r1", "u1-r1", "u2-r1"]
+    # the fake spreads requests round robin: 3 and 3 on the no-reuse slice
+    assert cfg["router-2x@noreuse"]["requests_per_instance"] == [3.0, 3.0]
+    assert data["max_request_share_ratio_no_reuse"] == 1.0
+    assert 0 < cfg["router-2x"]["hit_rate"] < 1 and 0 < cfg["rr-2x"]["hit_rate"] < 1
+    assert data["router_hit_rate_ratio_vs_round_robin"] == pytest.approx(cfg["router-2x"]["hit_rate"] / cfg["rr-2x"]["hit_rate"])
+    assert data["router_hit_rate_vs_oracle"] is not None and cfg["router-2x"]["oracle"]["prompt_tokens"] > 0
+    assert cfg["vllm"]["prompt_tokens_local_vs_server_mismatches"] == 0
+    assert data["working_set_to_engine_kv_ratio"] >= 4.0
+    assert isinstance(data["ttft_mean_ratio_vs_vllm"], float) and isinstance(data["fits_throughput_ratio"], float)
+    png = tmp_path / "serve.png"
+    if pytest.importorskip("matplotlib"):
+        assert png.stat().st_size > 1000
+
+
+def test_identical_answers_pass(serving: Any, tmp_path: Any) -> None:
+    a, b = serving(fake_app()), serving(fake_app())
+    targets = {"vllm": Target(a.url), "kvtier-cpu": Target(b.url)}
+    opts = ServeBenchOptions(users=2, rounds=2, concurrency=1, system_tokens=20, context_tokens=(30, 40),
+                             max_tokens=3, vllm_bench=False)
+    run_bench_serve(json_path=tmp_path / "s.json", targets=targets, tokenizer=WordTokenizer(), options=opts)
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["answers_identical"] is True and data["answer_mismatches"] == []
+    assert data["router_hit_rate_vs_oracle"] is None and data["fits_throughput_ratio"] is None

@@ -2,7 +2,9 @@
 
 Layers, lowest first: :mod:`.registry` (instances, namespace specs), :mod:`.index` (who holds
 which chunk keys), :mod:`.state` (both behind one lock, the agent-message logic),
-:mod:`.endpoint` (ZMQ ROUTER thread), :mod:`.operations` (fleet ops and their tracker),
+:mod:`.endpoint` (ZMQ ROUTER thread), :mod:`.errors`, :mod:`.tracker` (async op records),
+:mod:`.op_context` (what every op shares), :mod:`.ops_lookup` / :mod:`.ops_cache` /
+:mod:`.ops_move` (the fleet ops), :mod:`.operations` (the :class:`FleetOps` facade),
 :mod:`.api` (FastAPI app), :mod:`.server` (:class:`Controller`), :mod:`.client` (HTTP client).
 Importing this package imports neither FastAPI nor ZMQ.
 """

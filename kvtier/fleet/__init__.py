@@ -5,6 +5,9 @@
   runs the controller's operations.
 - :mod:`.changes`: the bounded, coalescing queue between the storage managers'
   listeners and the agent thread.
+- :mod:`.identity` (instance id, namespace and tier descriptions), :mod:`.namespaces`
+  (the namespaces an agent serves), :mod:`.snapshots` (Snapshot parts), :mod:`.op_runner`
+  (the pool that runs operations and refreshes health).
 - :mod:`.service_link`: wires an agent and a KV event publisher into ``kvtier server``.
 """
 

@@ -27,66 +27,41 @@ every send is ``NOBLOCK`` on a socket with a small ``SNDHWM`` and
 ``ZMQ_IMMEDIATE`` (nothing queues for a controller that is not connected). A
 refused send is dropped and counted; a lost ``Changes`` or ``Snapshot`` part is
 repaired by a snapshot once the controller answers again.
+
+The parts: :mod:`.identity` (ids, addresses, Register infos), :mod:`.namespaces`
+(reported namespaces and their change subscriptions), :mod:`.snapshots` (Snapshot parts),
+:mod:`.op_runner` (the op pool). Their public helpers are importable from here too.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import random
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Protocol, Sequence
+from typing import Literal, Sequence
 
 import zmq
 
 from kvtier.fleet.changes import ChangeQueue
+from kvtier.fleet.identity import (
+    default_instance_id,
+    namespace_info,
+    parse_controller,
+    tier_infos,
+)
+from kvtier.fleet.namespaces import NamespaceSet
+from kvtier.fleet.op_runner import OpRunner, OpsLike
+from kvtier.fleet.snapshots import snapshot_parts
 from kvtier.protocol import fleet as F
 
 log = logging.getLogger(__name__)
 
-#: OpRequest ``op`` -> InstanceOps method name (where they differ).
-_METHODS = {"import": "import_"}
-#: Args that carry key lists (a binary of n * 32 bytes, or a list of 32-byte keys).
-_KEY_ARGS = ("keys",)
-_PARENT_ARGS = ("parents",)
-
-
-class OpsLike(Protocol):
-    """What the agent needs of :class:`kvtier.storage.instance_ops.InstanceOps`."""
-
-    def snapshot(self) -> dict[str, Sequence[tuple[bytes, bytes | None]]]: ...
-
-    def pinned_keys(self) -> Any: ...
-
-    def health(self) -> dict[str, Any]: ...
-
-    def run(self, op: str, args: dict[str, Any]) -> dict[str, Any]: ...
-
-
-def default_instance_id(port: int | str | None = None) -> str:
-    """``"<hostname>:<port or 'embedded'>:<pid>"``: unique per process, several per machine allowed.
-
-    ``port`` is the instance's TCP port, or a label (``"server"`` for a Unix-socket-only server).
-    """
-    return f"{socket.gethostname()}:{port if port else 'embedded'}:{os.getpid()}"
-
-
-def parse_controller(url: str) -> str:
-    """Check a controller address (``tcp://host:port``) and return it as a ZMQ endpoint.
-
-    Raises:
-        ValueError: not ``tcp://host:port`` with a port in 1-65535.
-    """
-    scheme, sep, rest = url.partition("://")
-    host, colon, port = rest.rpartition(":")
-    if scheme != "tcp" or not sep or not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"controller address {url!r} must be tcp://HOST:PORT (port 1-65535)")
-    return url
+__all__ = ["AgentStats", "FleetAgent", "OpsLike", "default_instance_id", "namespace_info", "parse_controller",
+           "tier_infos"]
 
 
 @dataclass
@@ -162,9 +137,7 @@ class FleetAgent:
         self.stats = AgentStats()
         self.changes = ChangeQueue(max_pending_keys)
         self._rng = random.Random(seed)
-        self._lock = threading.Lock()  # guards _namespaces and _unsubs
-        self._namespaces: dict[bytes, tuple[F.NamespaceInfo, OpsLike]] = {}
-        self._unsubs: dict[bytes, Callable[[], None]] = {}
+        self._spaces = NamespaceSet(self.changes)
         self._seq = 0  # last Changes seq sent (or dropped) in this epoch
         self._resync_id = 0
         self._registered = False  # the controller acked our last Register with known=True
@@ -175,62 +148,28 @@ class FleetAgent:
         self._last_register = 0.0
         self._last_rx = 0.0
         self._last_hb = 0.0
-        self._health: dict[str, Any] = {}
-        self._health_busy = False
-        self._last_health = 0.0
-        self._results: queue.SimpleQueue[F.OpResult] = queue.SimpleQueue()
-        self._pool = ThreadPoolExecutor(max(1, op_workers), thread_name_prefix="kvtier-fleet-op")
-        self._ops_inflight = 0
-        self._op_lock = threading.Lock()
-        self._max_inflight = 64 * max(1, op_workers)
+        self._ops = OpRunner(self.namespaces, self.stats, op_workers)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         for digest, (info, ops) in (namespaces or {}).items():
-            self._attach(digest, info, ops)
+            self._spaces.attach(digest, info, ops)
 
     # -- namespaces ----------------------------------------------------------------------------
-    def _attach(self, digest: bytes, info: F.NamespaceInfo, ops: OpsLike) -> None:
-        with self._lock:
-            if digest in self._namespaces:
-                return
-            self._namespaces[digest] = (info, ops)
-        manager = _manager_of(ops)
-        subscribe = getattr(manager, "subscribe", None)
-        if subscribe is None:
-            return
-        listener = self.changes.listener(digest)
-        subscribe(listener)
-
-        def unsub() -> None:
-            fn = getattr(manager, "unsubscribe", None)
-            if fn is not None:
-                fn(listener)
-
-        with self._lock:
-            self._unsubs[digest] = unsub
-
     def add_namespace(self, digest: bytes, info: F.NamespaceInfo, ops: OpsLike) -> None:
         """Start reporting another namespace: a new Register, then a full snapshot (no-op if known)."""
-        with self._lock:
-            known = digest in self._namespaces
-        if known:
+        if digest in self._spaces:
             return
-        self._attach(digest, info, ops)
+        self._spaces.attach(digest, info, ops)
         self._register_due = True
 
     def remove_namespace(self, digest: bytes) -> None:
         """Stop reporting a namespace (e.g. the server released it): unsubscribe, register again."""
-        with self._lock:
-            entry = self._namespaces.pop(digest, None)
-            unsub = self._unsubs.pop(digest, None)
-        if unsub is not None:
-            unsub()
-        if entry is not None:
+        if self._spaces.detach(digest):
             self._register_due = True
 
     def namespaces(self) -> dict[bytes, tuple[F.NamespaceInfo, OpsLike]]:
-        with self._lock:
-            return dict(self._namespaces)
+        """A copy of the reported namespaces: digest -> (info, InstanceOps)."""
+        return self._spaces.snapshot()
 
     @property
     def seq(self) -> int:
@@ -255,14 +194,8 @@ class FleetAgent:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            unsubs, self._unsubs = list(self._unsubs.values()), {}
-        for unsub in unsubs:
-            try:
-                unsub()
-            except Exception:
-                log.exception("kvtier fleet agent: unsubscribing failed")
+        self._ops.close()
+        self._spaces.unsubscribe_all()
 
     def __enter__(self) -> "FleetAgent":
         return self.start()
@@ -308,8 +241,8 @@ class FleetAgent:
             self._send_results(sock)
             if self._registered and now - self._last_hb >= self.heartbeat_s:
                 self._last_hb = now
-                self._refresh_health(now)
-                self._send(sock, F.Heartbeat(self.instance_id, self.epoch, self._seq, self._health))
+                self._ops.refresh_health(now)
+                self._send(sock, F.Heartbeat(self.instance_id, self.epoch, self._seq, self._ops.health))
                 self.stats.heartbeats += 1
             if self._registered and now - self._last_rx > self.expiry_s:
                 log.info("kvtier fleet agent: controller silent for %.1f s; registering again", now - self._last_rx)
@@ -330,8 +263,7 @@ class FleetAgent:
             return
         if self._awaiting_ack and not self._register_due and now - self._last_register < retry:
             return
-        with self._lock:
-            infos = [info for info, _ in self._namespaces.values()]
+        infos = self._spaces.infos()
         msg = F.Register(
             self.instance_id, self.epoch, F.FLEET_PROTOCOL_VERSION, self.role, socket.gethostname(), os.getpid(),
             infos, list(self.tiers), self.token,
@@ -366,7 +298,7 @@ class FleetAgent:
             if msg.resync:
                 self._snapshot_due = True
         elif isinstance(msg, F.OpRequest):
-            self._submit_op(msg)
+            self._ops.submit(msg)
 
     # -- sending -------------------------------------------------------------------------------
     def _send(self, sock: zmq.Socket, msg: F.AgentMessage) -> bool:
@@ -408,138 +340,19 @@ class FleetAgent:
                 self._snapshot_due = True
                 self._snapshot_retry_at = time.monotonic() + max(1.0, self.heartbeat_s)
                 continue
-            names = list(tiers) + [t.kind for t in self.tiers if t.kind not in tiers]  # empty tiers too
-            for tier in names:
-                entries = list(tiers.get(tier, ()))
-                step = F.MAX_KEYS_PER_PART
-                starts = list(range(0, len(entries), step)) or [0]
-                for i, start in enumerate(starts):
-                    part = entries[start : start + step]
-                    last = i == len(starts) - 1
-                    msg = F.Snapshot(
-                        self.instance_id, self.epoch, rid, digest, tier,
-                        b"".join(k for k, _ in part), F.join_parents([p for _, p in part]),
-                        last, self._seq, pinned if last else b"",
-                    )
-                    if not self._send(sock, msg):
-                        self._snapshot_due = True  # retried soon
-                        self._snapshot_retry_at = time.monotonic() + 0.05
-                        return
+            kinds = [t.kind for t in self.tiers]
+            for msg in snapshot_parts(self.instance_id, self.epoch, rid, digest, tiers, kinds, pinned, self._seq):
+                if not self._send(sock, msg):
+                    self._snapshot_due = True  # retried soon
+                    self._snapshot_retry_at = time.monotonic() + 0.05
+                    return
         self.stats.snapshots += 1
 
-    # -- operations ----------------------------------------------------------------------------
-    def _submit_op(self, req: F.OpRequest) -> None:
-        with self._op_lock:
-            busy = self._ops_inflight >= self._max_inflight
-            if not busy:
-                self._ops_inflight += 1
-        if busy:
-            self.stats.ops_refused += 1
-            self._results.put(F.OpResult(req.op_id, False, error="busy: too many operations in flight"))
-            return
-        try:
-            self._pool.submit(self._run_op, req)
-        except RuntimeError:  # closing
-            with self._op_lock:
-                self._ops_inflight -= 1
-
-    def _run_op(self, req: F.OpRequest) -> None:
-        try:
-            self._results.put(self.execute(req))
-        finally:
-            with self._op_lock:
-                self._ops_inflight -= 1
-
+    # -- operations (:mod:`kvtier.fleet.op_runner`) --------------------------------------------
     def execute(self, req: F.OpRequest) -> F.OpResult:
         """Run one operation against its namespace's InstanceOps (any failure is an ``ok=False`` result)."""
-        if req.deadline and time.time() > req.deadline:
-            return F.OpResult(req.op_id, False, error="deadline")
-        try:
-            out = self._dispatch(req)
-        except Exception as exc:  # OpError and anything else: reported, never raised
-            return F.OpResult(req.op_id, False, error=f"{type(exc).__name__}: {exc}"[:4096])
-        if req.deadline and time.time() > req.deadline:
-            return F.OpResult(req.op_id, False, error="deadline")
-        self.stats.ops += 1
-        return F.OpResult(req.op_id, True, result=out if isinstance(out, dict) else {"value": out})
-
-    def _dispatch(self, req: F.OpRequest) -> Any:
-        spaces = self.namespaces()
-        if not req.namespace and req.op in ("health", "stats") and len(spaces) != 1:
-            return {d.hex(): self._call(ops, req.op, {}) for d, (_, ops) in spaces.items()}
-        if not req.namespace and len(spaces) == 1:
-            ops = next(iter(spaces.values()))[1]
-        elif req.namespace in spaces:
-            ops = spaces[req.namespace][1]
-        else:
-            raise KeyError(f"namespace {req.namespace.hex()[:16] or '(none)'} is not on this instance")
-        return self._call(ops, req.op, dict(req.args))
-
-    @staticmethod
-    def _call(ops: OpsLike, op: str, args: dict[str, Any]) -> Any:
-        """``ops.run(op, args)`` (InstanceOps checks the op and its args); key binaries become key lists."""
-        for name in _KEY_ARGS + _PARENT_ARGS:
-            v = args.get(name)
-            if isinstance(v, (bytes, bytearray)):
-                keys = F.split_keys(bytes(v))
-                args[name] = [None if (name in _PARENT_ARGS and k == F.NO_PARENT) else k for k in keys]
-        run = getattr(ops, "run", None)
-        if run is not None:
-            return run(op, args)
-        if op not in F.OPS:
-            raise ValueError(f"unknown op {op!r}; known: {', '.join(F.OPS)}")
-        return getattr(ops, _METHODS.get(op, op))(**args)
+        return self._ops.execute(req)
 
     def _send_results(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                res = self._results.get_nowait()
-            except queue.Empty:
-                return
+        for res in self._ops.results():
             self._send(sock, res)
-
-    def _refresh_health(self, now: float) -> None:
-        """Recompute the heartbeat's health on the op pool (at most once a second)."""
-        if self._health_busy or now - self._last_health < 1.0:
-            return
-        self._health_busy = True
-        self._last_health = now
-
-        def work() -> None:
-            try:
-                spaces = self.namespaces()
-                if len(spaces) == 1:
-                    self._health = dict(next(iter(spaces.values()))[1].health())
-                else:
-                    self._health = {d.hex(): ops.health() for d, (_, ops) in spaces.items()}
-            except Exception as exc:
-                self._health = {"error": f"{type(exc).__name__}: {exc}"[:512]}
-            finally:
-                self._health_busy = False
-
-        try:
-            self._pool.submit(work)
-        except RuntimeError:
-            self._health_busy = False
-
-
-def _manager_of(ops: Any) -> Any:
-    """The storage manager behind an InstanceOps (its ``m``; ``manager`` for look-alikes), or None."""
-    return getattr(ops, "m", None) or getattr(ops, "manager", None)
-
-
-def namespace_info(namespace: Any) -> F.NamespaceInfo:
-    """The :class:`~kvtier.protocol.fleet.NamespaceInfo` of a :class:`kvtier.index.keys.KeyNamespace`."""
-    return F.NamespaceInfo(
-        namespace.digest(), namespace.canonical_bytes(), int(namespace.chunk_size), int(namespace.chunk_bytes)
-    )
-
-
-def tier_infos(manager: Any) -> list[F.TierInfo]:
-    """The tiers of a :class:`kvtier.storage.manager.StorageManager`, CPU first."""
-    out = [F.TierInfo("cpu", "cpu", int(manager.cpu.capacity_bytes), False)]
-    for tier in manager.lower:
-        cap = int(getattr(tier, "capacity_bytes", 0) or 0)
-        url = getattr(tier, "url", None) or getattr(tier, "name", "") or tier.kind
-        out.append(F.TierInfo(tier.kind, str(url), cap, tier.kind not in ("disk",)))
-    return out

@@ -12,8 +12,9 @@ import socket
 import threading
 import time
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import httpx
 import pytest
@@ -21,22 +22,28 @@ import pytest
 fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
-from fastapi import FastAPI, Request  # noqa: E402
-from fastapi.responses import PlainTextResponse, StreamingResponse  # noqa: E402
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from kvtier.bench.common import BenchUsageError  # noqa: E402
-from kvtier.bench.serve import Target, parse_target, run_bench_serve  # noqa: E402
-from kvtier.bench.serve.client import stream_request  # noqa: E402
-from kvtier.bench.serve.configs import hit_rate, oracle_hit_rate, parse_configs, parse_prometheus  # noqa: E402
-from kvtier.bench.serve.run import ServeBenchOptions, answer_mismatches, Phase  # noqa: E402
-from kvtier.bench.serve.client import RequestRecord  # noqa: E402
-from kvtier.bench.serve.workload import (  # noqa: E402
+from kvtier.bench.common import BenchUsageError
+from kvtier.bench.serve import Target, parse_target, run_bench_serve
+from kvtier.bench.serve.client import (
+    RequestRecord,
+    stream_request,
+)
+from kvtier.bench.serve.configs import (
+    hit_rate,
+    oracle_hit_rate,
+    parse_configs,
+    parse_prometheus,
+)
+from kvtier.bench.serve.run import Phase, ServeBenchOptions, answer_mismatches
+from kvtier.bench.serve.workload import (
     WorkloadSpec,
     build_sessions,
     engine_blocks_for_ratio,
     prompt_ids,
     working_set,
-    workload_prompts,
 )
 
 KEYS = (
@@ -175,7 +182,7 @@ class Serving:
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "Serving":
+    def __enter__(self) -> Serving:
         self.thread.start()
         deadline = time.monotonic() + 20
         while not self.server.started:
@@ -214,7 +221,7 @@ def test_client_ttft_itl_tpot_math(serving: Any) -> None:
     rec = asyncio.run(_one(srv.url, messages=[{"role": "user", "content": "hello there"}]))
     assert rec.ok, rec.error
     assert rec.answer.split()[2:] == ["y", "y", "y"]
-    assert rec.output_tokens == 5 and rec.prompt_tokens == len("<user> hello there </user> <assistant>".split())
+    assert rec.output_tokens == 5 and rec.prompt_tokens == len(["<user>", "hello", "there", "</user>", "<assistant>"])
     assert len(rec.itl) == 4
     assert rec.ttft >= 0.15  # the fake sleeps that long before the first token
     assert all(x >= 0.045 for x in rec.itl)
@@ -274,10 +281,15 @@ def test_working_set_counts_shared_blocks_once_and_engine_bound() -> None:
 
 
 def test_oracle_and_metrics_parsing() -> None:
-    reqs = [("u0", list(range(600))), ("u1", [9] + list(range(600))), ("u0", list(range(700)))]
+    sys_ = list(range(300))
+    reqs = [("u0", sys_ + [1000] * 300), ("u1", sys_ + [2000] * 300), ("u2", sys_ + [3000] * 300),
+            ("u0", sys_ + [1000] * 400)]
     o = oracle_hit_rate(reqs, instances=2, chunk_tokens=256)
-    # u1 goes to the other (emptier) instance; u0's second round hits 512 of its 600-token prefix
-    assert o["hit_tokens"] == 512 and o["prompt_tokens"] == 1901 and o["max_request_share_ratio"] == 2.0
+    # u0 -> i0, u1 -> i1 (fewer requests), u2 -> i0 (tie: lower index; hits the system prompt's
+    # 256-token chunk), u0 again -> i0: 600 shared tokens -> 512
+    assert o["hit_tokens"] == 256 + 512 and o["prompt_tokens"] == 3 * 600 + 700
+    assert o["max_request_share_ratio"] == 3.0
+    assert oracle_hit_rate(reqs[:1], instances=2)["max_request_share_ratio"] is None
     m = parse_prometheus('a_total{x="1"} 2\na_total{x="2"} 3.5\n# HELP b\nb 1e3\n')
     assert m == {"a_total": 5.5, "b": 1000.0}
     assert hit_rate({"queries": 100, "hits": 20, "external_hits": 30}) == 0.5
@@ -324,7 +336,9 @@ def test_run_bench_serve_against_fakes_writes_issue_keys(serving: Any, tmp_path:
     cfg = data["configs"]
     assert set(cfg) == {"vllm", "kvtier-cpu", "rr-2x", "router-2x", "router-2x@noreuse", "vllm@fits", "kvtier-cpu@fits"}
     assert cfg["vllm"]["requests"] == 6 and cfg["vllm"]["errors"] == 0
-    assert [r["request_id"] for r in cfg["vllm"]["records"]] == ["u0-r0", "u1-r0", "u2-r0", "u0-r1", "u1-r1", "u2-r1"]
+    ids = [r["request_id"] for r in cfg["vllm"]["records"]]  # round-major, users shuffled per round
+    assert sorted(ids[:3]) == ["u0-r0", "u1-r0", "u2-r0"] and sorted(ids[3:]) == ["u0-r1", "u1-r1", "u2-r1"]
+    assert ids == [r["request_id"] for r in cfg["kvtier-cpu"]["records"]]  # the same order in every config
     # the fake spreads requests round robin: 3 and 3 on the no-reuse slice
     assert cfg["router-2x@noreuse"]["requests_per_instance"] == [3.0, 3.0]
     assert data["max_request_share_ratio_no_reuse"] == 1.0

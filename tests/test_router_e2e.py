@@ -32,7 +32,12 @@ def test_router_sends_repeat_to_holder_and_it_hits(tmp_path: Path) -> None:
     import httpx
 
     from kvtier.demo.model import prepare_model
-    from kvtier.integrations.vllm.serve import ApiServer, ServerSpec, free_port, metric_sum
+    from kvtier.integrations.vllm.serve import (
+        ApiServer,
+        ServerSpec,
+        free_port,
+        metric_sum,
+    )
     from kvtier.router.app import RouterServer
     from kvtier.router.config import BackendSpec, RouterConfig
 
@@ -45,10 +50,12 @@ def test_router_sends_repeat_to_holder_and_it_hits(tmp_path: Path) -> None:
                   log_path=str(tmp_path / f"server{i}.log"))
         for i in range(2)
     ]
+    # Started side by side from two threads that stay alive until the servers stop: the
+    # servers get PR_SET_PDEATHSIG, which fires when the *thread* that spawned them exits.
+    ex = cf.ThreadPoolExecutor(2)
     try:
-        with cf.ThreadPoolExecutor(2) as ex:
-            for f in [ex.submit(s.start, 240) for s in servers]:
-                f.result()
+        for f in [ex.submit(s.start, 240) for s in servers]:
+            f.result()
         specs = tuple(BackendSpec(url=s.url, instance_id=f"vllm{i}", events=f"tcp://127.0.0.1:{ev_ports[i]}")
                       for i, s in enumerate(servers))
         with RouterServer(RouterConfig(backends=specs, model=model), port=0) as router, \
@@ -85,3 +92,4 @@ def test_router_sends_repeat_to_holder_and_it_hits(tmp_path: Path) -> None:
     finally:
         for s in servers:
             s.stop()
+        ex.shutdown()

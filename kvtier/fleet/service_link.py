@@ -20,6 +20,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvtier.fleet.agent import FleetAgent, default_instance_id, namespace_info, tier_infos
+from kvtier.protocol.fleet import TierInfo
 from kvtier.storage.tier_events import TierChange
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,6 +48,7 @@ class ServiceLink:
         self.poll_s = poll_s
         self.max_pending = max_pending
         self.dropped_changes = 0
+        self._lower_reported = False
         self.untranslatable = 0
         self.agent: FleetAgent | None = None
         self.publisher: Any = None
@@ -64,6 +66,7 @@ class ServiceLink:
             port = server.tcp_address[1] if server.tcp_address else "server"
             self.agent = FleetAgent(
                 o.controller, o.instance_id or default_instance_id(port), "server", token=o.controller_token,
+                tiers=server_tiers(server.config),
             )
 
     def start(self) -> "ServiceLink":
@@ -97,8 +100,10 @@ class ServiceLink:
             with self._lock:
                 self._hosts[digest] = (host, listener)
             if self.agent is not None:
-                if not self.agent.tiers:
-                    self.agent.tiers = tier_infos(host.manager)
+                if not self._lower_reported:
+                    self._lower_reported = True
+                    cpu = self.agent.tiers[0] if self.agent.tiers else None
+                    self.agent.tiers = [cpu or TierInfo("cpu", "cpu", 0), *tier_infos(host.manager)[1:]]
                 self.agent.add_namespace(digest, namespace_info(host.namespace), InstanceOps(host.manager))
         for digest in set(known) - set(hosts):
             self._drop(digest)
@@ -161,3 +166,12 @@ class ServiceLink:
             self.agent.close()
         if self.publisher is not None:
             self.publisher.close()
+
+
+def server_tiers(config: Any) -> list[TierInfo]:
+    """The server's local tiers as configured, known before any namespace registers (the CPU pool and
+    the disk tier, the server's totals); the first namespace's manager then reports every tier."""
+    tiers = [TierInfo("cpu", "cpu", int(config.cpu_capacity), False)]
+    if config.disk_path is not None:
+        tiers.append(TierInfo("disk", str(config.disk_path), int(config.disk_capacity), False))
+    return tiers

@@ -11,6 +11,13 @@ Modules import FastAPI/httpx lazily where they can, so ``import kvtier.router`` 
 
 from __future__ import annotations
 
-from kvtier.router.config import POLICIES, BackendSpec, RouterConfig, RouterConfigError, Weights, parse_backend
+from kvtier.router.config import (
+    POLICIES,
+    BackendSpec,
+    RouterConfig,
+    RouterConfigError,
+    Weights,
+    parse_backend,
+)
 
 __all__ = ["POLICIES", "BackendSpec", "RouterConfig", "RouterConfigError", "Weights", "parse_backend"]

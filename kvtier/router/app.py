@@ -254,12 +254,12 @@ class Router:
         """Tokenize, decide, forward (with one retry), record."""
         body = await request.body()
         try:
-            payload = json.loads(body)
-            if not isinstance(payload, dict):
-                raise ValueError("not an object")
+            payload: Any = json.loads(body)
         except ValueError as exc:
-            return JSONResponse({"error": {"message": f"body is not a JSON object: {exc}", "type": "BadRequest",
-                                           "code": 400}}, status_code=400)
+            payload = f"{type(exc).__name__}: {exc}"
+        if not isinstance(payload, dict):
+            return JSONResponse({"error": {"message": f"body is not a JSON object ({str(payload)[:200]})",
+                                           "type": "BadRequest", "code": 400}}, status_code=400)
         tokens: list[int] | None
         try:
             if len(body) > 4096:

@@ -178,9 +178,9 @@ class LoadTracker:
         """Record a metrics sample; ``router_max_inflight`` is the most of the router's own
         requests that can appear in it."""
         ld = self._loads[name]
-        if m.start_time is not None and ld.start_time is not None and m.start_time != ld.start_time:
-            if self._on_restart is not None:
-                self._on_restart(name)
+        restarted = m.start_time is not None and ld.start_time is not None and m.start_time != ld.start_time
+        if restarted and self._on_restart is not None:
+            self._on_restart(name)
         if m.start_time is not None:
             ld.start_time = m.start_time
         seen = (m.running or 0.0) + (m.waiting or 0.0)

@@ -30,7 +30,13 @@ import blake3
 import msgspec
 import numpy as np
 
-from kvtier.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, normalize_medium
+from kvtier.events.schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    normalize_medium,
+)
 
 log = logging.getLogger("kvtier.router")
 
@@ -286,7 +292,7 @@ class EventFeed:
 
         try:
             sub = EventSubscriber(self._endpoint, self._replay, topic=self._topic)
-        except Exception as exc:  # a bad endpoint: the backend is routed without events
+        except Exception as exc:  # noqa: BLE001 - a bad endpoint: the backend is routed without events
             self.error = f"{type(exc).__name__}: {exc}"
             log.error("kvtier router: events of %s at %s: %s", self._backend, self._endpoint, self.error)
             self._ready.set()

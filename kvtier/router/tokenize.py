@@ -44,7 +44,7 @@ def load_tokenizer(model: str) -> Tokenizer:
         raise TokenizeError(f"needs transformers to load the tokenizer of {model}: {exc}") from None
     try:
         return AutoTokenizer.from_pretrained(model)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any loader failure
         raise TokenizeError(f"cannot load the tokenizer of {model}: {exc}") from None
 
 
@@ -122,7 +122,7 @@ class PromptTokenizer:
             kwargs["chat_template"] = body["chat_template"]
         try:
             text = self.tokenizer.apply_chat_template(conv, **kwargs)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the template is user code
             raise TokenizeError(f"chat template failed: {exc}") from None
         if not isinstance(text, str):
             raise TokenizeError("chat template did not render text")

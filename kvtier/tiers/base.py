@@ -141,6 +141,13 @@ class LowerTier(ABC):
     #: URL schemes this class opens (see :mod:`kvtier.tiers.registry`).
     schemes: ClassVar[tuple[str, ...]] = ()
 
+    @property
+    def location(self) -> str:
+        """Where this tier's chunks live, without secrets (a masked URL plus key prefix, a
+        directory): two tiers with equal locations hold the same chunks (the fleet controller
+        indexes a shared tier once by it). Default: the tier's ``name``."""
+        return self.name or type(self).__name__
+
     @classmethod
     def from_url(cls, url: str, **options: Any) -> "LowerTier":
         """Open a tier from a URL (e.g. ``redis://host:6379/0``) plus keyword options

@@ -142,6 +142,11 @@ class FsTier(LowerTier):
         else:
             self._note_old_layout()
 
+
+    @property
+    def location(self) -> str:
+        """``fs://<root>`` (tiers on the same root directory share chunks)."""
+        return f"fs://{self.root.resolve()}"
     def _note_old_layout(self) -> None:
         """One log line if ``root`` holds the previous layout (``<2 hex>/<key>.kvv``, no namespace level)."""
         try:

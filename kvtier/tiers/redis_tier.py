@@ -109,6 +109,7 @@ class RedisTier(LowerTier):
         ns = bytes(opts.namespace)
         #: Prefix of every Redis key of this tier's namespace (``clear`` scans it).
         self.namespace_prefix = opts.key_prefix.encode() + ns.hex()[:16].encode() + b":"
+        self._key_prefix = opts.key_prefix
         self._prefix = self.namespace_prefix
         self._ns_tag = ns[:8]  # carried in each envelope's key field
         self._ttl_ms = None if opts.ttl_s is None else max(1, int(opts.ttl_s * 1000))
@@ -131,6 +132,11 @@ class RedisTier(LowerTier):
         #: The URL with any password masked (for logs).
         self.url = target.url
 
+
+    @property
+    def location(self) -> str:
+        """The masked URL and key prefix (tiers with both equal share chunks)."""
+        return f"{self.url}#{self._key_prefix}"
     def check_store(self) -> list[str]:
         """Problems an operator should fix, found with one ``INFO memory`` within ``timeout_s``
         (see :func:`kvtier.tiers.redis_checks.store_problems`). Never raises for a store failure."""

@@ -9,6 +9,12 @@ TTFT/TPOT/ITL), :mod:`.configs` (configurations, /metrics, routing oracle),
 
 from __future__ import annotations
 
-from kvtier.bench.serve.run import DEFAULT_CONFIGS, ServeBenchOptions, Target, parse_target, run_bench_serve
+from kvtier.bench.serve.run import (
+    DEFAULT_CONFIGS,
+    ServeBenchOptions,
+    Target,
+    parse_target,
+    run_bench_serve,
+)
 
 __all__ = ["DEFAULT_CONFIGS", "ServeBenchOptions", "Target", "parse_target", "run_bench_serve"]

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 import httpx
 
@@ -159,17 +161,26 @@ async def run_sessions(
     qps: float | None = None,
     max_tokens: int = 16,
     on_done: OnDone | None = None,
+    shuffle_seed: int | None = 0,
 ) -> tuple[list[RequestRecord], float]:
     """Drive multi-round QA sessions: rounds issued round-major, at most ``concurrency`` in flight.
 
-    A round waits for the same user's previous round (its answer is history). With ``qps``,
-    request starts are also paced to that rate. A failed round gets an empty answer so later
-    rounds still run. Returns the records (issue order) and the wall time in seconds.
+    Within a round, users come in a seeded random order (``shuffle_seed``; None: user order),
+    a different one each round, as users of a real service do: a fixed order would line
+    up with a round-robin router (with an even number of users it sends every user back to
+    the same instance, with an odd number never). A round waits for the same user's previous
+    round (its answer is history). With ``qps``, request starts are also paced to that rate.
+    A failed round gets an empty answer so later rounds still run. Returns the records (issue
+    order) and the wall time in seconds.
     """
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     rounds = len(sessions[0].questions) if sessions else 0
-    order = [(r, s) for r in range(rounds) for s in sessions]
+    order = [
+        (r, s)
+        for r in range(rounds)
+        for s in (list(sessions) if shuffle_seed is None else random.Random(shuffle_seed * 1000 + r).sample(list(sessions), len(sessions)))
+    ]
     done: dict[tuple[int, int], asyncio.Event] = {(r, s.user): asyncio.Event() for r, s in order}
     for s in sessions:
         s.answers = []

@@ -13,23 +13,25 @@ Hit rate (per configuration, summed over its instances, deltas of /metrics over 
 (``vllm:prefix_cache_hits`` + ``vllm:external_prefix_cache_hits``) / ``vllm:prefix_cache_queries``,
 all in tokens: engine-resident and connector (kvtier) hits over prompt tokens looked up.
 
-Oracle (``router_hit_rate_vs_oracle``'s denominator): the hit rate a router that sees true
-cache state would get on the same requests. It replays the two-instance run's requests in
-issue order; each instance's cache holds every prompt it served (unbounded, as kvtier's
-tiers are sized to hold the working set). A request goes to the instance holding its longest
-cached prefix (ties: the instance that served this user last, else the one with fewer
-requests) and hits that prefix rounded down to whole kvtier chunks and at most
-prompt_tokens - 1 tokens (vLLM always computes the last prompt token). Hit rate: hit tokens /
-prompt tokens. Engine hits below a chunk are not counted, so a measured rate can exceed it
-slightly.
+Oracle (``router_hit_rate_vs_oracle``'s denominator): the hit rate of a router that knows
+true cache state and keeps instances balanced, on the same requests. It replays the
+two-instance run's requests in the order they were sent; each instance's cache holds every
+prompt it served (unbounded: kvtier's tiers are sized to hold the working set). A user's
+first request goes to the instance that has served fewer requests (ties: the lower index),
+every later one to the instance that served that user (where its whole history is). A
+request hits its longest prefix shared with a prompt cached on that instance, rounded down
+to whole kvtier chunks and at most prompt_tokens - 1 (vLLM always computes the last prompt
+token). Hit rate: hit tokens / prompt tokens. Engine hits finer than a chunk are not
+counted, so a measured rate can exceed it slightly. (Sending every request to the instance
+with the longest cached prefix instead would put every user on one instance, since they
+all share the system prompt: a hit-rate bound no balanced router can reach.)
 """
 
 from __future__ import annotations
 
-import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import httpx
 
@@ -135,7 +137,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def oracle_hit_rate(
     requests: Sequence[tuple[str, Sequence[int]]], instances: int = 2, chunk_tokens: int = 256
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     """Hit rate of the true-cache-state router described in the module docstring.
 
     Args:
@@ -144,7 +146,8 @@ def oracle_hit_rate(
         chunk_tokens: hit granularity (kvtier's chunk size).
 
     Returns:
-        ``{"hit_rate", "hit_tokens", "prompt_tokens", "max_request_share_ratio"}``.
+        ``{"hit_rate", "hit_tokens", "prompt_tokens", "max_request_share_ratio"}`` (the last
+        None when an instance got no request).
     """
     if instances < 1 or chunk_tokens < 1:
         raise ValueError("instances and chunk_tokens must be >= 1")
@@ -153,10 +156,8 @@ def oracle_hit_rate(
     counts = [0] * instances
     hit_total = tok_total = 0
     for user, ids in requests:
-        best = [max((_common_prefix(ids, p) for p in served[i]), default=0) for i in range(instances)]
-        top = max(best)
-        cands = [i for i in range(instances) if best[i] == top]
-        pick = last[user] if user in last and last[user] in cands else min(cands, key=lambda i: counts[i])
+        pick = last[user] if user in last else min(range(instances), key=lambda i: counts[i])
+        top = max((_common_prefix(ids, p) for p in served[pick]), default=0)
         hit = min(top, max(0, len(ids) - 1)) // chunk_tokens * chunk_tokens
         hit_total += hit
         tok_total += len(ids)
@@ -168,5 +169,5 @@ def oracle_hit_rate(
         "hit_rate": hit_total / tok_total if tok_total else 0.0,
         "hit_tokens": float(hit_total),
         "prompt_tokens": float(tok_total),
-        "max_request_share_ratio": max(counts) / lo if lo else math.inf,
+        "max_request_share_ratio": max(counts) / lo if lo else None,
     }

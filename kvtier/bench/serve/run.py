@@ -41,13 +41,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import httpx
 
-from kvtier.bench.common import BLOCK_SIZE, CHUNK_SIZE, BenchUsageError, Check, print_checks, write_json
+from kvtier.bench.common import (
+    BLOCK_SIZE,
+    CHUNK_SIZE,
+    BenchUsageError,
+    Check,
+    print_checks,
+    write_json,
+)
 from kvtier.bench.serve.client import RequestRecord, run_prompts, run_sessions, run_sync
 from kvtier.bench.serve.configs import (
     CONFIGS,
@@ -59,7 +67,6 @@ from kvtier.bench.serve.configs import (
     scrape,
 )
 from kvtier.bench.serve.workload import (
-    Session,
     Tokenizer,
     WorkloadSpec,
     build_sessions,
@@ -334,7 +341,7 @@ class ServeBenchOptions:
     quick: bool = False
 
     @staticmethod
-    def quick_defaults() -> "ServeBenchOptions":
+    def quick_defaults() -> ServeBenchOptions:
         return ServeBenchOptions(users=6, rounds=2, concurrency=1, context_tokens=(900, 1100),
                                  no_reuse_requests=8, no_reuse_tokens=256, quick=True)
 
@@ -417,7 +424,13 @@ def run_bench_serve(
     total = n_requests * (len(names) + len(fits_names)) + (opts.no_reuse_requests if "router-2x" in names else 0)
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     console = Console()
     console.print(
@@ -427,7 +440,6 @@ def run_bench_serve(
     )
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-"))
     phases: dict[str, Phase] = {}
-    oracle: dict[str, Any] = {}
     vllm_bench_results: dict[str, Any] = {}
     errors: dict[str, str] = {}
 
@@ -489,7 +501,9 @@ def run_bench_serve(
                         if label in bench_names and model_path is not None:
                             for ds in ("prefix_repetition", "random"):
                                 progress.update(task, description=f"{label}: vllm bench serve {ds}")
-                                from kvtier.bench.serve.vllm_client import run_vllm_bench
+                                from kvtier.bench.serve.vllm_client import (
+                                    run_vllm_bench,
+                                )
 
                                 vllm_bench_results.setdefault(label, {})[ds] = run_vllm_bench(
                                     url, model, str(model_path), ds, opts.concurrency, opts.quick)

@@ -17,8 +17,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 #: Percentiles asked of vLLM's client.
 PERCENTILES = "50,95,99"

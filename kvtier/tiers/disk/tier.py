@@ -146,6 +146,11 @@ class DiskTier(LowerTier):
         if direct_io:
             self.direct_io = self._io.probe_direct_io(self.path)
 
+
+    @property
+    def location(self) -> str:
+        """The tier's directory."""
+        return str(self.path)
     def _load(self) -> None:
         res = scan(self.path, self.namespace, self.fs, remove=True)
         if res.old_format or res.unusable or res.orphans:

@@ -4,7 +4,8 @@ It tokenizes each prompt with the model's tokenizer (:mod:`.tokenize`), asks whe
 is cached (the backends' KV events, :mod:`.prefix_index`, and optionally the fleet
 controller's ``/lookup``), and picks the backend with the best cached-prefix score net of a
 load term (:mod:`.load`, :mod:`.scoring`). Unhealthy backends leave the pool within seconds
-(:mod:`.pool`). The HTTP app is :mod:`.app`; configuration is :mod:`.config`.
+(:mod:`.pool`). :mod:`.router` decides and records, :mod:`.forward` forwards (streaming,
+one retry), :mod:`.app` is the HTTP app, :mod:`.server` runs it; configuration is :mod:`.config`.
 
 Modules import FastAPI/httpx lazily where they can, so ``import kvtier.router`` is cheap.
 """

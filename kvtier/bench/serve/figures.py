@@ -1,0 +1,84 @@
+"""The JSON document of ``kvtier bench serve``: the issue's top-level figures (see
+:mod:`kvtier.bench.serve.run`), every phase in detail, and the checks against the targets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.bench.common import BLOCK_SIZE, Check
+from kvtier.bench.serve.options import ServeBenchOptions
+from kvtier.bench.serve.phase import Phase, answer_mismatches
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def summarize(phases: dict[str, Phase], opts: ServeBenchOptions, ws: Any, engine_blocks: int,
+              fits_blocks: int, max_model_len: int) -> dict[str, Any]:
+    """The JSON document: the issue's top-level figures, then every phase in detail."""
+    s = {k: p.summary() for k, p in phases.items()}
+
+    def get(name: str, *path: str) -> Any:
+        v: Any = s.get(name)
+        for p in path:
+            if not isinstance(v, dict):
+                return None
+            v = v.get(p)
+        return v
+
+    kv = "kvtier-cpu" if "kvtier-cpu" in s else "kvtier-cpu-disk"
+    router_oracle = get("router-2x", "oracle", "hit_rate")
+    nr = s.get("router-2x@noreuse")
+    share = None
+    if nr:
+        counts = nr["requests_per_instance"]
+        share = max(counts) / min(counts) if counts and min(counts) > 0 else None
+    mism = answer_mismatches(phases)
+    has_base = "vllm" in phases and len(phases) > 1
+    return {
+        "ttft_mean_ratio_vs_vllm": _ratio(get("vllm", "ttft_s", "mean"), get(kv, "ttft_s", "mean")),
+        "throughput_ratio_vs_vllm": _ratio(get(kv, "request_throughput"), get("vllm", "request_throughput")),
+        "fits_throughput_ratio": _ratio(get(f"{kv}@fits", "request_throughput"), get("vllm@fits", "request_throughput")),
+        "router_hit_rate_ratio_vs_round_robin": _ratio(get("router-2x", "hit_rate"), get("rr-2x", "hit_rate")),
+        "router_hit_rate_vs_oracle": _ratio(get("router-2x", "hit_rate"), router_oracle),
+        "max_request_share_ratio_no_reuse": share,
+        "answers_identical": (not mism) if has_base else None,
+        "answer_mismatches": mism,
+        "kvtier_config_in_ratios": kv,
+        "working_set_blocks": ws.blocks,
+        "engine_kv_blocks": engine_blocks,
+        "working_set_to_engine_kv_ratio": ws.blocks / engine_blocks,
+        "working_set_to_engine_kv_ratio_measured": (
+            get("vllm", "working_set_blocks_measured") or get(kv, "working_set_blocks_measured") or 0) / engine_blocks,
+        "fits_engine_kv_blocks": fits_blocks,
+        "block_size": BLOCK_SIZE,
+        "max_model_len": max_model_len,
+        "workload": {
+            "users": opts.users, "rounds": opts.rounds, "concurrency": opts.concurrency, "qps": opts.qps,
+            "max_tokens": opts.max_tokens, "system_tokens": opts.system_tokens,
+            "context_tokens": list(opts.context_tokens), "no_reuse_requests": opts.no_reuse_requests,
+            "no_reuse_tokens": opts.no_reuse_tokens, "quick": opts.quick, "endpoint": "/v1/chat/completions",
+            "temperature": 0.0, "stream": True,
+        },
+        "configs": s,
+    }
+
+
+def checks_of(result: dict[str, Any]) -> list[Check]:
+    """The issue's targets for the figures present (absent figures are not judged)."""
+    spec = [
+        ("mean TTFT, vLLM / kvtier (ws >= 4x)", "ttft_mean_ratio_vs_vllm", 10.0, True, "x"),
+        ("request throughput, kvtier / vLLM", "throughput_ratio_vs_vllm", 3.0, True, "x"),
+        ("throughput when it fits, kvtier / vLLM", "fits_throughput_ratio", 0.98, True, "x"),
+        ("hit rate, router / round robin", "router_hit_rate_ratio_vs_round_robin", 2.0, True, "x"),
+        ("hit rate, router / oracle", "router_hit_rate_vs_oracle", 0.9, True, "x"),
+        ("no-reuse request share, max / min", "max_request_share_ratio_no_reuse", 1.5, False, "x"),
+    ]
+    out = [Check(n, float(result[k]), t, hib, u) for n, k, t, hib, u in spec if result.get(k) is not None]
+    if result.get("answers_identical") is not None:
+        out.append(Check("answers identical to vLLM alone", 1.0 if result["answers_identical"] else 0.0, 1.0, True,
+                         note=f"{len(result['answer_mismatches'])} mismatches"))
+    return out

@@ -1,0 +1,143 @@
+"""Starting and stopping the servers of one configuration of ``kvtier bench serve``: vLLM
+OpenAI servers (with or without kvtier) and, for two instances, ``kvtier router``."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvtier.bench.common import BenchUsageError
+from kvtier.bench.serve.configs import ConfigSpec
+
+
+@dataclass
+class Running:
+    """Servers of one configuration: where requests go, and the instances' URLs."""
+
+    url: str
+    instances: list[str]
+    model: str
+
+
+def _wait_http(url: str, proc: subprocess.Popen | None, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}")
+        for path in ("/health", "/v1/models"):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + path, timeout=2).status_code == 200:
+                    return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not answering after {timeout_s:.0f} s")
+
+
+_ROUTER_SCRIPT = (
+    "import sys\n"
+    "from kvtier.router.app import RouterServer\n"
+    "from kvtier.router.config import RouterConfig, parse_backend\n"
+    "policy, model, port, *backends = sys.argv[1:]\n"
+    "cfg = RouterConfig(backends=tuple(parse_backend(b) for b in backends), policy=policy, model=model).validate()\n"
+    "RouterServer(cfg, port=int(port)).serve_forever()\n"
+)
+
+
+def router_command(backend_args: Sequence[str], model_path: str, policy: str, port: int) -> list[str]:
+    """``python -m kvtier.cli router ...`` when the CLI has the command, else the same router
+    started from :class:`kvtier.router.app.RouterServer` in a child process."""
+    from kvtier import cli
+
+    names = {c.name or getattr(c.callback, "__name__", "") for c in cli.app.registered_commands}
+    names |= {g.name for g in cli.app.registered_groups}
+    if "router" in names:
+        return [sys.executable, "-m", "kvtier.cli", "router", *backend_args, "--model", model_path,
+                "--policy", policy, "--port", str(port)]
+    return [sys.executable, "-c", _ROUTER_SCRIPT, policy, model_path, str(port),
+            *[b for b in backend_args if b != "--backend"]]
+
+
+@contextlib.contextmanager
+def start_config(
+    cfg: ConfigSpec, model_path: str, engine_blocks: int, max_model_len: int, kvtier_cpu_bytes: int,
+    workdir: Path, tag: str,
+) -> Iterator[Running]:
+    """Start a configuration's servers (and router); stop them all on exit.
+
+    Raises BenchUsageError when a server or the router does not come up (the message
+    names the log file).
+    """
+    from kvtier.integrations.vllm.serve import ApiServer, ServerSpec, free_port
+
+    servers: list[Any] = []
+    router: subprocess.Popen | None = None
+    pool: concurrent.futures.ThreadPoolExecutor | None = None
+    try:
+        specs = []
+        for i in range(cfg.instances):
+            kv: dict[str, Any] | None = None
+            if cfg.kvtier:
+                cpu = kvtier_cpu_bytes // 2 if cfg.disk else kvtier_cpu_bytes
+                kv = {"cpu_capacity": f"{max(64, cpu >> 20)}MiB"}
+                if cfg.disk:
+                    disk = workdir / f"disk-{tag}-{i}"
+                    disk.mkdir(parents=True, exist_ok=True)
+                    kv.update(disk_path=str(disk), disk_capacity=f"{max(256, (4 * kvtier_cpu_bytes) >> 20)}MiB")
+            cores = "0-1" if cfg.instances == 1 else str(i % 2)
+            events = f"tcp://127.0.0.1:{free_port()}" if cfg.instances > 1 else None
+            specs.append((ServerSpec(model=model_path, kvtier=kv, cpu_cores=cores, num_gpu_blocks_override=engine_blocks,
+                                     max_model_len=max_model_len, kv_events_endpoint=events), events))
+        servers = [ApiServer(s, log_path=str(workdir / f"{tag}-{i}.log")) for i, (s, _) in enumerate(specs)]
+        # Started side by side from worker threads kept alive until the servers stop: ApiServer sets
+        # PR_SET_PDEATHSIG, which fires when the *thread* that started the child exits.
+        pool = concurrent.futures.ThreadPoolExecutor(len(servers))
+        futs = [pool.submit(s.start, 300) for s in servers]
+        errs = [f.exception() for f in futs]
+        if any(errs):
+            raise BenchUsageError(f"{tag}: a vLLM server did not start: {str([e for e in errs if e][0])[-1500:]}")
+        url = servers[0].url
+        if cfg.instances > 1:
+            port = free_port()
+            backends = []
+            for i, (srv, (_, ev)) in enumerate(zip(servers, specs)):
+                backends += ["--backend", f"{srv.url}=i{i}" + (f"@{ev}" if ev else "")]
+            log = open(workdir / f"{tag}-router.log", "ab")
+            router = subprocess.Popen(
+                router_command(backends, model_path, cfg.policy or "kv-aware", port),
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+            log.close()
+            url = f"http://127.0.0.1:{port}"
+            try:
+                _wait_http(url, router, 120)
+            except RuntimeError as exc:
+                raise BenchUsageError(f"{tag}: kvtier router did not start ({exc}); log {workdir / (tag + '-router.log')}")
+
+        yield Running(url, [s.url for s in servers], servers[0].served_model_name)
+    finally:
+        if router is not None and router.poll() is None:
+            router.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                router.wait(10)
+            if router.poll() is None:
+                router.kill()
+        for s in servers:
+            with contextlib.suppress(Exception):
+                s.stop()
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def served_model(url: str) -> str:
+    """The first model id a running OpenAI-compatible server lists (httpx errors propagate)."""
+    r = httpx.get(url + "/v1/models", timeout=10)
+    r.raise_for_status()
+    return str(r.json()["data"][0]["id"])

@@ -1,0 +1,258 @@
+"""The routing core: backend pool, load, prefix index, event feeds, and the decisions.
+
+:class:`Router` tokenizes a request, ranks the healthy backends by predicted cached prefix
+net of load (:mod:`.scoring`), forwards it (:mod:`.forward`) and records the decision
+(``/router/state``, ``/metrics``). The HTTP app around it is :mod:`.app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import httpx
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import generate_latest
+
+from kvtier.router.config import RouterConfig
+from kvtier.router.forward import Forwarder, forward_headers
+from kvtier.router.load import LoadTracker
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.pool import BackendPool
+from kvtier.router.prefix_index import EventFeed, PrefixIndex, chain_keys
+from kvtier.router.scoring import Candidate, Decision, rank, weighted_hit
+from kvtier.router.tokenize import PromptTokenizer, TokenizeError, Tokenizer
+
+log = logging.getLogger("kvtier.router")
+
+#: Tiers of the fleet controller's ``/lookup`` rows, weighed like the event media of the same name.
+_CONTROLLER_TIERS = ("CPU", "DISK", "REMOTE")
+
+
+class Router:
+    """The routing core: pool, load, prefix index, event feeds, decisions.
+
+    Args:
+        config: validated on construction.
+        tokenizer: the model's tokenizer (``None``: only token-id prompts are scored).
+
+    Raises:
+        RouterConfigError: invalid configuration.
+    """
+
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config.validate()
+        names = [b.name for b in config.backends]
+        self.index = PrefixIndex(names)
+        self.pool = BackendPool(config.backends, config.down_after_timeouts, on_down=[self._on_down])
+        self.load = LoadTracker(names, config.weights, on_restart=self._on_restart)
+        self.tokenizer = PromptTokenizer(tokenizer)
+        self.metrics = RouterMetrics()
+        self.forwarder = Forwarder(self.pool, self.load, self.metrics)
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=config.decisions_kept)
+        self.feeds: dict[str, EventFeed] = {}
+        self.controller_errors = 0
+        self.controller_last_error: str | None = None
+        self._rr = 0
+        self._client: httpx.AsyncClient | None = None
+        self._probe_client: httpx.AsyncClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open the HTTP clients, start the event feeds, health probes and metrics polls."""
+        c = self.config
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=c.connect_timeout_s, read=c.read_timeout_s, write=30.0, pool=c.connect_timeout_s),
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+        self._probe_client = httpx.AsyncClient(timeout=c.health_timeout_s)
+        for b in c.backends:
+            if b.events:
+                self.feeds[b.name] = EventFeed(self.index, b.name, b.events, b.replay, c.events_topic,
+                                               on_restart=self._on_feed_restart)
+        await asyncio.gather(*(asyncio.to_thread(f.start) for f in self.feeds.values()))
+        # One probe round before serving, so a backend that is down at start is not tried first.
+        await asyncio.gather(*(self.pool.probe(self._probe_client, b, c.health_timeout_s) for b in self.pool.backends))
+        self._tasks = [
+            asyncio.create_task(self.pool.run(self._probe_client, c.health_interval_s, c.health_timeout_s)),
+            asyncio.create_task(self.load.run(self._probe_client, [(b.name, b.url) for b in c.backends],
+                                              c.metrics_interval_s, c.health_timeout_s)),
+        ]
+
+    async def stop(self) -> None:
+        """Stop background work and close sockets (idempotent)."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        self._tasks = []
+        await asyncio.gather(*(asyncio.to_thread(f.stop) for f in self.feeds.values()))
+        for cl in (self._client, self._probe_client):
+            if cl is not None:
+                await cl.aclose()
+        self._client = self._probe_client = None
+
+    def _on_down(self, name: str) -> None:
+        self.index.drop(name)
+        self.load.reset(name)
+
+    def _on_restart(self, name: str) -> None:
+        log.warning("kvtier router: backend %s restarted (metrics start time changed): dropping its routes", name)
+        self.index.drop(name)
+
+    def _on_feed_restart(self, name: str) -> None:
+        log.warning("kvtier router: KV events of %s restarted: dropping its routes", name)
+
+    # -- deciding ---------------------------------------------------------------------------
+    async def _controller_rows(self, tokens: list[int]) -> dict[str, dict[str, int]]:
+        c = self.config
+        if not c.controller_url or not tokens or self._probe_client is None:
+            return {}
+        if not any(b.instance_id for b in c.backends):
+            return {}
+        headers = {"content-type": "application/octet-stream"}
+        if c.controller_token:
+            headers["authorization"] = f"Bearer {c.controller_token}"
+        try:
+            r = await self._probe_client.post(c.controller_url.rstrip("/") + "/lookup",
+                                              content=np.asarray(tokens, dtype="<u4").tobytes(),
+                                              headers=headers, timeout=c.controller_timeout_s)
+            r.raise_for_status()
+            rows = r.json().get("instances", {})
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            self.controller_errors += 1
+            self.controller_last_error = f"{type(exc).__name__}: {exc}"
+            return {}
+        return rows if isinstance(rows, dict) else {}
+
+    async def candidates(self, tokens: list[int] | None) -> list[Candidate]:
+        """The healthy backends with their predicted hits and load for ``tokens``."""
+        healthy = self.pool.healthy()
+        w = self.config.weights
+        rows = await self._controller_rows(tokens) if tokens and self.config.policy == "kv-aware" else {}
+        keys_by_bs: dict[int, list[bytes]] = {}
+        out = []
+        for b in healthy:
+            hit_tokens, hit_score, per_tier = 0, 0.0, {}
+            if tokens and self.config.policy == "kv-aware":
+                segments: list[tuple[int, float]] = []
+                bs = self.index.block_size(b.name)
+                if bs:
+                    if bs not in keys_by_bs:
+                        keys_by_bs[bs] = chain_keys(tokens, bs)
+                    m = self.index.match(b.name, keys_by_bs[bs], bs)
+                    segments = [(end, w.medium(med)) for end, med in m.segments]
+                    per_tier = {k.lower() if k != "GPU" else "engine": v for k, v in m.per_medium.items()}
+                prefixes: list[tuple[int, float]] = []
+                row = rows.get(b.spec.instance_id or "") if b.spec.instance_id else None
+                if isinstance(row, dict):
+                    for tier in _CONTROLLER_TIERS:
+                        n = row.get(tier)
+                        if isinstance(n, int) and n > 0:
+                            prefixes.append((min(n, len(tokens)), w.medium(tier)))
+                            per_tier[f"controller_{tier.lower()}"] = n
+                hit_tokens, hit_score = weighted_hit(segments, prefixes)
+            out.append(Candidate(name=b.name, index=b.index, hit_tokens=hit_tokens, hit_score=hit_score,
+                                 per_tier=per_tier, load_tokens=self.load.load_tokens(b.name),
+                                 last_assigned=self.load.last_assigned(b.name)))
+        return out
+
+    async def decide(self, tokens: list[int] | None) -> Decision | None:
+        """Rank the healthy backends for a prompt (``None``: none healthy)."""
+        cands = await self.candidates(tokens)
+        if not cands:
+            return None
+        d = rank(self.config.policy, cands, self.config.weights.load, self._rr)
+        if d.policy == "round-robin":
+            self._rr = (d.choice.index + 1) % len(self.config.backends)
+        return d
+
+    def _record(self, path: str, tokens: list[int] | None, d: Decision, served_by: str | None,
+                attempts: list[dict[str, Any]]) -> None:
+        self.metrics.decisions.labels(d.policy, d.reason).inc()
+        self.decisions.append({
+            "t": time.time(), "path": path, "prompt_tokens": len(tokens) if tokens else 0,
+            "policy": d.policy, "reason": d.reason, "choice": d.choice.name, "served_by": served_by,
+            "predicted_hit_tokens": d.choice.hit_tokens,
+            "candidates": [{"backend": c.name, "score": round(d.scores[c.name], 3), "hit_tokens": c.hit_tokens,
+                            "hit_score": round(c.hit_score, 3), "per_tier": c.per_tier,
+                            "load_tokens": round(c.load_tokens, 3), "last_assigned": c.last_assigned}
+                           for c in d.order],
+            "attempts": attempts,
+        })
+
+    # -- forwarding -------------------------------------------------------------------------
+    async def route(self, request: Request, path: str, chat: bool) -> Response:
+        """Tokenize, decide, forward (with one retry), record."""
+        body = await request.body()
+        try:
+            payload: Any = json.loads(body)
+        except ValueError as exc:
+            payload = f"{type(exc).__name__}: {exc}"
+        if not isinstance(payload, dict):
+            return JSONResponse({"error": {"message": f"body is not a JSON object ({str(payload)[:200]})",
+                                           "type": "BadRequest", "code": 400}}, status_code=400)
+        tokens: list[int] | None
+        try:
+            if len(body) > 4096:
+                tokens = await asyncio.to_thread(self.tokenizer.chat if chat else self.tokenizer.completion, payload)
+            else:
+                tokens = (self.tokenizer.chat if chat else self.tokenizer.completion)(payload)
+        except TokenizeError as exc:
+            log.debug("kvtier router: routing without tokens: %s", exc)
+            self.metrics.untokenized.inc()
+            tokens = None
+        d = await self.decide(tokens)
+        if d is None:
+            why = "; ".join(f"{b.name}: {b.last_error}" for b in self.pool.backends)
+            return JSONResponse({"error": {"message": f"no healthy backend ({why})", "type": "ServiceUnavailable",
+                                           "code": 503}}, status_code=503)
+        stream = bool(payload.get("stream", False))
+        headers = forward_headers(request.headers)
+        n_tokens = len(tokens) if tokens else 0
+        assert self._client is not None
+        fwd = await self.forwarder.forward(self._client, d, path, body, headers, stream, n_tokens)
+        self._record(path, tokens, d, fwd.served_by, fwd.attempts)
+        if fwd.response is not None:
+            return fwd.response
+        return JSONResponse({"error": {"message": f"no backend answered: {fwd.attempts}", "type": "ServiceUnavailable",
+                                       "code": 503}}, status_code=503)
+
+    async def models(self) -> Response:
+        """``/v1/models`` of the first healthy backend that answers."""
+        assert self._client is not None
+        for b in self.pool.healthy():
+            try:
+                r = await self._client.get(b.spec.url + "/v1/models")
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        return JSONResponse({"error": {"message": "no healthy backend", "code": 503}}, status_code=503)
+
+    def state(self) -> dict[str, Any]:
+        """Pool, load, index and feeds per backend, and the last decisions (newest last)."""
+        pool = self.pool.state()
+        load = self.load.state()
+        index = self.index.stats()
+        backends = {n: {**pool[n], "load": load[n], "index": index[n],
+                        "events": self.feeds[n].stats() if n in self.feeds else None} for n in pool}
+        return {"policy": self.config.policy, "backends": backends, "decisions": list(self.decisions),
+                "controller": {"url": self.config.controller_url, "errors": self.controller_errors,
+                               "last_error": self.controller_last_error}}
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus exposition of :attr:`metrics` (gauges refreshed first)."""
+        for b in self.pool.backends:
+            self.metrics.healthy.labels(b.name).set(1 if b.healthy else 0)
+            self.metrics.load.labels(b.name).set(self.load.load_tokens(b.name))
+        for n, st in self.index.stats().items():
+            self.metrics.blocks.labels(n).set(st["blocks"])
+        return generate_latest(self.metrics.registry)

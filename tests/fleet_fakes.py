@@ -125,9 +125,12 @@ class FakeAgent:
             return
         self._out.put(fleet.encode(Changes(self.instance, self.epoch, self.seq, changes)))
 
-    def store(self, tokens: list[int], tier: str = "cpu", salt: Optional[str] = None) -> list[bytes]:
+    def store(self, tokens: list[int], tier: str = "cpu", salt: Optional[str] = None,
+              lineage: bool = True) -> list[bytes]:
+        """Store a prompt's chunks; the first chunk's parent is the salt's lineage marker, as the
+        real connector records it (``lineage=False``: None, as a writer without lineage does)."""
         ks = self.keys(tokens, salt)
-        parents = [None] + ks[:-1]
+        parents = [self.hasher.lineage(salt) if lineage else None] + ks[:-1]
         with self.lock, self._shared_lock():
             t = self.tier(tier)
             for k, p in zip(ks, parents):

@@ -122,13 +122,22 @@ def test_clear_reaches_agent_tiers_and_metrics(fleet):
     wait_until(lambda: all(v == 0 for row in view_rows(lookup(ctl)).values() for v in row.values()))
 
 
-def test_clear_by_salt_is_refused_when_chain_roots_are_unknown(fleet):
+def test_clear_by_salt_removes_exactly_that_tenants_chains(fleet):
     ctl, agents, _ = fleet
-    populate(agents)
-    wait_until(lambda: view_rows(lookup(ctl)) == truth_rows(agents))
-    r = post(ctl, "/clear", {"cache_salt": "tenant"})
-    assert r.status_code == 400 and r.json()["field"] == "cache_salt"
-    assert len(agents[0].local["cpu"]) == 8  # nothing cleared
+    a = agents[0]
+    other = list(range(5000, 5000 + 3 * CHUNK))
+    mine = a.store(PROMPT[: 4 * CHUNK], "cpu", salt="tenant")
+    theirs = a.store(PROMPT[: 4 * CHUNK], "cpu", salt="other")  # same tokens, another tenant
+    plain = a.store(other, "cpu")  # no salt
+    legacy = a.store(list(range(9000, 9000 + 2 * CHUNK)), "cpu", salt="tenant", lineage=False)
+    wait_until(lambda: lookup(ctl, tokens=PROMPT[: 4 * CHUNK], cache_salt="tenant")["instances"]
+               .get("inst-a", {}).get("CPU") == 4 * CHUNK)
+    r = post(ctl, "/clear", {"cache_salt": "tenant", "instance": "inst-a", "wait": True}).json()
+    assert r["state"] == "done", r
+    assert r["result"]["tokens"] == 4 * CHUNK and r["result"]["unattributed_chunks"] == 2
+    cpu = a.local["cpu"]
+    assert not any(k in cpu for k in mine)  # the tenant's chain is gone from the tier itself
+    assert all(k in cpu for k in theirs + plain + legacy)  # other tenants, no salt, no lineage: kept
 
 
 def test_pin_and_unpin_reach_agent_and_show_in_lookup(fleet):

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from fleet_fakes import make_namespace
-from kvtier.controller.index import FleetIndex, SaltScopeError
+from kvtier.controller.index import FleetIndex
 from kvtier.controller.registry import namespace_from_spec
 from kvtier.controller.state import FleetState
 from kvtier.index.keys import ChunkHasher
@@ -110,21 +110,22 @@ def test_bad_key_lists_and_unknown_tiers_raise_protocol_errors():
         idx.apply_snapshot(Snapshot("a", "e", 1, b"z" * 32, "cpu", b"", b"", last=True), "cpu")
 
 
-def test_salt_scope_resolves_only_with_chain_roots():
+def test_salt_scope_follows_lineage_markers_and_counts_unattributed_chunks():
     idx = FleetIndex()
     idx.add_instance("a", tiers(), [D])
-    ks = chain(3, salt="t1")
-    idx.apply_changes(Changes("a", "e", 1, [Change("s", D, "cpu", blob(ks), parents(ks))]))
-    with pytest.raises(SaltScopeError, match="cache_salt"):
-        idx.keys_of_salt("a", D, NS.root("t1"))
-    # An agent that reports the root as the first chunk's parent makes the scope exact.
-    idx2 = FleetIndex()
-    idx2.add_instance("a", tiers(), [D])
-    other = chain(2, start=7, salt="t2")
-    for salt, k in (("t1", ks), ("t2", other)):
-        idx2.apply_changes(Changes("a", "e", 1 if salt == "t1" else 2,
-                                   [Change("s", D, "cpu", blob(k), join_parents([NS.root(salt)] + k[:-1]))]))
-    assert set(idx2.keys_of_salt("a", D, NS.root("t1"))) == set(ks)
+    t1, t2, legacy = chain(3, salt="t1"), chain(2, start=7, salt="t2"), chain(2, start=20, salt="t1")
+    idx.apply_changes(Changes("a", "e", 1, [
+        Change("s", D, "cpu", blob(t1), join_parents([NS.lineage("t1")] + t1[:-1])),
+        Change("s", D, "cpu", blob(t2), join_parents([NS.lineage("t2")] + t2[:-1])),
+        Change("s", D, "cpu", blob(legacy), parents(legacy)),  # written without a lineage marker
+        # the remote tier reports no parents (Redis after a resync): lineage comes from the cpu tier
+        Change("s", D, "remote", blob(t1[:2])),
+    ]))
+    keys, unknown = idx.keys_of_salt("a", D, NS.lineage("t1"))
+    assert set(keys) == set(t1) and unknown == len(legacy)
+    remote, _ = idx.keys_of_salt("a", D, NS.lineage("t1"), "remote")
+    assert set(remote) == set(t1[:2])
+    assert idx.keys_of_salt("a", D, NS.lineage("nobody"))[0] == []
 
 
 def test_state_register_token_epochs_and_expiry():

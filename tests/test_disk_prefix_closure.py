@@ -293,6 +293,31 @@ def test_rewriting_a_resident_chunk_in_a_full_store_evicts_nothing(disk_dir: Pat
         t.close()
 
 
+def test_a_lineage_marker_parent_is_a_chain_head_at_write_eviction_and_reopen(disk_dir: Path) -> None:
+    """A prompt's first chunk records its salt's lineage marker as parent (not a chunk key): the
+    tier treats it as a head (it evicts for it, keeps it at reopen, reports the marker back)."""
+    marker = NS.lineage("tenant")
+    t = reopen(disk_dir, 3)
+    try:
+        first = writes(prompt(5, 3))
+        first[0] = ChunkWrite(first[0].key, marker, first[0].payload)
+        assert t.put_many(first) == [True, True, True]
+        second = writes(prompt(6, 1))
+        second[0] = ChunkWrite(second[0].key, marker, second[0].payload)
+        assert t.put_many(second) == [True]  # full: evicts a leaf of the first chain (not "early")
+        assert t.evicted_chunks == 1
+        t.check_invariants()
+        assert dict(t.scan_keys())[first[0].key] == marker
+    finally:
+        t.close()
+    t = reopen(disk_dir, 3)
+    try:
+        assert t.contains_many([first[0].key, second[0].key]) == [True, True]  # heads, not orphans
+        assert dict(t.scan_keys())[second[0].key] == marker
+    finally:
+        t.close()
+
+
 # -- random operations: the invariants hold after every step --------------------------------------
 
 from hypothesis import settings  # noqa: E402

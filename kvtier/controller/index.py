@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvtier.index.keys import is_lineage
 from kvtier.protocol.fleet import NO_PARENT, Changes, Snapshot, TierInfo, split_keys
 
 #: Recent ``Changes`` kept per instance to replay after a snapshot swap.
@@ -49,10 +50,6 @@ class _Pending:
     seq: int = 0
     entries: dict[bytes, bytes | None] = field(default_factory=dict)
     pinned: set[bytes] = field(default_factory=set)
-
-
-class SaltScopeError(ValueError):
-    """The chunks of a cache salt cannot be told apart in an instance's index."""
 
 
 def _pairs(keys: bytes, parents: bytes) -> list[tuple[bytes, bytes | None]]:
@@ -361,31 +358,42 @@ class FleetIndex:
                 out.update(self._tables.get(self._table_id(instance, ns, lab), ()))
         return out
 
-    def keys_of_salt(self, instance: str, ns: bytes, root: bytes, label: str | None = None) -> list[bytes]:
-        """Keys on ``instance`` whose chain starts at ``root`` (``KeyNamespace.root(cache_salt)``).
+    def keys_of_salt(self, instance: str, ns: bytes, lineage: bytes,
+                     label: str | None = None) -> tuple[list[bytes], int]:
+        """Keys on ``instance`` (in tier ``label``, or any) whose chain starts at ``lineage``
+        (``KeyNamespace.lineage(cache_salt)``, the recorded parent of a prompt's first chunk),
+        and how many of its chunks have no known lineage.
 
-        Raises:
-            SaltScopeError: the instance reports first chunks without a parent, so their
-                chain root (and so their salt) is unknown.
+        Parents are resolved across the instance's tiers (a tier that stores no parents, such as
+        Redis after a resync, borrows them from the others). A chunk whose ancestry ends at an
+        unknown parent (written without a lineage marker, e.g. by an older kvtier or a direct
+        ``StorageManager`` user) cannot be attributed to any salt: it is counted, not cleared.
         """
-        union: dict[bytes, bytes | None] = {}
+        parents: dict[bytes, bytes | None] = {}
         for lab in self._tiers.get(instance, {}):
-            if label is None or lab == label:
-                union.update(self._tables.get(self._table_id(instance, ns, lab), {}))
+            for k, p in self._tables.get(self._table_id(instance, ns, lab), {}).items():
+                if p is not None or k not in parents:
+                    parents[k] = p
         children: dict[bytes, list[bytes]] = {}
-        for k, p in union.items():
-            if p is None:
-                raise SaltScopeError(
-                    f"instance {instance!r} reports chain-first chunks without their root parent, so the "
-                    "chunks of one cache_salt cannot be told apart; clear without cache_salt")
-            children.setdefault(p, []).append(k)
-        out: list[bytes] = []
-        todo = [root]
-        seen: set[bytes] = set()
-        while todo:
-            for k in children.get(todo.pop(), ()):
-                if k not in seen:
-                    seen.add(k)
-                    out.append(k)
-                    todo.append(k)
-        return out
+        for k, p in parents.items():
+            if p is not None:
+                children.setdefault(p, []).append(k)
+
+        def below(starts: list[bytes]) -> list[bytes]:
+            out: list[bytes] = []
+            seen: set[bytes] = set()
+            todo = list(starts)
+            while todo:
+                for k in children.get(todo.pop(), ()):
+                    if k not in seen:
+                        seen.add(k)
+                        out.append(k)
+                        todo.append(k)
+            return out
+
+        attributed = len(below([p for p in children if is_lineage(p)]))
+        keys = below([lineage])
+        if label is not None:
+            table = self._tables.get(self._table_id(instance, ns, label), {})
+            keys = [k for k in keys if k in table]
+        return keys, len(parents) - attributed

@@ -19,7 +19,6 @@ import numpy as np
 
 from kvtier.controller.endpoint import Endpoint, InstanceOpError
 from kvtier.controller.errors import BadRequest, UnknownInstance
-from kvtier.controller.index import SaltScopeError
 from kvtier.controller.registry import InstanceRecord, NamespaceEntry
 from kvtier.controller.state import FleetState
 from kvtier.controller.tracker import DEFAULT_HISTORY, OpRecord, OpTracker
@@ -126,7 +125,7 @@ class OpContext:
     def submit(self, op: str, params: dict[str, Any], fn: Callable[[OpRecord], dict[str, Any]]) -> OpRecord:
         """Track a new operation and run ``fn(record)`` on the pool; its return is the result.
 
-        ``InstanceOpError``, ``BadRequest`` and ``SaltScopeError`` fail the record with their
+        ``InstanceOpError`` and ``BadRequest`` fail the record with their
         text, any other exception as an internal error; never raised to the caller.
         """
         rec = self.tracker.create(op, params, self.deadline_s)
@@ -138,7 +137,7 @@ class OpContext:
             self.tracker.running(rec)
             try:
                 result = fn(rec)
-            except (InstanceOpError, BadRequest, SaltScopeError) as exc:
+            except (InstanceOpError, BadRequest) as exc:
                 self.tracker.failed(rec, str(exc))
             except Exception as exc:  # noqa: BLE001 - reported as the op's failure
                 self.tracker.failed(rec, f"internal error: {type(exc).__name__}: {exc}")

@@ -12,7 +12,6 @@ from typing import Any, Sequence
 
 from kvtier.controller.endpoint import InstanceOpError
 from kvtier.controller.errors import BadRequest
-from kvtier.controller.index import SaltScopeError
 from kvtier.controller.op_context import OpContext
 from kvtier.controller.tracker import OpRecord
 
@@ -21,23 +20,25 @@ def clear(ctx: OpContext, instance: str | None = None, tier: str | None = None, 
     """Clear every chunk of the scope (all instances/tiers unless narrowed).
 
     Result: ``{"tokens": total, "chunks": total, "instances": {id: {"tokens", "chunks", "result"}}}``
-    (the instance's own ``chunks`` count where it reports one, else the index's at the start). With ``cache_salt`` the chunks whose chain starts at
-    that salt's root are deleted.
+    (the instance's own ``chunks`` count where it reports one, else the index's at the start). With
+    ``cache_salt`` the chunks whose chain starts at that salt's lineage marker
+    (``KeyNamespace.lineage``, recorded as the first chunk's parent) are deleted, with their
+    descendants in prefix-closed tiers; ``unattributed_chunks`` counts chunks of the scope whose
+    lineage is unknown (written without a marker), which are left.
 
     Raises:
-        UnknownInstance, BadRequest (an instance lacks the tier; a salt scope that cannot
-        be resolved from the index).
+        UnknownInstance, BadRequest (an instance lacks the tier).
     """
     recs = ctx.targets(instance, tier)
     plan: list[tuple[str, bytes, int, int, list[bytes] | None]] = []
+    unattributed: dict[str, int] = {}
     with ctx.state.lock:
         for r in recs:
             for digest, entry in r.namespaces.items():
                 if cache_salt is not None:
-                    try:
-                        keys = ctx.state.index.keys_of_salt(r.instance, digest, entry.namespace.root(cache_salt), tier)
-                    except SaltScopeError as exc:
-                        raise BadRequest(str(exc), "cache_salt") from None
+                    keys, unknown = ctx.state.index.keys_of_salt(
+                        r.instance, digest, entry.namespace.lineage(cache_salt), tier)
+                    unattributed[r.instance] = unattributed.get(r.instance, 0) + unknown
                     n = len(keys)
                 else:
                     keys = None
@@ -67,6 +68,9 @@ def clear(ctx: OpContext, instance: str | None = None, tier: str | None = None, 
             row["result"][digest.hex()] = res
         result = {"tokens": sum(r["tokens"] for r in per.values()),
                   "chunks": sum(r["chunks"] for r in per.values()), "instances": per}
+        if cache_salt is not None:
+            # chunks with no recorded lineage cannot be attributed to a salt: left, and counted
+            result["unattributed_chunks"] = sum(unattributed.values())
         if errors:
             raise InstanceOpError("; ".join(errors))
         return result

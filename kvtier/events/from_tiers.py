@@ -27,6 +27,7 @@ from kvtier.events.schema import (
     BlockStored,
     KVEvent,
 )
+from kvtier.index.keys import chain_parent
 
 #: Medium of each kvtier tier kind (:data:`kvtier.storage.types.TIER_KINDS`).
 TIER_MEDIUMS: dict[str, str] = {
@@ -121,4 +122,4 @@ def _parent(parent: bytes | None, i: int) -> bytes | None:
         return None
     if not isinstance(parent, bytes):
         raise ValueError(f"parents[{i}] must be bytes or None, got {type(parent).__name__}")
-    return parent
+    return chain_parent(parent)  # a lineage marker (a chain's first chunk) is no block: no parent

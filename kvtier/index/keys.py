@@ -53,6 +53,23 @@ def _lp(data: bytes) -> bytes:
     return len(data).to_bytes(8, "little") + data
 
 
+#: First bytes of a lineage marker (see :meth:`KeyNamespace.lineage`).
+LINEAGE_TAG = b"\x00" * 8
+_LINEAGE_DOMAIN = b"kvtier/lineage/v1\x00"
+
+
+def is_lineage(parent: bytes | None) -> bool:
+    """True if ``parent`` is a lineage marker (the recorded parent of a prompt's first chunk),
+    not a chunk key. A chunk key starts with 8 zero bytes with probability 2**-64."""
+    return parent is not None and len(parent) == KEY_BYTES and parent[:8] == LINEAGE_TAG and any(parent[8:])
+
+
+def chain_parent(parent: bytes | None) -> bytes | None:
+    """The parent that links chunks in a tier: ``parent``, or None for a lineage marker (a
+    prompt's first chunk, whose marker is never a resident chunk)."""
+    return None if parent is None or is_lineage(parent) else parent
+
+
 @dataclass(frozen=True)
 class MMItem:
     """One multimodal input item of a prompt, as it decides the KV of its placeholder tokens.
@@ -198,6 +215,18 @@ class KeyNamespace:
         """32-byte digest identifying this namespace (written into disk headers)."""
         return blake3.blake3(_ROOT_DOMAIN + self.canonical_bytes()).digest()
 
+    def lineage(self, cache_salt: str | None = None) -> bytes:
+        """The recorded parent of a prompt's first chunk: ``LINEAGE_TAG`` (8 zero bytes) + 24 bytes
+        of ``blake3(domain || root(cache_salt))``.
+
+        Keys do not depend on it (a key chains from :meth:`root`); tiers store it as the first
+        chunk's parent so that which tenant salt a chain started from is known later (the fleet
+        controller's ``clear(cache_salt=...)``), and treat it as "no parent" for prefix closure
+        (:func:`chain_parent`). The LoRA adapter is not in it: a salt's chains under every adapter
+        share one marker.
+        """
+        return LINEAGE_TAG + blake3.blake3(_LINEAGE_DOMAIN + self.root(cache_salt)).digest()[:KEY_BYTES - 8]
+
     def root(self, cache_salt: str | None = None) -> bytes:
         """Parent digest of a prompt's first chunk.
 
@@ -225,6 +254,7 @@ class ChunkHasher:
         self.namespace = namespace
         self.chunk_size = namespace.chunk_size
         self._roots: dict[tuple[str | None, str | None], bytes] = {}
+        self._lineages: dict[str | None, bytes] = {}
 
     def _root(self, cache_salt: str | None, adapter: str | None = None) -> bytes:
         memo = (cache_salt, adapter)
@@ -236,6 +266,15 @@ class ChunkHasher:
             if len(self._roots) < 4096:  # bounded memo; salts are per tenant, adapters per deployment
                 self._roots[memo] = root
         return root
+
+    def lineage(self, cache_salt: str | None = None) -> bytes:
+        """:meth:`KeyNamespace.lineage` (memoized per salt)."""
+        got = self._lineages.get(cache_salt)
+        if got is None:
+            got = self.namespace.lineage(cache_salt)
+            if len(self._lineages) < 4096:
+                self._lineages[cache_salt] = got
+        return got
 
     def num_full_chunks(self, num_tokens: int) -> int:
         return num_tokens // self.chunk_size

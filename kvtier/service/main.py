@@ -129,22 +129,24 @@ def run_server(
     except (ConfigError, RuntimeError) as exc:
         log.error("%s", exc)
         return 2
+    stop = threading.Event()
+
+    def _on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    # Before start: a SIGTERM while the server starts (its fleet agent may already have registered,
+    # a supervisor may already stop it) must still end in a clean close, not a kill.
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
     try:
         server.start()
     except (RuntimeError, OSError) as exc:
         log.error("cannot start kvtier server: %s", exc)
         server.close()  # what start() had bound (the Unix socket, threads) goes too
         return 1
-    stop = threading.Event()
-
-    def _on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
     print(f"kvtier server ready on unix://{options.socket_path}", flush=True)
     try:
-        while not stop.wait(1.0):
+        while not stop.wait(0.2):
             pass
     finally:
         server.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
+from kvtier.index.keys import chain_parent
 from kvtier.serde.base import Codec, ValueSpec
 from kvtier.serde.envelope import EncodedValue, encode_value
 from kvtier.tiers.base import ChunkWrite
@@ -60,7 +61,7 @@ def write_commands(
         rkeys.append(rkey(items[i].key))
         commands.append([b"SET", rkeys[-1], ev.parts, *px])
         handlers.append(ok_into(nodes, out, i))
-        parent = items[i].parent
+        parent = chain_parent(items[i].parent)  # a lineage marker is no stored key: nothing to extend
         if ttl_ms is not None and parent is not None and len(parent) and len(parent) <= 255:
             rkeys.append(rkey(parent))
             commands.append([b"PEXPIRE", rkeys[-1], b"%d" % ttl_ms])

@@ -60,6 +60,7 @@ class _Tracker:
     load_async: bool = False  # the last lookup asked vLLM for an asynchronous load
     async_inflight: bool = False  # an async load was sent and its completion not yet seen
     request: Any = field(default=None, repr=False, compare=False)  # vLLM's Request (block hashes for KV events)
+    lineage: bytes | None = None  # recorded parent of chunk 0: the salt's lineage marker (index/keys.py)
 
     def check(self, queued_async: bool) -> None:
         assert not (self.pending_load is not None and queued_async), f"{self.req_id}: two loads planned"
@@ -134,7 +135,8 @@ class KVTierScheduler:
                 return None
             tokens = list(tokens)
             keys = self._hasher.keys(tokens, request.cache_salt, extras=extras)
-            tr = _Tracker(request.request_id, tokens, keys, request=request)
+            tr = _Tracker(request.request_id, tokens, keys, request=request,
+                          lineage=self._hasher.lineage(request.cache_salt))
             self._trackers[request.request_id] = tr
         return tr
 
@@ -199,7 +201,7 @@ class KVTierScheduler:
         for ci in range(start // self.chunk_size, hit // self.chunk_size):
             first = ci * bpc
             offset = max(0, start // bs - first)
-            parent = tr.keys[ci - 1] if ci else None
+            parent = tr.keys[ci - 1] if ci else tr.lineage
             blocks_of_chunk = tuple(block_ids[first + offset : first + bpc])
             chunks.append(ChunkCopy(tr.keys[ci], blocks_of_chunk, offset, parent))
         spec = TransferSpec(request.request_id, chunks, is_async=tr.load_async)
@@ -273,7 +275,7 @@ class KVTierScheduler:
         bpc = self.blocks_per_chunk
         chunks = [
             ChunkCopy(
-                tr.keys[ci], tuple(tr.block_ids[ci * bpc : (ci + 1) * bpc]), parent=tr.keys[ci - 1] if ci else None
+                tr.keys[ci], tuple(tr.block_ids[ci * bpc : (ci + 1) * bpc]), parent=tr.keys[ci - 1] if ci else tr.lineage
             )
             for ci in range(tr.saved_chunks, full)
         ]

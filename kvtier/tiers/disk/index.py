@@ -24,13 +24,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from kvtier.index.keys import chain_parent
 from kvtier.tiers.base import ChangeHook
 from kvtier.tiers.policies import EvictionPolicy
 
 
 @dataclass(frozen=True)
 class Entry:
-    """A resident chunk: ``size`` file bytes on disk, ``parent`` key (None for a prompt's first chunk)."""
+    """A resident chunk: ``size`` file bytes on disk, ``parent`` as recorded: the previous chunk's key,
+    or for a prompt's first chunk None or its lineage marker (:func:`kvtier.index.keys.chain_parent`
+    maps both to "no parent" for prefix closure)."""
 
     size: int
     parent: bytes | None
@@ -102,6 +105,7 @@ class ChunkIndex:
         # capacity by at most the old record until the commit.)
         old = self.entries.get(key)
         need = size - old.size if old is not None else size
+        parent = chain_parent(parent)  # a lineage marker is no resident chunk
         if parent is not None and parent not in self.entries:
             room = self.used_bytes + need <= self.capacity_bytes
         else:
@@ -126,7 +130,7 @@ class ChunkIndex:
         if old is not None:
             self.used_bytes += size - old.size
             self.entries[key] = Entry(size, old.parent)
-            self.policy.insert(key, old.parent)  # a use of a resident key
+            self.policy.insert(key, chain_parent(old.parent))  # a use of a resident key
             return
         self._add(key, size, parent)
 
@@ -135,6 +139,7 @@ class ChunkIndex:
             self.on_change("s", (key,), (parent,))
         self.entries[key] = Entry(size, parent)
         self.used_bytes += size
+        parent = chain_parent(parent)
         self.policy.insert(key, parent)
         if parent is not None:
             self.children.setdefault(parent, set()).add(key)
@@ -183,12 +188,13 @@ class ChunkIndex:
         self.used_bytes -= entry.size
         self.policy.remove(key)
         self.early.discard(key)
-        if entry.parent is not None:
-            kids = self.children.get(entry.parent)
+        parent = chain_parent(entry.parent)
+        if parent is not None:
+            kids = self.children.get(parent)
             if kids is not None:
                 kids.discard(key)
                 if not kids:
-                    del self.children[entry.parent]
+                    del self.children[parent]
         for child in self.children.get(key, ()):  # only reached for explicit removals of leaves' parents
             if child in self.entries:
                 self.early.add(child)
@@ -203,9 +209,10 @@ class ChunkIndex:
         assert self.used_bytes == sum(e.size for e in self.entries.values()) + sum(self.reserved.values())
         kids: dict[bytes, set[bytes]] = {}
         for key, entry in self.entries.items():
-            if entry.parent is not None:
-                kids.setdefault(entry.parent, set()).add(key)
-                if entry.parent not in self.entries:
+            parent = chain_parent(entry.parent)
+            if parent is not None:
+                kids.setdefault(parent, set()).add(key)
+                if parent not in self.entries:
                     assert key in self.early, f"chunk {key.hex()[:16]} kept without its parent"
         assert kids == self.children, "child map out of date"
         assert self.early <= self.entries.keys()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+from kvtier.index.keys import chain_parent
 from kvtier.serde.record import (
     HEADER_BYTES,
     MAX_FIELDS_BYTES,
@@ -117,10 +118,11 @@ def scan(path: Path, namespace: bytes, fs: FileOps, remove: bool) -> ScanResult:
     present = {k for _, k, _, _, _ in raw}
     children: dict[bytes, list[bytes]] = {}
     for _, key, _, parent, _ in raw:
+        parent = chain_parent(parent)
         if parent is not None and parent in present:
             children.setdefault(parent, []).append(key)
     reachable: set[bytes] = set()
-    stack = [k for _, k, _, p, _ in raw if p is None]
+    stack = [k for _, k, _, p, _ in raw if chain_parent(p) is None]  # first chunks (parent None or a lineage marker)
     while stack:
         k = stack.pop()
         if k not in reachable:

@@ -206,7 +206,7 @@ def server(
     cpu_capacity: Optional[str] = typer.Option(None, help="Bytes of shared-memory CPU pool, e.g. 4GiB (split across namespaces)."),
     disk_path: Optional[Path] = typer.Option(None, help="Disk tier directory (the server is its single owner)."),
     disk_capacity: Optional[str] = typer.Option(None, help="Byte bound of the disk tier, e.g. 64GiB."),
-    config_file: Optional[Path] = typer.Option(None, "--config", help="kvtier config file (TOML/JSON) for the tier settings."),
+    config_file: Optional[Path] = typer.Option(None, "--config", help="kvtier config file (TOML/JSON, or an LMCache YAML) for the tier settings."),
     tcp_host: Optional[str] = typer.Option(None, help="Also listen on TCP at this address (opt-in; needs --token-file or server_token; "
         "a non-loopback address also needs --allow-remote)."),
     tcp_port: int = typer.Option(0, help="TCP port (0: any free port)."),

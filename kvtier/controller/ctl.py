@@ -91,7 +91,7 @@ def _health_table(out: dict[str, Any]) -> Table:
     for inst, row in sorted(out.get("instances", {}).items()):
         tiers = row.get("tiers") or {}
         if not tiers:
-            table.add_row(inst, "-", row.get("error", "no health reported"), f"{row.get('last_seen_age_s', 0):.2f}")
+            table.add_row(inst, "-", row.get("error", "no tier health yet (reported per key namespace; none registered, e.g. no engine connected)"), f"{row.get('last_seen_age_s', 0):.2f}")
         for tier, h in sorted(tiers.items()):
             table.add_row(inst, tier, json.dumps(h, sort_keys=True), f"{row.get('last_seen_age_s', 0):.2f}")
     return table

@@ -52,6 +52,7 @@ def test_short_soak_reports_every_figure_and_every_attack(tmp_path: Path) -> Non
     server = rep["server"]
     assert server["rss_max_bytes"] > 0 and server["rss_bound_bytes"] == rep["targets"]["rss_bound_bytes"]
     assert len(server["rss_samples_bytes"]) >= 5 and server["metrics_scrapes"] >= 5
+    assert isinstance(server["rss_growth_pct"], float) and isinstance(server["holds_left"], (int, float))
     assert server["exit_code"] == 0 and server["socket_removed"]
     assert any(k.startswith("kvtier_") for k in server["final_metrics"])
     assert server["log"]["lines"] > 0 and server["log"]["bytes"] > 0

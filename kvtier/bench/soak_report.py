@@ -4,7 +4,9 @@ Targets (issue 14): lookup p99 < ``P99_TARGET_MS`` over all the well-behaved
 clients' lookups and for the worst client; no call of theirs refused (every
 call not served counts: connect failures, error replies, calls skipped without
 a connection, timeouts, disconnects, restarts not registered in time, a client
-that failed); server RSS max within ``cpu_capacity + rss_allowance``.
+that failed); server RSS max within ``cpu_capacity + rss_allowance``. Issue 9 adds:
+server RSS growth from 10% into the run to its end under ``RSS_GROWTH_TARGET_PCT``, and no
+live lease or held chunk left once every client has exited.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
 MiB = 1 << 20
 #: Lookup p99 target of the well-behaved clients (milliseconds).
 P99_TARGET_MS = 10.0
+#: Server RSS growth allowed from 10% into the run to its end, percent (issue 9: under 1%).
+RSS_GROWTH_TARGET_PCT = 1.0
 
 
 def pct(xs: Sequence[float], q: float) -> float:
@@ -79,6 +83,13 @@ def build_report(opts: SoakOptions, seconds: float, samples: dict[str, Any], res
                 default={"index": -1, "lookup_p99_ms": nan, "lookup_p50_ms": nan, "lookup_max_ms": nan})
     bound = opts.cpu_capacity + opts.rss_allowance
     rss_max = max(rss, default=0)
+    # Growth after warm-up: the first 10% of the samples fill the pool and the allocator's arenas.
+    warm = rss[len(rss) // 10] if rss else 0
+    growth = (rss[-1] - warm) / warm if warm else nan
+    # Holds left once every client has exited (measured before the server is stopped): live leases
+    # and CPU chunks still referenced (reserved or being read), summed over namespaces.
+    holds = sum(v for k, v in final_metrics.items()
+                if k.split("{")[0] in ("kvtier_leases", "kvtier_referenced_chunks"))
     checks = [
         Check("lookup p99, well-behaved clients", ov["lookup_p99_ms"], P99_TARGET_MS, False, "ms",
               f"p50 {ov['lookup_p50_ms']:.2f} ms, max {ov['lookup_max_ms']:.1f} ms, {ov['lookups']:,} lookups"),
@@ -90,6 +101,10 @@ def build_report(opts: SoakOptions, seconds: float, samples: dict[str, Any], res
         Check("server RSS max vs bound", rss_max / MiB, bound / MiB, False, "MiB",
               f"pool {opts.cpu_capacity / MiB:.0f} MiB + allowance {opts.rss_allowance / MiB:.0f} MiB; "
               f"{len(rss)} samples"),
+        Check("server RSS growth after warm-up", growth * 100, RSS_GROWTH_TARGET_PCT, False, "%",
+              f"{warm / MiB:.1f} MiB at 10% of the run -> {(rss[-1] if rss else 0) / MiB:.1f} MiB at the end"),
+        Check("leases and held chunks left after the clients exit", holds, 0, False, "",
+              "kvtier_leases + kvtier_referenced_chunks from /metrics"),
         Check("server alive at the end", float(server_alive), 1.0, True, "", f"exit code {server_exit} after SIGTERM; log {server_log.get('lines', 0):,} lines, "
               f"{server_log.get('levels', {}).get('WARNING', 0):,} warnings, {server_log.get('tracebacks', 0)} tracebacks"),
     ]
@@ -98,13 +113,15 @@ def build_report(opts: SoakOptions, seconds: float, samples: dict[str, Any], res
     _print_attacks(hostile)
     return {
         "options": asdict(opts), "seconds": seconds,
-        "targets": {"lookup_p99_ms": P99_TARGET_MS, "refused": 0, "rss_bound_bytes": bound},
+        "targets": {"lookup_p99_ms": P99_TARGET_MS, "refused": 0, "rss_bound_bytes": bound,
+                    "rss_growth_pct": RSS_GROWTH_TARGET_PCT, "holds_left": 0},
         "checks": [{**asdict(c), "passed": c.passed} for c in checks],
         "passed": all(c.passed for c in checks),
         "clients": clients,
         "server": {
             "rss_max_bytes": rss_max, "rss_bound_bytes": bound, "rss_samples_bytes": rss,
             "rss_first_bytes": rss[0] if rss else 0, "rss_last_bytes": rss[-1] if rss else 0,
+            "rss_warm_bytes": warm, "rss_growth_pct": growth * 100, "holds_left": holds,
             "alive_at_end": server_alive, "exit_code": server_exit, "socket_removed": socket_removed,
             "health": samples["health"], "health_not_ok": samples["health_not_ok"],
             "metrics_scrapes": samples["metrics_scrapes"], "metrics_scrape_failures": samples["metrics_scrape_failures"],

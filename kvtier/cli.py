@@ -384,6 +384,8 @@ _CTL_TOKEN = typer.Option(None, "--token", help="Bearer token (default $KVTIER_C
 _CTL_JSON = typer.Option(False, "--json", help="Print the JSON answer instead of a table.")
 _CTL_TOKENS = typer.Option(None, "--tokens", help="Token ids, comma separated: 1,2,3.")
 _CTL_TOKENS_FILE = typer.Option(None, "--tokens-file", help="File of token ids (JSON list or comma/space separated).")
+_CTL_INSTANCE = typer.Option(None, "--instance", help="Only this instance (default: every instance).")
+_CTL_TIER = typer.Option(None, "--tier", help="Only this tier: cpu, disk, remote.")
 _CTL_SALT = typer.Option(None, "--cache-salt", help="Tenant cache salt the keys were made with.")
 _CTL_WAIT = typer.Option(True, "--wait/--no-wait", help="Wait for the operation's terminal state.")
 
@@ -435,7 +437,7 @@ def _ctl_tokens(tokens: Optional[str], tokens_file: Optional[Path]) -> list[int]
 def ctl_lookup(
     tokens: Optional[str] = _CTL_TOKENS, tokens_file: Optional[Path] = _CTL_TOKENS_FILE,
     keys: Optional[str] = typer.Option(None, "--keys", help="Chunk keys (hex, comma separated) instead of tokens."),
-    cache_salt: Optional[str] = _CTL_SALT, instance: Optional[str] = typer.Option(None, "--instance"),
+    cache_salt: Optional[str] = _CTL_SALT, instance: Optional[str] = _CTL_INSTANCE,
     url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
 ) -> None:
     """Longest cached prefix of a prompt per instance and tier."""
@@ -446,7 +448,7 @@ def ctl_lookup(
 
 @ctl_app.command("clear")
 def ctl_clear(
-    instance: Optional[str] = typer.Option(None, "--instance"), tier: Optional[str] = typer.Option(None, "--tier"),
+    instance: Optional[str] = _CTL_INSTANCE, tier: Optional[str] = _CTL_TIER,
     cache_salt: Optional[str] = _CTL_SALT, wait: bool = _CTL_WAIT,
     url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
 ) -> None:
@@ -457,7 +459,7 @@ def ctl_clear(
 @ctl_app.command("pin")
 def ctl_pin(
     tokens: Optional[str] = _CTL_TOKENS, tokens_file: Optional[Path] = _CTL_TOKENS_FILE,
-    instance: Optional[str] = typer.Option(None, "--instance"),
+    instance: Optional[str] = _CTL_INSTANCE,
     ttl: Optional[float] = typer.Option(None, "--ttl", min=0.001, help="Seconds the pin lasts (default: until unpinned)."),
     cache_salt: Optional[str] = _CTL_SALT, wait: bool = _CTL_WAIT,
     url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
@@ -470,7 +472,7 @@ def ctl_pin(
 @ctl_app.command("unpin")
 def ctl_unpin(
     tokens: Optional[str] = _CTL_TOKENS, tokens_file: Optional[Path] = _CTL_TOKENS_FILE,
-    instance: Optional[str] = typer.Option(None, "--instance"), pin_id: Optional[str] = typer.Option(None, "--pin-id"),
+    instance: Optional[str] = _CTL_INSTANCE, pin_id: Optional[str] = typer.Option(None, "--pin-id"),
     cache_salt: Optional[str] = _CTL_SALT, wait: bool = _CTL_WAIT,
     url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
 ) -> None:
@@ -500,7 +502,7 @@ def ctl_move(
 def ctl_compress(
     codec: str = typer.Option(..., "--codec", help="raw, shuffle-zstd, int8, cachegen."),
     tokens: Optional[str] = _CTL_TOKENS, tokens_file: Optional[Path] = _CTL_TOKENS_FILE,
-    instance: Optional[str] = typer.Option(None, "--instance"), tier: Optional[str] = typer.Option(None, "--tier"),
+    instance: Optional[str] = _CTL_INSTANCE, tier: Optional[str] = _CTL_TIER,
     cache_salt: Optional[str] = _CTL_SALT, wait: bool = _CTL_WAIT,
     url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
 ) -> None:
@@ -512,7 +514,7 @@ def ctl_compress(
 @ctl_app.command("decompress")
 def ctl_decompress(
     tokens: Optional[str] = _CTL_TOKENS, tokens_file: Optional[Path] = _CTL_TOKENS_FILE,
-    instance: Optional[str] = typer.Option(None, "--instance"), tier: Optional[str] = typer.Option(None, "--tier"),
+    instance: Optional[str] = _CTL_INSTANCE, tier: Optional[str] = _CTL_TIER,
     cache_salt: Optional[str] = _CTL_SALT, wait: bool = _CTL_WAIT,
     url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
 ) -> None:
@@ -523,7 +525,7 @@ def ctl_decompress(
 
 @ctl_app.command("health")
 def ctl_health(
-    instance: Optional[str] = typer.Option(None, "--instance"),
+    instance: Optional[str] = _CTL_INSTANCE,
     live: bool = typer.Option(False, "--live", help="Ask each instance now instead of its last heartbeat."),
     url: str = _CTL_URL, token: Optional[str] = _CTL_TOKEN, as_json: bool = _CTL_JSON,
 ) -> None:

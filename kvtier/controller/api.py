@@ -242,6 +242,9 @@ def create_app(controller: "Controller") -> FastAPI:
         return JSONResponse({"detail": str(exc), "field": exc.field}, status_code=400)
 
     deps = [Depends(auth)]
+    from kvtier.dashboard.fastapi_routes import mount_dashboard  # the page at /, read-only without the token
+
+    dash = mount_dashboard(app, controller, registry, deps)
 
     def _answer(rec_json: dict[str, Any] | None, event_id: str, wait: bool) -> dict[str, Any]:
         if wait:
@@ -290,6 +293,7 @@ def create_app(controller: "Controller") -> FastAPI:
             salt = req.cache_salt if req.cache_salt is not None else cache_salt
             inst = req.instance if req.instance is not None else instance
         out = ops.lookup(tokens=tokens, keys=keys, cache_salt=salt, instance=inst)
+        dash.observe_lookup(tokens, salt, out)
         lookup_seconds.observe(time.perf_counter() - t0)
         return Response(_JSON.encode(out), media_type="application/json")
 

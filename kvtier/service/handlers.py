@@ -93,8 +93,12 @@ class DataHandlers:
         m.lookups.inc()
         cs = reg.host.namespace.chunk_size
         m.lookup_tokens.inc(cs * len(r.keys))
-        for tier in set(res.tiers):
-            m.lookup_hit_tokens.labels(tier).inc(cs * res.tiers.count(tier))
+        hit = {tier: cs * res.tiers.count(tier) for tier in set(res.tiers)}
+        for tier, n in hit.items():
+            m.lookup_hit_tokens.labels(tier).inc(n)
+        if res.keys:  # the dashboard's hot prefixes: a hit chain is named by its last key (keys are chained)
+            nbytes = getattr(reg.host.manager, "chunk_bytes", 0) * len(res.keys)
+            m.hot.observe(res.keys[-1], cs * len(res.keys), nbytes, hit)
         return {"tiers": codes}
 
     def release(self, h: Holds, reg: Registered, r: ReleaseLease) -> dict[str, Any]:

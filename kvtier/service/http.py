@@ -151,6 +151,10 @@ class MetricsHTTPServer:
                 f"request_timeout_s={request_timeout_s}, backlog={backlog}"
             )
         outer_metrics, outer_health = metrics, health
+        from kvtier.dashboard import DashboardRoutes, ServerDashboard  # the page at / (kvtier.dashboard)
+
+        self.dashboard = ServerDashboard(metrics)
+        dashboard = DashboardRoutes(self.dashboard)
 
         class Handler(BaseHTTPRequestHandler):
             timeout = request_timeout_s  # socket timeout: request line, headers, reply
@@ -167,6 +171,8 @@ class MetricsHTTPServer:
                     healthy, details = outer_health()
                     body = json.dumps({"status": "ok" if healthy else "unavailable", **details}).encode()
                     ctype, code = "application/json", 200 if healthy else 503
+                elif dashboard.handle(self, path):
+                    return
                 else:
                     body, ctype, code = b"not found\n", "text/plain", 404
                 self.send_response(code)
@@ -202,5 +208,6 @@ class MetricsHTTPServer:
         return self._httpd.evicted
 
     def close(self) -> None:
+        self.dashboard.close()  # ends event streams
         self._httpd.shutdown()
         self._httpd.server_close()

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvtier.dashboard.hot import HotPrefixes
+
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
     from kvtier.tiers.base import LowerTier
@@ -53,6 +55,9 @@ _GAUGE_STATS = {
     "cpu_used_bytes": "Bytes used in the CPU tier",
     "disk_chunks": "Chunks in the disk tier",
     "disk_used_bytes": "Bytes used in the disk tier",
+    "prefetch_queued_chunks": "Chunks queued for promotion into the CPU tier",
+    "disk_write_pending": "Chunks waiting to be written to the disk tier",
+    "remote_write_pending": "Chunks waiting to be written to the remote tier",
 }
 #: Remote tier stats (``remote_<name>`` in ``StorageManager.stats()``) exported as counters:
 #: stat name -> (metric name, help text). Zero until a namespace with a remote tier is hosted.
@@ -125,6 +130,7 @@ class ServerMetrics:
             ["kind"], registry=r,
         )
         r.register(_StateCollector(snapshot, config, tiers))
+        self.hot = HotPrefixes()  # chains reused by lookups (the dashboard's hot prefixes; bounded)
         self._ok: dict[str, Any] = {}
         self._err: dict[str, Any] = {}
         self._lat: dict[str, Any] = {}

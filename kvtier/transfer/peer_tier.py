@@ -1,0 +1,276 @@
+"""A peer kvtier instance as a read-only lower tier, over a transfer channel.
+
+:class:`PeerServer` serves the chunks one instance's :class:`StorageManager` holds
+*locally* (CPU or disk; never its own lower remote or peer tiers, so peers never ask
+each other in circles) to peers that connect through a channel listener
+(:class:`~kvtier.transfer.tcp.TcpListener` or :class:`~kvtier.transfer.shm.ShmListener`).
+:class:`PeerTier` is the other side: a :class:`~kvtier.tiers.base.LowerTier` whose
+``contains_many`` / ``get_many_into`` ask that peer, so the storage manager promotes a
+peer's chunks into its CPU tier like any other lower tier's.
+
+Requests and replies are msgspec structs in control messages; chunks travel as one
+channel batch per ``get_many_into``, straight into the caller's CPU slots. A peer that
+is down, slow, vanishes mid-pull or sends a corrupt chunk is a miss (counted); the tier
+reconnects on a later call (at most once per ``retry_s``). ``put_many`` stores nothing
+(``writable`` is False: write-behind skips the tier).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import msgspec
+
+from kvtier.serde.base import Buffer
+from kvtier.tiers.base import (
+    ChunkWrite,
+    LowerTier,
+    TierCounters,
+    check_key,
+    writable_view,
+)
+from kvtier.transfer.channel import TransferChannel
+from kvtier.transfer.errors import TransferError
+
+log = logging.getLogger("kvtier.transfer.peer")
+
+
+class PeerRequest(msgspec.Struct, frozen=True):
+    """``op``: ``"contains"`` or ``"get"``; ``keys``: chunk keys, in prompt order."""
+
+    op: str
+    keys: list[bytes]
+
+
+class PeerReply(msgspec.Struct, frozen=True):
+    """Per requested key: held (``contains``) or about to be sent in the batch that follows (``get``)."""
+
+    found: list[bool]
+
+
+_MAX_KEYS = 4096
+#: Keys per request (255-byte keys at most: one request fits a 64 KiB control frame).
+_BATCH_KEYS = 200
+
+
+class PeerServer:
+    """Serves ``manager``'s locally held chunks to peers accepted by ``listener``.
+
+    Args:
+        manager: the instance's :class:`kvtier.storage.manager.StorageManager`.
+        listener: a :class:`TcpListener` or :class:`ShmListener` (owned: closed by :meth:`stop`).
+        timeout_s: bound of each send to a peer, seconds.
+    """
+
+    def __init__(self, manager: Any, listener: Any, timeout_s: float = 5.0):
+        self.manager = manager
+        self.listener = listener
+        self.timeout_s = timeout_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._channels: list[TransferChannel] = []
+        self._threads: list[threading.Thread] = []
+        self._acceptor = threading.Thread(target=self._accept_loop, name="kvtier-peer-accept", daemon=True)
+        self._acceptor.start()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                chan = self.listener.accept(0.2)
+            except TransferError:
+                continue  # nobody connected yet, or a failed handshake
+            except OSError:
+                return  # listener closed
+            with self._lock:
+                self._channels.append(chan)
+                t = threading.Thread(target=self._serve, args=(chan,), name="kvtier-peer-serve", daemon=True)
+                self._threads.append(t)
+            t.start()
+
+    def _serve(self, chan: TransferChannel) -> None:
+        decoder = msgspec.msgpack.Decoder(PeerRequest)
+        while not self._stop.is_set():
+            try:
+                body = chan.recv_control(timeout_s=24 * 3600.0)
+            except TransferError:
+                return  # the peer left (or stop() closed the channel)
+            try:
+                req = decoder.decode(body)
+                if req.op not in ("contains", "get") or len(req.keys) > _MAX_KEYS:
+                    raise ValueError(f"bad request {req.op!r} with {len(req.keys)} keys")
+                for k in req.keys:
+                    check_key(k)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+                log.warning("kvtier peer server: dropping a peer that sent a bad request: %s", exc)
+                chan.close()
+                return
+            try:
+                self._answer(chan, req)
+            except TransferError:
+                return
+
+    def _answer(self, chan: TransferChannel, req: PeerRequest) -> None:
+        local = [self.manager.where(k) is not None for k in req.keys]
+        if req.op == "contains":
+            chan.send_control(msgspec.msgpack.encode(PeerReply(found=local)), self.timeout_s)
+            return
+        wanted = [k for k, held in zip(req.keys, local) if held]
+        handles = self.manager.open_read_many([(k, None) for k in wanted]) if wanted else []
+        try:
+            got = {h.key: h for h in handles if h is not None}
+            found = [k in got for k in req.keys]
+            chan.send_control(msgspec.msgpack.encode(PeerReply(found=found)), self.timeout_s)
+            chan.send([(k, got[k].buffer) for k in req.keys if k in got], self.timeout_s)
+        finally:
+            for h in handles:
+                if h is not None:
+                    h.close()
+
+    def stop(self) -> None:
+        """Stop accepting, close every peer channel, join the threads (idempotent)."""
+        self._stop.set()
+        self.listener.close()
+        with self._lock:
+            channels, threads = list(self._channels), list(self._threads)
+        for chan in channels:
+            chan.close()
+        for t in [self._acceptor, *threads]:
+            t.join(5)
+
+
+class PeerTier(LowerTier):
+    """A read-only lower tier backed by a peer's :class:`PeerServer`.
+
+    Args:
+        connect: opens a channel to the peer, e.g. ``lambda: TcpChannel.connect(host, port, 2.0)``;
+            may raise :class:`TransferError` (the peer is down: misses).
+        timeout_s: bound of each request, seconds (a get waits at most this long for its batch).
+        retry_s: after a failure, calls are misses without trying for this long.
+    """
+
+    name = "peer"
+    kind = "peer"
+
+    def __init__(self, connect: Callable[[], TransferChannel], timeout_s: float = 2.0, retry_s: float = 1.0,
+                 location: str = "peer"):
+        self._connect = connect
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._location = location
+        self._chan: TransferChannel | None = None
+        self._down_until = 0.0
+        self._closed = False
+        self._lock = threading.Lock()
+        self._reply = msgspec.msgpack.Decoder(PeerReply)
+        self.counters = TierCounters()
+
+    @property
+    def location(self) -> str:
+        return self._location
+
+    @property
+    def writable(self) -> bool:
+        return False
+
+    def _channel(self) -> TransferChannel | None:
+        if self._chan is not None and not getattr(self._chan, "closed", False):
+            return self._chan
+        if self._closed or time.monotonic() < self._down_until:
+            self.counters.add(skipped_calls=1)
+            return None
+        try:
+            self._chan = self._connect()
+        except TransferError as exc:
+            self._failed(exc)
+            return None
+        return self._chan
+
+    def _failed(self, exc: Exception) -> None:
+        log.info("kvtier peer tier %s: %s (misses for %.1f s)", self._location, exc, self.retry_s)
+        self.counters.add(errors=1)
+        self._down_until = time.monotonic() + self.retry_s
+        chan, self._chan = self._chan, None
+        if chan is not None:
+            chan.close()
+
+    def _ask(self, chan: TransferChannel, op: str, keys: list[bytes]) -> list[bool]:
+        chan.send_control(msgspec.msgpack.encode(PeerRequest(op=op, keys=keys)), self.timeout_s)
+        try:
+            found = self._reply.decode(chan.recv_control(self.timeout_s)).found
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise TransferError(f"bad reply from the peer: {exc}") from None
+        if len(found) != len(keys):
+            raise TransferError("the peer answered for another number of keys")
+        return found
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        if len(keys) > _BATCH_KEYS:  # a request must fit one control frame
+            return [f for i in range(0, len(keys), _BATCH_KEYS) for f in self.contains_many(keys[i : i + _BATCH_KEYS])]
+        keys = [bytes(k) for k in keys]
+        for k in keys:
+            check_key(k)
+        self.counters.add(contains_keys=len(keys))
+        with self._lock:
+            chan = self._channel()
+            if chan is None or not keys:
+                return [False] * len(keys)
+            try:
+                found = self._ask(chan, "contains", keys)
+            except TransferError as exc:
+                self._failed(exc)
+                return [False] * len(keys)
+        self.counters.add(contains_hits=sum(found))
+        return found
+
+    def get_many_into(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+        if len(items) > _BATCH_KEYS:
+            return [f for i in range(0, len(items), _BATCH_KEYS) for f in self.get_many_into(items[i : i + _BATCH_KEYS])]
+        keys = [bytes(k) for k, _ in items]
+        for k in keys:
+            check_key(k)
+        outs = [writable_view(out) for _, out in items]
+        self.counters.add(gets=len(keys))
+        with self._lock:
+            chan = self._channel()
+            if chan is None or not keys:
+                self.counters.add(get_misses=len(keys))
+                return [False] * len(keys)
+            try:
+                found = self._ask(chan, "get", keys)
+                dests = [(k, o) for k, o, f in zip(keys, outs, found) if f]
+                got = chan.recv_into(dests, self.timeout_s) if dests else []
+            except TransferError as exc:
+                self._failed(exc)
+                self.counters.add(get_misses=len(keys))
+                return [False] * len(keys)  # a peer gone mid-pull: every chunk of the call is a miss
+        it = iter(got)
+        result = [bool(next(it)) if f else False for f in found]
+        corrupt = sum(f for f in found) - sum(result)
+        hits = sum(result)
+        self.counters.add(get_hits=hits, get_misses=len(keys) - hits - corrupt, get_corrupt=corrupt,
+                          bytes_read=sum(len(o) for o, r in zip(outs, result) if r))
+        return result
+
+    def put_many(self, items: Sequence[ChunkWrite]) -> list[bool]:
+        """Read-only tier: stores nothing (the write-behind skips it since ``writable`` is False)."""
+        self.counters.add(puts=len(items), put_failed=len(items))
+        return [False] * len(items)
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        return 0
+
+    def clear(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            chan, self._chan = self._chan, None
+        if chan is not None:
+            chan.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters.snapshot(), "connected": self._chan is not None, "location": self._location}

@@ -1,0 +1,288 @@
+"""The shared-memory transfer channel (same machine): payloads never go through the socket.
+
+Both ends share :class:`kvtier.service.shm.SharedSegment` mappings (the segments of
+``kvtier server``'s CPU pool are the same kind): a segment's file descriptor travels
+once over the channel's Unix socket (``SCM_RIGHTS``, a
+:class:`~kvtier.transfer.frames.Segment` frame) and the peer maps it. Afterwards only
+small :class:`~kvtier.transfer.frames.Chunk` frames (key, size, xxh3-64 checksum, segment
+and offset) cross the socket, and the receiver copies each payload once, from the
+mapping straight into the caller's destination, hashing each piece while it is in cache.
+
+Where the payload comes from:
+
+- a payload inside a segment shared with :meth:`ShmChannel.share_segment` (e.g. the
+  pool of ``kvtier server``) is read in place: one copy in all;
+- any other payload is first copied into this end's *staging* segment (a ring of
+  ``staging_bytes``, sparse: pages are backed when first written), so sender and
+  receiver copy concurrently; the receiver's :class:`~kvtier.transfer.frames.ChunkAck`
+  per chunk frees its ring space.
+
+``send`` returns once every chunk is acknowledged, so the payload memory may change
+afterwards. A mapping of a peer that died stays valid (the kernel keeps the memory
+while mapped); its chunks in flight end with :class:`PeerGone`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections import deque
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+from kvtier.service.shm import SharedSegment
+from kvtier.transfer.channel import (
+    DEFAULT_TIMEOUT_S,
+    Deadline,
+    InSlot,
+    OutChunk,
+    check_in_slots,
+    check_out_chunks,
+    payload_digest,
+)
+from kvtier.transfer.errors import ProtocolError, TransferError
+from kvtier.transfer.frames import Batch, Chunk, ChunkAck, Segment, encode_frame
+from kvtier.transfer.stream import StreamChannel
+
+#: Default bytes of the staging ring (sparse).
+DEFAULT_STAGING_BYTES = 256 << 20
+#: Copy-and-hash granularity (fits in L2, so the hash reads cached bytes).
+_PIECE = 512 << 10
+#: Most segments one peer may share.
+MAX_PEER_SEGMENTS = 64
+
+
+def _address(mv: memoryview) -> int:
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
+
+
+def copy_and_hash(src: np.ndarray, dst: np.ndarray) -> bytes:
+    """Copy ``src`` into ``dst`` (equal-size uint8 arrays) piecewise; xxh3-64 of the bytes copied."""
+    h = xxhash.xxh3_64()
+    for pos in range(0, len(src), _PIECE):
+        piece = dst[pos : pos + _PIECE]
+        np.copyto(piece, src[pos : pos + _PIECE])
+        h.update(piece)
+    return h.digest()
+
+
+class ShmChannel(StreamChannel):
+    """One end of a shared-memory transfer link (see the module docstring).
+
+    Args:
+        sock: a connected Unix stream socket (owned from now on).
+        timeout_s: default bound of each call, seconds.
+        staging_bytes: size of the staging ring; a payload larger than it cannot be sent
+            unless it lies in a shared segment.
+    """
+
+    kind = "shm"
+
+    def __init__(self, sock: socket.socket, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES):
+        super().__init__(sock, timeout_s, pass_fds=True)
+        if staging_bytes <= 0:
+            raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
+        self.staging_bytes = staging_bytes
+        self._mine: dict[int, tuple[int, int]] = {}  # segment id -> (address, size), shared by us
+        self._staging: SharedSegment | None = None
+        self._staging_id = -1
+        self._theirs: dict[int, SharedSegment] = {}
+
+    @classmethod
+    def connect(cls, path: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+                staging_bytes: int = DEFAULT_STAGING_BYTES) -> "ShmChannel":
+        """Dial a :class:`ShmListener` at ``path`` and exchange hellos.
+
+        Raises:
+            TransferError: cannot connect, or the peer is not a shared-memory channel.
+        """
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(path)
+        except OSError as exc:
+            sock.close()
+            raise TransferError(f"cannot connect to shm transfer peer {path}: {exc}") from None
+        chan = cls(sock, timeout_s, staging_bytes)
+        chan.handshake()
+        return chan
+
+    @classmethod
+    def pair(cls, timeout_s: float = DEFAULT_TIMEOUT_S,
+             staging_bytes: int = DEFAULT_STAGING_BYTES) -> tuple["ShmChannel", "ShmChannel"]:
+        """Two connected ends in this process (tests; threads)."""
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        return cls(a, timeout_s, staging_bytes), cls(b, timeout_s, staging_bytes)
+
+    # -- segments --------------------------------------------------------------------
+    def share_segment(self, segment: SharedSegment, timeout_s: float | None = None) -> int:
+        """Let the peer map ``segment`` (server side: it owns an fd); payloads inside it are
+        then sent without any copy on this side. Returns the segment's id on this link.
+
+        Raises:
+            ValueError: the segment has no file descriptor (an attached, client-side segment).
+            TransferError: timeout or the peer gone.
+        """
+        if segment.fd is None:
+            raise ValueError("only a segment that owns its file descriptor can be shared")
+        seg_id = len(self._mine)
+        try:
+            self._send_views([encode_frame(Segment(segment_id=seg_id, nbytes=segment.size))],
+                             self._deadline(timeout_s), fds=[segment.fd])
+        except (OSError, TransferError) as exc:
+            raise self._fail(exc) from None
+        self._mine[seg_id] = (int(segment.array.ctypes.data), segment.size)
+        return seg_id
+
+    def _on_segment(self, msg: Segment, fd: int) -> None:
+        if msg.segment_id in self._theirs or len(self._theirs) >= MAX_PEER_SEGMENTS:
+            os.close(fd)
+            raise ProtocolError(f"segment {msg.segment_id} shared twice or too many segments")
+        try:
+            self._theirs[msg.segment_id] = SharedSegment.attach_fd(fd, msg.nbytes)  # closes fd
+        except (OSError, ValueError) as exc:
+            raise ProtocolError(f"cannot map the peer's segment {msg.segment_id}: {exc}") from None
+
+    def peer_segment(self, segment_id: int) -> np.ndarray:
+        """The peer's segment ``segment_id`` as mapped here (``uint8 [size]``; benches, diagnostics).
+
+        Raises:
+            KeyError: the peer has not shared that segment (yet).
+        """
+        return self._theirs[segment_id].array
+
+    def _locate(self, mv: memoryview) -> tuple[int, int]:
+        """(segment id, offset) of a payload lying in a shared segment, else (-1, -1)."""
+        addr, n = _address(mv), len(mv)
+        for seg_id, (base, size) in self._mine.items():
+            if base <= addr and addr + n <= base + size and seg_id != self._staging_id:
+                return seg_id, addr - base
+        return -1, -1
+
+    # -- send ------------------------------------------------------------------------
+    def send(self, chunks: Sequence[OutChunk], timeout_s: float | None = None) -> list[bool]:
+        """See :meth:`TransferChannel.send`; payloads in shared segments are not copied."""
+        items = check_out_chunks(chunks)
+        deadline = self._deadline(timeout_s)
+        batch_id = self._next_batch
+        self._next_batch += 1
+        placed = [self._locate(it[1]) for it in items]
+        if any(s < 0 and len(mv) > self.staging_bytes for (s, _), (_, mv, _) in zip(placed, items)):
+            raise ValueError(f"a payload larger than the staging ring ({self.staging_bytes} bytes) "
+                             "must lie in a shared segment")
+        received = [False] * len(items)
+        ring: deque[tuple[int, int, int]] = deque()  # (chunk index, start, end) staged, not yet acked
+        acked = 0
+        try:
+            if any(s < 0 and len(mv) for (s, _), (_, mv, _) in zip(placed, items)):
+                self._ensure_staging(deadline)
+            self._send_views([encode_frame(Batch(batch_id=batch_id, count=len(items)))], deadline)
+            for i, ((key, mv, given), (seg_id, offset)) in enumerate(zip(items, placed)):
+                if seg_id < 0 and len(mv):
+                    while (start := self._ring_place(ring, len(mv))) < 0:
+                        acked = self._take_ack(batch_id, acked, received, ring, deadline)
+                    ring.append((i, start, start + len(mv)))
+                    assert self._staging is not None
+                    src = np.frombuffer(mv, dtype=np.uint8)
+                    dst = self._staging.array[start : start + len(mv)]
+                    digest = copy_and_hash(src, dst) if given is None else given
+                    if given is not None:
+                        np.copyto(dst, src)
+                    seg_id, offset = self._staging_id, start
+                else:
+                    digest = payload_digest(mv, given)
+                frame = Chunk(index=i, key=key, nbytes=len(mv), checksum=digest, segment_id=seg_id, offset=offset)
+                self._send_views([encode_frame(frame)], deadline)
+            while acked < len(items):
+                acked = self._take_ack(batch_id, acked, received, ring, deadline)
+        except (OSError, TransferError) as exc:
+            raise self._fail(exc) from None
+        self.counters.add(batches_sent=1, chunks_sent=len(items), bytes_sent=sum(len(it[1]) for it in items),
+                          chunks_delivered=sum(received))
+        return received
+
+    def _ensure_staging(self, deadline: Deadline) -> None:
+        if self._staging is None:
+            seg = SharedSegment.create(self.staging_bytes, name="kvtier-transfer", sparse=True)
+            self._staging = seg
+            self._send_views([encode_frame(Segment(segment_id=len(self._mine), nbytes=seg.size))], deadline,
+                             fds=[seg.fd] if seg.fd is not None else [])
+            self._staging_id = len(self._mine)
+            self._mine[self._staging_id] = (int(seg.array.ctypes.data), seg.size)
+
+    def _ring_place(self, ring: deque[tuple[int, int, int]], n: int) -> int:
+        """Start of ``n`` free bytes in the staging ring, or -1 until an ack frees space."""
+        if not ring:
+            return 0
+        head, tail = ring[0][1], ring[-1][2]
+        if ring[-1][1] >= head:  # not wrapped: [head, tail) in use
+            if tail + n <= self.staging_bytes:
+                return tail
+            return 0 if n <= head else -1
+        return tail if tail + n <= head else -1
+
+    def _take_ack(self, batch_id: int, acked: int, received: list[bool],
+                  ring: deque[tuple[int, int, int]], deadline: Deadline) -> int:
+        ack = self._recv_msg(deadline)
+        if not isinstance(ack, ChunkAck) or ack.batch_id != batch_id or ack.index != acked:
+            raise ProtocolError(f"expected the ack of chunk {acked} of batch {batch_id}, got {ack!r:.80}")
+        received[acked] = ack.ok
+        if ring and ring[0][0] == acked:
+            ring.popleft()
+        return acked + 1
+
+    # -- receive ---------------------------------------------------------------------
+    def recv_into(self, dests: Sequence[InSlot], timeout_s: float | None = None) -> list[bool]:
+        """See :meth:`TransferChannel.recv_into`; one copy from the peer's mapping per chunk."""
+        views, index = check_in_slots(dests)
+        deadline = self._deadline(timeout_s)
+        result = [False] * len(views)
+        try:
+            batch = self._recv_msg(deadline)
+            if not isinstance(batch, Batch):
+                raise ProtocolError(f"expected a batch frame, got {type(batch).__name__}")
+            for expect in range(batch.count):
+                chunk = self._recv_msg(deadline)
+                if not isinstance(chunk, Chunk) or chunk.index != expect:
+                    raise ProtocolError(f"expected chunk frame {expect} of batch {batch.batch_id}, got {chunk!r:.80}")
+                ok = self._take(chunk, views, index, result)
+                self._send_views([encode_frame(ChunkAck(batch_id=batch.batch_id, index=expect, ok=ok))], deadline)
+        except (OSError, TransferError) as exc:
+            raise self._fail(exc, received=result) from None
+        return result
+
+    def _source(self, chunk: Chunk) -> np.ndarray:
+        if chunk.nbytes == 0:
+            return np.empty(0, dtype=np.uint8)
+        seg = self._theirs.get(chunk.segment_id)
+        if seg is None:
+            raise ProtocolError(f"chunk frame names unknown segment {chunk.segment_id}")
+        if not 0 <= chunk.offset <= seg.size - chunk.nbytes:
+            raise ProtocolError(f"chunk frame [{chunk.offset}, +{chunk.nbytes}) outside segment of {seg.size} bytes")
+        return seg.array[chunk.offset : chunk.offset + chunk.nbytes]
+
+    def _take(self, chunk: Chunk, views: list[memoryview], index: dict[bytes, int], result: list[bool]) -> bool:
+        src = self._source(chunk)
+        i = index.get(chunk.key)
+        if i is None:
+            self.counters.add(unexpected=1)
+            return False
+        if len(views[i]) != chunk.nbytes:
+            self.counters.add(size_mismatch=1)
+            return False
+        ok = copy_and_hash(src, np.frombuffer(views[i], dtype=np.uint8)) == chunk.checksum
+        result[i] = ok
+        self.counters.add(**({"chunks_received": 1, "bytes_received": chunk.nbytes} if ok else {"corrupt": 1}))
+        return ok
+
+    def close(self) -> None:
+        super().close()
+        theirs, self._theirs = self._theirs, {}
+        for seg in theirs.values():
+            seg.close()
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.close()

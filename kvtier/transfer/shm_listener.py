@@ -1,0 +1,63 @@
+"""The listener of the shared-memory transfer channel: a Unix socket in an owner-only directory."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+from kvtier.transfer.channel import DEFAULT_TIMEOUT_S
+from kvtier.transfer.errors import TransferError, TransferTimeout
+from kvtier.transfer.shm import DEFAULT_STAGING_BYTES, ShmChannel
+
+
+class ShmListener:
+    """Accepts :class:`ShmChannel` peers on a Unix socket (owner-only directory).
+
+    Args:
+        path: socket path (default: ``shm.sock`` in a new private temporary directory).
+        timeout_s: default call timeout of accepted channels, seconds.
+        staging_bytes: staging ring size of accepted channels.
+    """
+
+    def __init__(self, path: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES):
+        self._tmpdir = None if path else tempfile.mkdtemp(prefix="kvtier-shm-")
+        self.path = path or os.path.join(self._tmpdir or "", "shm.sock")
+        self.timeout_s = timeout_s
+        self.staging_bytes = staging_bytes
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(self.path)
+        self._sock.listen(16)
+
+    def accept(self, timeout_s: float | None = None) -> ShmChannel:
+        """The next peer, hellos exchanged.
+
+        Raises:
+            TransferTimeout: nobody connected in time. TransferError: the handshake failed.
+        """
+        self._sock.settimeout(self.timeout_s if timeout_s is None else timeout_s)
+        try:
+            sock, _ = self._sock.accept()
+        except (socket.timeout, TimeoutError):
+            raise TransferTimeout("no shm transfer peer connected in time") from None
+        except OSError as exc:
+            raise TransferError(f"shm accept failed: {exc}") from None
+        chan = ShmChannel(sock, self.timeout_s, self.staging_bytes)
+        chan.handshake(timeout_s)
+        return chan
+
+    def close(self) -> None:
+        self._sock.close()
+        try:
+            os.unlink(self.path)
+            if self._tmpdir:
+                os.rmdir(self._tmpdir)
+        except OSError:
+            pass
+
+    def __enter__(self) -> "ShmListener":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

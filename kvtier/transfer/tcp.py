@@ -1,0 +1,170 @@
+"""The TCP transfer channel (across machines): zero-copy sends, ``recv_into`` destination slots.
+
+A batch on the wire is one :class:`~kvtier.transfer.frames.Batch` frame, then per chunk a
+:class:`~kvtier.transfer.frames.Chunk` frame immediately followed by its payload; the
+receiver answers with one :class:`~kvtier.transfer.frames.BatchAck`. The sender hands
+the caller's payload buffers to ``sendmsg`` as they are (no copy in Python); the receiver
+reads each payload straight into the caller's destination with ``recv_into``, hashing
+(xxh3-64) each piece as it lands, and compares with the frame's checksum. Payloads for
+keys not asked for, or of another size than their destination, are read into a scratch
+buffer and dropped.
+
+Connection: :class:`TcpListener` accepts, :meth:`TcpChannel.connect` dials; both ends
+exchange a :class:`~kvtier.transfer.frames.Hello` first.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Sequence
+
+from kvtier.transfer.channel import (
+    DEFAULT_TIMEOUT_S,
+    InSlot,
+    OutChunk,
+    check_in_slots,
+    check_out_chunks,
+    payload_digest,
+)
+from kvtier.transfer.errors import ProtocolError, TransferError
+from kvtier.transfer.frames import Batch, BatchAck, Chunk, encode_frame
+from kvtier.transfer.stream import StreamChannel
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks and control frames go out at once
+
+
+class TcpChannel(StreamChannel):
+    """One end of a TCP transfer link (see the module docstring).
+
+    Args:
+        sock: a connected TCP socket (owned from now on); use :meth:`connect` or :class:`TcpListener`.
+        timeout_s: default bound of each call, seconds.
+    """
+
+    kind = "tcp"
+
+    def __init__(self, sock: socket.socket, timeout_s: float = DEFAULT_TIMEOUT_S):
+        _tune(sock)
+        super().__init__(sock, timeout_s)
+
+    @classmethod
+    def connect(cls, host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> "TcpChannel":
+        """Dial a :class:`TcpListener` and exchange hellos.
+
+        Raises:
+            TransferError: cannot connect within ``timeout_s``, or the peer is not a TCP transfer channel.
+        """
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as exc:
+            raise TransferError(f"cannot connect to tcp transfer peer {host}:{port}: {exc}") from None
+        chan = cls(sock, timeout_s)
+        chan.handshake()
+        return chan
+
+    def send(self, chunks: Sequence[OutChunk], timeout_s: float | None = None) -> list[bool]:
+        """See :meth:`TransferChannel.send`. Payloads go to the kernel as they are (``sendmsg``)."""
+        items = check_out_chunks(chunks)
+        deadline = self._deadline(timeout_s)
+        batch_id = self._next_batch
+        self._next_batch += 1
+        try:
+            self._send_views([encode_frame(Batch(batch_id=batch_id, count=len(items)))], deadline)
+            for i, (key, mv, given) in enumerate(items):
+                frame = encode_frame(Chunk(index=i, key=key, nbytes=len(mv), checksum=payload_digest(mv, given)))
+                self._send_views([frame, mv], deadline)
+            ack = self._recv_msg(deadline)
+            if not isinstance(ack, BatchAck) or ack.batch_id != batch_id or len(ack.received) != len(items):
+                raise ProtocolError(f"expected the ack of batch {batch_id}, got {ack!r:.80}")
+        except (OSError, TransferError) as exc:
+            raise self._fail(exc) from None
+        nbytes = sum(len(it[1]) for it in items)
+        self.counters.add(batches_sent=1, chunks_sent=len(items), bytes_sent=nbytes,
+                          chunks_delivered=sum(ack.received))
+        return list(ack.received)
+
+    def recv_into(self, dests: Sequence[InSlot], timeout_s: float | None = None) -> list[bool]:
+        """See :meth:`TransferChannel.recv_into`. Payloads land in ``dests`` by ``recv_into``."""
+        views, index = check_in_slots(dests)
+        deadline = self._deadline(timeout_s)
+        result = [False] * len(views)
+        try:
+            batch = self._recv_msg(deadline)
+            if not isinstance(batch, Batch):
+                raise ProtocolError(f"expected a batch frame, got {type(batch).__name__}")
+            verdicts: list[bool] = []
+            for expect in range(batch.count):
+                chunk = self._recv_msg(deadline)
+                if not isinstance(chunk, Chunk) or chunk.index != expect:
+                    raise ProtocolError(f"expected chunk frame {expect} of batch {batch.batch_id}, got {chunk!r:.80}")
+                verdicts.append(self._take(chunk, views, index, result, deadline))
+            self._send_views([encode_frame(BatchAck(batch_id=batch.batch_id, received=verdicts))], deadline)
+        except (OSError, TransferError) as exc:
+            raise self._fail(exc, received=result) from None
+        return result
+
+    def _take(self, chunk: Chunk, views: list[memoryview], index: dict[bytes, int], result: list[bool],
+              deadline) -> bool:
+        """Read one chunk's payload into its destination (or drop it); True if received intact."""
+        i = index.get(chunk.key)
+        if i is None:
+            self.counters.add(unexpected=1)
+        elif len(views[i]) != chunk.nbytes:
+            self.counters.add(size_mismatch=1)
+        else:
+            result[i] = False
+            ok = self._recv_payload_into(views[i], deadline) == chunk.checksum
+            result[i] = ok
+            self.counters.add(**({"chunks_received": 1, "bytes_received": chunk.nbytes} if ok else {"corrupt": 1}))
+            return ok
+        self._discard(chunk.nbytes, deadline)
+        return False
+
+
+class TcpListener:
+    """Accepts :class:`TcpChannel` peers on ``host:port`` (port 0: any free port; see :attr:`address`).
+
+    Args:
+        host / port: where to listen.
+        timeout_s: default call timeout of accepted channels, seconds.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.timeout_s = timeout_s
+        self._sock = socket.create_server((host, port), reuse_port=False)
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+
+    def accept(self, timeout_s: float | None = None) -> TcpChannel:
+        """The next peer, hellos exchanged.
+
+        Raises:
+            TransferTimeout: nobody connected in time. TransferError: the handshake failed.
+        """
+        from kvtier.transfer.errors import TransferTimeout
+
+        self._sock.settimeout(self.timeout_s if timeout_s is None else timeout_s)
+        try:
+            sock, _addr = self._sock.accept()
+        except (socket.timeout, TimeoutError):
+            raise TransferTimeout("no tcp transfer peer connected in time") from None
+        except OSError as exc:
+            raise TransferError(f"tcp accept failed: {exc}") from None
+        sock.settimeout(None)
+        return self._wrap(sock, timeout_s)
+
+    def _wrap(self, sock: socket.socket, timeout_s: float | None) -> TcpChannel:
+        """The channel of an accepted connection, hellos exchanged."""
+        chan = TcpChannel(sock, self.timeout_s)
+        chan.handshake(timeout_s)
+        return chan
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> "TcpListener":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,318 @@
+"""Transfer channels (shared memory, TCP) behind one interface: round trips, destinations, misses, errors."""
+
+from __future__ import annotations
+
+import functools
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvtier.service.shm import SharedSegment
+from kvtier.transfer.channel import TransferChannel
+from kvtier.transfer.errors import (
+    PeerGone,
+    ProtocolError,
+    TransferError,
+    TransferTimeout,
+)
+from kvtier.transfer.frames import PREFIX, Batch, Chunk, Hello, encode_frame
+from kvtier.transfer.shm import ShmChannel
+from kvtier.transfer.shm_listener import ShmListener
+from kvtier.transfer.tcp import TcpChannel, TcpListener
+
+KINDS = ["shm", "tcp", "nixl"]
+
+
+@functools.cache
+def _nixl_missing() -> str | None:
+    try:
+        from kvtier.transfer.nixl import nixl_agent_class
+
+        nixl_agent_class()
+        return None
+    except TransferError as exc:
+        return str(exc)
+
+
+
+def _key(i: int) -> bytes:
+    return xxhash.xxh3_128_digest(i.to_bytes(8, "little")) * 2
+
+
+def _chunks(n: int, size: int, seed: int = 0) -> list[tuple[bytes, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [(_key(i), rng.integers(0, 256, size, dtype=np.uint8)) for i in range(n)]
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(2) as ex:
+        yield ex
+
+
+def _connect(kind: str, pool: ThreadPoolExecutor, timeout_s: float = 10.0, **kw) -> tuple[TransferChannel, TransferChannel]:
+    """(sender end, receiver end), connected through a real listener."""
+    if kind == "nixl" and _nixl_missing():
+        pytest.skip(f"nixl channel: {_nixl_missing()}")
+    if kind == "shm":
+        listener = ShmListener(timeout_s=timeout_s, **kw)
+        fut = pool.submit(listener.accept)
+        a = ShmChannel.connect(listener.path, timeout_s, **kw)
+    elif kind == "nixl":
+        from kvtier.transfer.nixl import NixlChannel
+        from kvtier.transfer.nixl_listener import NixlListener
+
+        listener = NixlListener(timeout_s=timeout_s)
+        fut = pool.submit(listener.accept)
+        a = NixlChannel.connect(*listener.address, timeout_s=timeout_s)
+    else:
+        listener = TcpListener(timeout_s=timeout_s)
+        fut = pool.submit(listener.accept)
+        a = TcpChannel.connect(*listener.address, timeout_s=timeout_s)
+    b = fut.result(10)
+    listener.close()
+    return a, b
+
+
+@pytest.fixture(params=KINDS)
+def link(request, pool) -> Iterator[tuple[TransferChannel, TransferChannel]]:
+    a, b = _connect(request.param, pool, staging_bytes=8 << 20) if request.param == "shm" else _connect(request.param, pool)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _transfer(pool, a, b, chunks, dests, **kw):
+    fut = pool.submit(b.recv_into, dests, **kw)
+    sent = a.send(chunks)
+    return sent, fut.result(30)
+
+
+def test_round_trip_many_chunks_bytes_identical_into_given_buffers(link, pool):
+    a, b = link
+    chunks = _chunks(40, 300_000 + 17)
+    # Destinations are slices of one arena with guard bytes around each: the channel must
+    # write exactly those buffers, nothing else.
+    size, guard = len(chunks[0][1]), 64
+    arena = np.full(len(chunks) * (size + guard) + guard, 0xAB, dtype=np.uint8)
+    dests = [(k, arena[guard + i * (size + guard):][:size]) for i, (k, _) in enumerate(chunks)]
+    sent, got = _transfer(pool, a, b, chunks, dests)
+    assert sent == [True] * 40 and got == [True] * 40
+    for (_, d), (_, p) in zip(dests, chunks):
+        assert np.shares_memory(d, arena) and np.array_equal(d, p)
+    for i in range(len(chunks) + 1):
+        assert (arena[i * (size + guard):][:guard] == 0xAB).all()
+    assert b.stats()["chunks_received"] == 40 and a.stats()["chunks_delivered"] == 40
+
+
+def test_large_chunk_and_reuse_of_the_link(link, pool):
+    a, b = link
+    big = _chunks(1, 24 << 20, seed=3)  # 3x the shm staging ring in the fixture: must lie in a shared segment
+    if a.kind == "shm":
+        seg = SharedSegment.create(24 << 20, sparse=True)
+        seg.array[:] = big[0][1]
+        a.share_segment(seg)
+        big = [(big[0][0], seg.array)]
+    out = np.zeros(24 << 20, dtype=np.uint8)
+    sent, got = _transfer(pool, a, b, big, [(big[0][0], out)])
+    assert sent == [True] and got == [True] and np.array_equal(out, big[0][1])
+    small = _chunks(3, 1000, seed=4)  # the same link again, other chunks
+    outs = [(k, np.zeros(1000, np.uint8)) for k, _ in small]
+    assert _transfer(pool, a, b, small, outs)[1] == [True] * 3
+    assert all(np.array_equal(o, p) for (_, o), (_, p) in zip(outs, small))
+
+
+def test_shm_payload_in_shared_segment_is_not_staged(pool):
+    a, b = _connect("shm", pool, staging_bytes=1 << 20)
+    seg = SharedSegment.create(4 << 20)
+    seg.array[:] = np.arange(4 << 20, dtype=np.uint64).astype(np.uint8)
+    a.share_segment(seg)
+    chunks = [(_key(i), seg.array[i << 20 : (i + 1) << 20]) for i in range(4)]
+    dests = [(k, np.zeros(1 << 20, np.uint8)) for k, _ in chunks]
+    sent, got = _transfer(pool, a, b, chunks, dests)
+    assert got == [True] * 4 and all(np.array_equal(d, p) for (_, d), (_, p) in zip(dests, chunks))
+    assert a._staging is None  # nothing was copied on the sender's side
+    with pytest.raises(ValueError, match="staging ring"):
+        a.send([(_key(9), np.zeros(2 << 20, np.uint8))])  # private payload larger than the ring
+    a.close(), b.close(), seg.close()
+
+
+def test_missing_unexpected_and_wrong_size_chunks_are_misses(link, pool):
+    a, b = link
+    chunks = _chunks(3, 5000)
+    dests = [(chunks[0][0], np.zeros(5000, np.uint8)),          # arrives
+             (chunks[1][0], np.zeros(4999, np.uint8)),          # wrong size: miss, untouched
+             (_key(99), np.zeros(5000, np.uint8))]              # never sent: miss
+    sent, got = _transfer(pool, a, b, chunks, dests)             # chunks[2]: nobody asked: dropped
+    assert got == [True, False, False] and sent == [True, False, False]
+    assert not dests[1][1].any() and not dests[2][1].any()
+    s = b.stats()
+    assert (s["size_mismatch"], s["unexpected"], s["chunks_received"]) == (1, 1, 1)
+
+
+def test_wrong_checksum_is_a_miss_and_the_link_goes_on(link, pool):
+    a, b = link
+    chunks = _chunks(2, 10_000)
+    wrong = [(chunks[0][0], chunks[0][1], b"\0" * 8), (chunks[1][0], chunks[1][1], xxhash.xxh3_64_intdigest(chunks[1][1]))]
+    dests = [(k, np.zeros(10_000, np.uint8)) for k, _ in chunks]
+    sent, got = _transfer(pool, a, b, wrong, dests)
+    assert got == [False, True] and sent == [False, True] and b.stats()["corrupt"] == 1
+    assert _transfer(pool, a, b, chunks, dests)[1] == [True, True]
+
+
+def test_control_messages(link, pool):
+    a, b = link
+    a.send_control(b"hello peer")
+    assert b.recv_control() == b"hello peer"
+    b.send_control(b"x" * 1000)
+    assert a.recv_control() == b"x" * 1000
+
+
+def test_bad_arguments_raise_before_io(link):
+    a, b = link
+    with pytest.raises(ValueError, match="read-only"):
+        b.recv_into([(_key(1), b"immutable")])
+    with pytest.raises(ValueError, match="duplicate"):
+        b.recv_into([(_key(1), bytearray(4)), (_key(1), bytearray(4))])
+    with pytest.raises(ValueError):
+        a.send([(b"", b"x")])
+    with pytest.raises(TypeError):
+        a.send([(_key(1), 12345)])
+    assert not a.closed and not b.closed  # nothing went on the wire
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_silent_peer_times_out_within_the_bound(kind, pool):
+    a, b = _connect(kind, pool)
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeout):
+        b.recv_into([(_key(1), np.zeros(10, np.uint8))], timeout_s=0.3)
+    assert time.monotonic() - t0 < 2.0
+    assert b.closed  # a stream that timed out mid-conversation is not reused
+    t0 = time.monotonic()
+    with pytest.raises(TransferError):  # the peer never answers the batch
+        a.send([(_key(1), np.zeros(10, np.uint8))], timeout_s=0.3)
+    assert time.monotonic() - t0 < 2.0
+    a.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_closed_channel_raises_peer_gone(kind, pool):
+    a, b = _connect(kind, pool)
+    a.close()
+    with pytest.raises(PeerGone):
+        b.recv_into([(_key(1), np.zeros(10, np.uint8))], timeout_s=5)
+    with pytest.raises(PeerGone):
+        a.send_control(b"x")
+
+
+# -- hand-made frames from a raw TCP peer ---------------------------------------------
+def _raw_peer(pool) -> tuple[socket.socket, TcpChannel]:
+    listener = TcpListener(timeout_s=5)
+    fut = pool.submit(listener.accept)
+    raw = socket.create_connection(listener.address)
+    raw.sendall(encode_frame(Hello(kind="tcp")))
+    chan = fut.result(10)
+    listener.close()
+    hdr = raw.recv(PREFIX.size + 64)
+    assert hdr.startswith(b"KVTX")
+    return raw, chan
+
+
+def test_truncated_payload_is_peer_gone_and_no_partial_chunk_reported(pool):
+    raw, chan = _raw_peer(pool)
+    chunks = _chunks(3, 100_000)
+    raw.sendall(encode_frame(Batch(batch_id=0, count=3)))
+    for i, (k, p) in enumerate(chunks[:2]):
+        raw.sendall(encode_frame(Chunk(index=i, key=k, nbytes=p.nbytes, checksum=xxhash.xxh3_64_digest(p))))
+        raw.sendall(p if i == 0 else p[:50_000])  # the second payload is cut short
+    raw.close()
+    dests = [(k, np.zeros(100_000, np.uint8)) for k, _ in chunks]
+    with pytest.raises(PeerGone) as info:
+        chan.recv_into(dests, timeout_s=5)
+    assert info.value.received == [True, False, False]
+    assert np.array_equal(dests[0][1], chunks[0][1])
+
+
+def test_corrupt_payload_is_a_miss(pool):
+    raw, chan = _raw_peer(pool)
+    (k, p), = _chunks(1, 4096)
+    raw.sendall(encode_frame(Batch(batch_id=0, count=1)))
+    raw.sendall(encode_frame(Chunk(index=0, key=k, nbytes=p.nbytes, checksum=xxhash.xxh3_64_digest(p))))
+    bad = p.copy()
+    bad[100] ^= 0xFF
+    raw.sendall(bad)
+    out = np.zeros(4096, np.uint8)
+    assert chan.recv_into([(k, out)], timeout_s=5) == [False]
+    assert chan.stats()["corrupt"] == 1
+    raw.close()
+
+
+@pytest.mark.parametrize("garbage, match", [
+    (b"GARBAGE!" + b"\0" * 16, "bad magic"),
+    (PREFIX.pack(b"KVTX", 1 << 30), "header length"),
+    (PREFIX.pack(b"KVTX", 3) + b"\xc1\xc1\xc1", "malformed frame header"),
+])
+def test_malformed_header_is_a_clear_protocol_error(pool, garbage, match):
+    raw, chan = _raw_peer(pool)
+    raw.sendall(garbage)
+    t0 = time.monotonic()
+    with pytest.raises(ProtocolError, match=match):
+        chan.recv_into([(_key(1), np.zeros(10, np.uint8))], timeout_s=5)
+    assert time.monotonic() - t0 < 2.0 and chan.closed
+    raw.close()
+
+
+def test_out_of_range_chunk_field_is_a_protocol_error(pool):
+    raw, chan = _raw_peer(pool)
+    raw.sendall(encode_frame(Batch(batch_id=0, count=1)))
+    raw.sendall(encode_frame(Chunk(index=0, key=_key(1), nbytes=1 << 40, checksum=b"\0" * 8)))
+    with pytest.raises(ProtocolError, match="nbytes"):
+        chan.recv_into([(_key(1), np.zeros(10, np.uint8))], timeout_s=5)
+    raw.close()
+
+
+def test_wrong_peer_kind_fails_the_handshake(pool):
+    listener = TcpListener(timeout_s=5)
+    fut = pool.submit(listener.accept)
+    raw = socket.create_connection(listener.address)
+    raw.sendall(encode_frame(Hello(kind="shm")))
+    with pytest.raises(ProtocolError, match="speaks 'shm'"):
+        fut.result(10)
+    raw.close(), listener.close()
+
+
+def test_shm_frame_outside_the_segment_is_a_protocol_error():
+    a, b = ShmChannel.pair(timeout_s=5, staging_bytes=1 << 20)
+    a.send_control(b"")  # nothing shared yet
+    b.recv_control()
+    a._ensure_staging(a._deadline(None))
+    a._send_views([encode_frame(Batch(batch_id=0, count=1)),
+                   encode_frame(Chunk(index=0, key=_key(1), nbytes=4096, checksum=b"\0" * 8,
+                                      segment_id=0, offset=(1 << 20) - 100))], a._deadline(None))
+    with pytest.raises(ProtocolError, match="outside segment"):
+        b.recv_into([(_key(1), np.zeros(4096, np.uint8))], timeout_s=5)
+    a.close()
+
+
+def test_channels_chosen_by_url(pool, tmp_path):
+    from kvtier.transfer import urls
+
+    for url in (f"shm://{tmp_path}/x.sock", "tcp://127.0.0.1:0"):
+        listener = urls.listen(url)
+        target = f"shm://{listener.path}" if url.startswith("shm") else f"tcp://127.0.0.1:{listener.address[1]}"
+        fut = pool.submit(listener.accept)
+        a = urls.connect(target, timeout_s=5)
+        b = fut.result(10)
+        assert a.kind == b.kind == url.split(":")[0]
+        a.send_control(b"ok")
+        assert b.recv_control() == b"ok"
+        a.close(), b.close(), listener.close()
+    for bad in ("udp://h:1", "tcp://nohost", "shm://"):
+        with pytest.raises(ValueError):
+            urls.connect(bad)

@@ -434,6 +434,7 @@ def test_enospc_makes_the_tier_read_only(
     assert tier.put(old, payload_for(old, CB))
     with monkeypatch.context() as m:
         m.setattr(fileops_mod.os, "write", _raise(errno.ENOSPC))
+        m.setattr(fileops_mod.os, "pwritev", _raise(errno.ENOSPC))
         assert tier.put(make_key(2), payload_for(make_key(2), CB)) is False
     assert tier.writable is False and tier.failed_writes == 1
     assert tier.used_bytes == FILE and len(tier) == 1

@@ -3,11 +3,12 @@
 Usage::
 
     crash_writer.py DIR LOG SEED CAPACITY [--fsync] [--direct] [--count N] [--clean]
-                    [--piece BYTES [--piece-delay S]]
+                    [--piece BYTES [--piece-delay S]] [--batch N [--chain]]
 
 Prints ``ready <direct_io>`` once the tier is open. Chunk ``i`` has key
 ``key_for(SEED, i)`` and payload ``payload_for_key(key)``; every third chunk is
-written with ``put``, the others with ``put_many`` in pairs. After a chunk
+written with ``put``, the others with ``put_many`` in batches of ``--batch`` (default 2;
+with ``--chain`` each batch is one prompt's chain of chunks). After a chunk
 is on disk under its final name, its key (hex) is appended to LOG with a single
 unbuffered ``write`` (a SIGKILL cannot leave half a line in the kernel).
 With ``--count N`` it stops after N chunks; with ``--clean`` it then closes the
@@ -47,6 +48,18 @@ class PiecewiseFileOps(FileOps):
         time.sleep(self.delay_s)  # a slow disk: most of the run is spent inside a file
         return n
 
+    def pwritev(self, fd: int, buffers, offset: int) -> int:  # type: ignore[no-untyped-def]
+        """At most ``piece`` bytes of the vectored write (the caller resumes the rest)."""
+        cut, left = [], self.piece
+        for b in buffers:
+            if left <= 0:
+                break
+            cut.append(b[:left])
+            left -= len(cut[-1])
+        n = super().pwritev(fd, cut, offset)
+        time.sleep(self.delay_s)
+        return n
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -60,6 +73,8 @@ def main() -> None:
     ap.add_argument("--clean", action="store_true")
     ap.add_argument("--piece", type=int, default=0, help="bytes per write call (0: unlimited)")
     ap.add_argument("--piece-delay", type=float, default=0.0, help="seconds to sleep after each piece")
+    ap.add_argument("--batch", type=int, default=2, help="chunks per put_many (the rest of every third chunk)")
+    ap.add_argument("--chain", action="store_true", help="each batch is one prompt: chunk i's parent is chunk i-1")
     a = ap.parse_args()
 
     tier = DiskTier(
@@ -87,8 +102,9 @@ def main() -> None:
             if tier.put(key, payload):
                 record(key)
         else:  # the rest in batches of two (what the storage manager's write-behind sends)
-            batch.append(ChunkWrite(key, None, payload))
-            if len(batch) == 2:
+            parent = batch[-1].key if a.chain and batch else None
+            batch.append(ChunkWrite(key, parent, payload))
+            if len(batch) == a.batch:
                 for w, ok in zip(batch, tier.put_many(batch)):
                     if ok:
                         record(w.key)

@@ -78,6 +78,24 @@ class FaultyFileOps(FileOps):
             return super().write(fd, data[:take])
         return super().write(fd, data)
 
+    def pwritev(self, fd: int, buffers, offset: int) -> int:  # type: ignore[no-untyped-def]
+        """A vectored write counts as one ``write`` (same faults, same byte budget)."""
+        self._check("write")
+        if self.write_budget is not None:
+            with self._lock:
+                take = min(self.write_budget, sum(len(b) for b in buffers))
+                self.write_budget -= take
+            if take == 0:
+                raise OSError(errno.ENOSPC, "injected ENOSPC (write budget spent)")
+            cut, left = [], take
+            for b in buffers:
+                if left <= 0:
+                    break
+                cut.append(b[:left])
+                left -= len(cut[-1])
+            return super().pwritev(fd, cut, offset)
+        return super().pwritev(fd, buffers, offset)
+
     def fsync(self, fd: int) -> None:
         self._check("fsync")
         super().fsync(fd)
@@ -103,3 +121,8 @@ class FaultyFileOps(FileOps):
     def readinto(self, f: io.FileIO, buf: memoryview) -> int:
         self._check("read")
         return super().readinto(f, buf)
+
+    def preadv(self, fd: int, buffers, offset: int) -> int:  # type: ignore[no-untyped-def]
+        """A vectored read counts as one ``read``."""
+        self._check("read")
+        return super().preadv(fd, buffers, offset)

@@ -7,6 +7,7 @@ import io
 import mmap
 import os
 import threading
+from typing import Sequence
 
 import numpy as np
 
@@ -64,6 +65,14 @@ class FileOps:
         """Read into ``buf`` at the current position (one ``read`` syscall, no copy)."""
         return f.readinto(buf) or 0
 
+    def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        """One ``pwritev`` of ``buffers`` at ``offset`` (releases the GIL); returns bytes written."""
+        return os.pwritev(fd, buffers, offset)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        """One ``preadv`` into ``buffers`` from ``offset`` (releases the GIL); returns bytes read."""
+        return os.preadv(fd, buffers, offset)
+
 
 class Scratch(threading.local):
     """A page-aligned staging buffer per thread (direct I/O of unaligned user buffers)."""
@@ -89,6 +98,30 @@ def write_all(fs: FileOps, fd: int, data: memoryview) -> None:
         if n <= 0:
             raise OSError(errno.EIO, "write returned 0 bytes")
         view = view[n:]
+
+
+def pwritev_all(fs: FileOps, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+    """Write every byte of ``buffers`` at ``offset`` with as few ``pwritev`` calls as the kernel allows.
+
+    Returns the offset after the last byte. A short write (the kernel may stop early,
+    e.g. at a signal) is resumed from the first unwritten byte; with O_DIRECT the
+    buffers and the write sizes are multiples of ``ALIGN``, so resumption stays aligned.
+
+    Raises:
+        OSError: the write failed (EIO if it made no progress).
+    """
+    bufs = [b for b in buffers if len(b)]
+    while bufs:
+        n = fs.pwritev(fd, bufs, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev returned 0 bytes")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+    return offset
 
 
 def read_full(fs: FileOps, f: io.FileIO, buf: memoryview, direct: bool) -> int:

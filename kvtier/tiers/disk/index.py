@@ -64,6 +64,8 @@ class ChunkIndex:
         self.children: dict[bytes, set[bytes]] = {}  # parent key -> resident children
         self.early: set[bytes] = set()  # resident chunks written while their parent was absent
         self.reserved: dict[bytes, int] = {}  # key being written -> bytes reserved
+        self._reserved_parent: dict[bytes, bytes] = {}  # key being written -> its parent (not evicted meanwhile)
+        self._awaited: dict[bytes, int] = {}  # parent -> writes in flight naming it
         self.reading: dict[bytes, int] = {}  # key -> readers in flight
         self.used_bytes = 0
         self.evicted_chunks = 0
@@ -87,14 +89,16 @@ class ChunkIndex:
             self._add(key, size, parent)
         assert not self.early, "orphans must be dropped before the index is loaded"
 
-    def reserve(self, key: bytes, size: int, parent: bytes | None) -> bool:
+    def reserve(self, key: bytes, size: int, parent: bytes | None, parent_pending: bool = False) -> bool:
         """Reserve ``size`` bytes for a write of ``key`` (child of ``parent``), evicting leaves as needed.
 
         Never evicts ``parent`` for it (a chunk is not stored at the price of its own
         prefix), nor ``key``'s resident children (written before it, they become
         reachable with it). A chunk whose parent is not resident (written out of
         order) evicts nothing: it could not be hit before its parent arrives, so it
-        only takes free room. False (nothing reserved) if ``key`` is being written
+        only takes free room. ``parent_pending``: the parent is reserved by the same
+        batch, to be published before ``key`` (and ``key`` dropped if it fails), so it
+        counts as resident here. False (nothing reserved) if ``key`` is being written
         already, if ``size`` exceeds the capacity, or if no room can be made.
         """
         if key in self.reserved or size > self.capacity_bytes:
@@ -106,7 +110,7 @@ class ChunkIndex:
         old = self.entries.get(key)
         need = size - old.size if old is not None else size
         parent = chain_parent(parent)  # a lineage marker is no resident chunk
-        if parent is not None and parent not in self.entries:
+        if parent is not None and parent not in self.entries and not (parent_pending and parent in self.reserved):
             room = self.used_bytes + need <= self.capacity_bytes
         else:
             room = self.make_room(need, {key, parent, *self.children.get(key, ())})
@@ -114,18 +118,31 @@ class ChunkIndex:
             return False
         self.reserved[key] = size
         self.used_bytes += size
+        if parent is not None:
+            self._reserved_parent[key] = parent
+            self._awaited[parent] = self._awaited.get(parent, 0) + 1
         return True
+
+    def _drop_reservation(self, key: bytes) -> int:
+        parent = self._reserved_parent.pop(key, None)
+        if parent is not None:
+            n = self._awaited[parent] - 1
+            if n:
+                self._awaited[parent] = n
+            else:
+                del self._awaited[parent]
+        return self.reserved.pop(key)
 
     def unreserve(self, key: bytes) -> None:
         """Give back a reservation whose write failed."""
-        self.used_bytes -= self.reserved.pop(key)
+        self.used_bytes -= self._drop_reservation(key)
 
     def commit(self, key: bytes, size: int, parent: bytes | None) -> None:
         """The write of ``key`` (``size`` file bytes) is on disk under its final name.
 
         Replacing a resident key keeps its recorded parent (keys are chain hashes).
         """
-        self.used_bytes -= self.reserved.pop(key)
+        self.used_bytes -= self._drop_reservation(key)
         old = self.entries.get(key)
         if old is not None:
             self.used_bytes += size - old.size
@@ -157,6 +174,7 @@ class ChunkIndex:
                 if (
                     key not in keep
                     and key not in self.reserved  # being rewritten right now
+                    and key not in self._awaited  # the parent of a chunk being written
                     and not self.reading.get(key)
                     and not self._is_pinned(key)
                 ):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import errno
-import io
 import logging
 import os
 from pathlib import Path
+from typing import Callable
+
+import xxhash
 
 from kvtier.serde.base import Buffer
 from kvtier.serde.record import (
@@ -15,14 +17,19 @@ from kvtier.serde.record import (
     PayloadSizeMismatch,
     RecordError,
     align_up,
-    checksum,
     decode_header,
-    read_and_checksum,
 )
-from kvtier.tiers.disk.fileops import FILE_MODE, O_DIRECT, FileOps, Scratch, address, read_full, write_all
+from kvtier.tiers.disk.fileops import FILE_MODE, O_DIRECT, FileOps, Scratch, address, pwritev_all
 from kvtier.tiers.disk.scan import TMP_SUFFIX
 
 log = logging.getLogger("kvtier.tiers.disk")
+
+#: Payload bytes per ``preadv`` of a read (the first one also carries the header). Large: fewer
+#: syscalls, and a chunk's checksum runs while the other I/O threads read the next chunks (a
+#: whole chunk per step measured ~25% faster here than 2 MiB steps hashed as they land, page cache).
+READ_STEP_BYTES = 8 * 1024 * 1024
+#: Payload bytes per ``pwritev`` of a buffered write, each hashed right after the kernel copied it.
+WRITE_STEP_BYTES = 2 * 1024 * 1024
 
 
 class RecordIO:
@@ -74,49 +81,99 @@ class RecordIO:
                 pass
             return self.fs.open(tmp, flags, FILE_MODE)
 
-    def write_buffered(self, tmp: str, final: str, header: bytes, data: memoryview) -> int:
+    def write_record(self, tmp: str, final: str, header: bytes, data: memoryview, direct: bool) -> int:
+        """Write one complete record to ``tmp`` and close it (fsync'd first if ``fsync``); no rename.
+
+        Buffered: one ``pwritev`` of header and payload straight from ``data`` (no copy).
+        O_DIRECT: the header is staged in the thread's page-aligned scratch buffer, an
+        aligned payload's whole-``ALIGN`` prefix goes straight from ``data`` in the same
+        ``pwritev``, and only an unaligned rest is staged (zero-padded to ``ALIGN``).
+
+        Returns:
+            file bytes written (header, payload and padding).
+
+        Raises:
+            OSError: the write failed (``tmp`` may be left behind; the caller unlinks it).
+        """
+        fd = self._open_tmp(tmp, final, O_DIRECT if direct else 0)
+        try:
+            if direct:
+                size = self._pwrite_direct(fd, header, data)
+            else:
+                size = pwritev_all(self.fs, fd, [memoryview(header), data], 0)
+            if self.fsync:
+                self.fs.fsync(fd)
+        finally:
+            self.fs.close(fd)
+        return size
+
+    def write_record_hashed(self, tmp: str, final: str, make_header: Callable[[bytes], bytes], data: memoryview) -> int:
+        """Buffered write of one complete record to ``tmp``, checksumming the payload as it goes.
+
+        Each ``WRITE_STEP_BYTES`` piece of ``data`` is written at its place (one
+        ``pwritev``, which leaves the piece in the CPU cache) and hashed right after;
+        then ``make_header(xxh3-64 digest)`` is written at offset 0. One pass over the
+        payload from memory instead of two (hash, then copy). The file is closed (and
+        fsync'd if ``fsync``), not renamed.
+
+        Returns:
+            file bytes written.
+
+        Raises:
+            OSError: the write failed (``tmp`` may be left behind; the caller unlinks it).
+        """
         fd = self._open_tmp(tmp, final, 0)
         try:
-            write_all(self.fs, fd, memoryview(header))
-            write_all(self.fs, fd, data)
-            if self.fsync:
-                self.fs.fsync(fd)
-        finally:
-            self.fs.close(fd)
-        self.fs.replace(tmp, final)
-        return HEADER_BYTES + len(data)
-
-    def write_direct(self, tmp: str, final: str, header: bytes, data: memoryview) -> int:
-        """O_DIRECT write: header, then the payload zero-padded to ``ALIGN``.
-
-        An aligned payload's whole-``ALIGN`` prefix goes straight from the caller's
-        buffer; the rest is staged through the thread's page-aligned scratch buffer.
-        """
-        fd = self._open_tmp(tmp, final, O_DIRECT)
-        try:
-            s = self.scratch.view()
-            s[:HEADER_BYTES] = header
-            write_all(self.fs, fd, s[:HEADER_BYTES])
+            h = xxhash.xxh3_64()
             n, pos = len(data), 0
-            if n >= ALIGN and address(data) % ALIGN == 0:
-                pos = n - n % ALIGN
-                write_all(self.fs, fd, data[:pos])
             while pos < n:
-                m = min(len(s), n - pos)
-                padded = align_up(m)
-                s[:m] = data[pos : pos + m]
-                s[m:padded] = bytes(padded - m)
-                write_all(self.fs, fd, s[:padded])
-                pos += m
+                piece = data[pos : pos + WRITE_STEP_BYTES]
+                pwritev_all(self.fs, fd, [piece], HEADER_BYTES + pos)
+                h.update(piece)
+                pos += len(piece)
+            pwritev_all(self.fs, fd, [memoryview(make_header(h.digest()))], 0)
             if self.fsync:
                 self.fs.fsync(fd)
         finally:
             self.fs.close(fd)
+        return HEADER_BYTES + n
+
+    def publish(self, tmp: str, final: str) -> None:
+        """Rename a complete ``tmp`` record into place (atomic: readers see all or nothing)."""
         self.fs.replace(tmp, final)
-        return HEADER_BYTES + align_up(n)
+
+    def _pwrite_direct(self, fd: int, header: bytes, data: memoryview) -> int:
+        s = self.scratch.view()
+        s[:HEADER_BYTES] = header
+        bufs = [s[:HEADER_BYTES]]
+        n, pos = len(data), 0
+        if n >= ALIGN and address(data) % ALIGN == 0:
+            pos = n - n % ALIGN
+            bufs.append(data[:pos])
+        rest = n - pos
+        if rest and HEADER_BYTES + align_up(rest) <= len(s):  # the tail fits next to the header
+            t = s[HEADER_BYTES : HEADER_BYTES + align_up(rest)]
+            t[:rest] = data[pos:]
+            t[rest:] = bytes(len(t) - rest)
+            bufs.append(t)
+            pos = n
+        off = pwritev_all(self.fs, fd, bufs, 0)
+        while pos < n:  # an unaligned payload larger than the scratch buffer: staged piecewise
+            m = min(len(s), n - pos)
+            padded = align_up(m)
+            s[:m] = data[pos : pos + m]
+            s[m:padded] = bytes(padded - m)
+            off = pwritev_all(self.fs, fd, [s[:padded]], off)
+            pos += m
+        return off
 
     def read(self, path: str, key: bytes, dst: memoryview, direct: bool) -> None:
-        """Validate and read one record into ``dst``.
+        """Validate and read one record into ``dst``, checksumming each piece as it lands.
+
+        The header and the payload (up to ``READ_STEP_BYTES``) come in one ``preadv``;
+        each step is hashed right after it lands, while the batch's other I/O threads
+        read the next chunks (verification overlaps the reads; no separate pass over
+        the batch). On a miss ``dst`` may hold part of the record.
 
         Raises:
             RecordError: the record is unusable (delete it).
@@ -124,44 +181,63 @@ class RecordIO:
             OSError: I/O errors.
         """
         with self.fs.open_read(path, direct) as f:
-            size = os.fstat(f.fileno()).st_size
-            hbuf = self.scratch.view()[:HEADER_BYTES] if direct else memoryview(bytearray(HEADER_BYTES))
-            got = read_full(self.fs, f, hbuf, direct)
-            hdr = decode_header(hbuf[:got])  # copies what it keeps: the scratch is reused below
+            fd = f.fileno()
+            size = os.fstat(fd).st_size
+            n = len(dst)
+            s = self.scratch.view()
+            hbuf = s[:HEADER_BYTES]
+            # Bytes of dst that may be read straight into it (O_DIRECT: aligned address and length).
+            straight = n if not direct else (n - n % ALIGN if address(dst) % ALIGN == 0 else 0)
+            first = dst[: min(straight, READ_STEP_BYTES)]
+            got = self._pread(fd, [hbuf, first] if len(first) else [hbuf], 0, direct)
+            hdr = decode_header(hbuf[: min(got, HEADER_BYTES)])  # copies what it keeps
             hdr.expect(key, self.namespace)
             if hdr.codec != "raw" or hdr.body_len != hdr.payload_len:
                 raise RecordError(f"unknown codec {hdr.codec!r} for the disk tier")
-            n = hdr.payload_len
-            if n != len(dst):
-                raise PayloadSizeMismatch(f"payload size {n} != requested {len(dst)}")
+            if hdr.payload_len != n:
+                raise PayloadSizeMismatch(f"payload size {hdr.payload_len} != requested {n}")
             hdr.expect(key, self.namespace, size)
-            if direct:
-                got = self._read_payload_direct(f, dst)
-                digest = checksum(dst) if got == n else b""
-            else:
-                got, digest = read_and_checksum(lambda v: read_full(self.fs, f, v, False), dst)
-            if got != n:
+            h = xxhash.xxh3_64()
+            pos = max(0, got - HEADER_BYTES)
+            if pos < len(first):
                 raise RecordError("payload shorter than its header says")
-            if digest != hdr.body_sum:
+            h.update(first)
+            while pos < n:
+                if pos < straight:
+                    piece = dst[pos : min(straight, pos + READ_STEP_BYTES)]
+                    got = self._pread(fd, [piece], HEADER_BYTES + pos, direct)
+                else:  # O_DIRECT into an unaligned destination: staged through the scratch buffer
+                    m = min(len(s), n - pos)
+                    got = min(m, self._pread(fd, [s[: align_up(m)]], HEADER_BYTES + pos, direct))
+                    piece = dst[pos : pos + m]
+                    piece[:got] = s[:got]
+                if got < len(piece):
+                    raise RecordError("payload shorter than its header says")
+                h.update(piece)
+                pos += len(piece)
+            if h.digest() != hdr.body_sum:
                 raise RecordError("payload checksum mismatch")
 
-    def _read_payload_direct(self, f: io.FileIO, dst: memoryview) -> int:
-        """O_DIRECT read of ``len(dst)`` payload bytes (file position at HEADER_BYTES); returns bytes read."""
-        n, pos = len(dst), 0
-        if n >= ALIGN and address(dst) % ALIGN == 0:
-            body = n - n % ALIGN
-            pos = read_full(self.fs, f, dst[:body], True)
-            if pos != body:
-                return pos
-        s = self.scratch.view()
-        while pos < n:
-            m = min(len(s), n - pos)
-            got = read_full(self.fs, f, s[: align_up(m)], True)
-            if got < m:
-                return pos + got
-            dst[pos : pos + m] = s[:m]
-            pos += m
-        return pos
+    def _pread(self, fd: int, bufs: list[memoryview], offset: int, direct: bool) -> int:
+        """Fill ``bufs`` from ``offset``; returns bytes read (short only at end of file).
+
+        With O_DIRECT one short read means end of file (a retry would be unaligned).
+        """
+        want = sum(len(b) for b in bufs)
+        total = 0
+        while total < want:
+            n = self.fs.preadv(fd, bufs, offset + total)
+            if n <= 0:
+                break
+            total += n
+            if direct or total >= want:
+                break
+            while bufs and n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs = bufs[1:]
+            if n:
+                bufs = [bufs[0][n:], *bufs[1:]]
+        return total
 
 
 def unlink_quietly(fs: FileOps, path: str) -> None:

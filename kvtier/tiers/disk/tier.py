@@ -2,7 +2,8 @@
 
 Layout: ``<path>/<2 hex>/<key hex>.kvc`` (directories 0700, files 0600), plus
 ``<path>/.lock``. Writes are synchronous (``put_many``); write-behind is the
-storage manager's job.
+storage manager's job. Within one batch up to ``io_threads`` chunk files are read
+or written at once (:mod:`.parallel`); renames stay in batch order.
 
 Invariants:
 - Files are written to a ``.tmp`` name in the same directory and renamed into
@@ -42,6 +43,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -51,6 +53,7 @@ from kvtier.serde.record import (
     KeepRecord,
     RecordError,
     align_up,
+    encode_header,
     encode_payload_header,
     record_relpath,
 )
@@ -65,6 +68,7 @@ from kvtier.tiers.base import (
 )
 from kvtier.tiers.disk.fileops import DIR_MODE, FileOps
 from kvtier.tiers.disk.index import ChunkIndex
+from kvtier.tiers.disk.parallel import DEFAULT_IO_THREADS, IOPool
 from kvtier.tiers.disk.record_io import RecordIO, payload_view, unlink_quietly
 from kvtier.tiers.disk.scan import STOP_WRITES, TMP_SUFFIX, scan, take_ownership
 from kvtier.tiers.policies import EvictionPolicy, LRUPolicy
@@ -73,6 +77,22 @@ log = logging.getLogger("kvtier.tiers.disk")
 
 #: Consecutive failed reads (I/O errors, not corruption) after which a chunk is forgotten.
 MAX_READ_ERRORS = 3
+
+_HIT, _MISS, _CORRUPT = 0, 1, 2  # outcome of one chunk read
+
+
+@dataclass(frozen=True)
+class _Write:
+    """One planned record write: batch position, chunk, reserved file bytes, ``.tmp`` and final paths."""
+
+    index: int
+    key: bytes
+    parent: bytes | None
+    data: memoryview
+    size: int
+    direct: bool
+    tmp: str
+    final: str
 
 
 class DiskTier(LowerTier):
@@ -90,11 +110,14 @@ class DiskTier(LowerTier):
             back to buffered I/O, with one log line, where the file system refuses
             O_DIRECT (EINVAL, e.g. tmpfs).
         fs: file-system calls (the fault-injection seam); default :class:`FileOps`.
+        io_threads: chunk reads/writes of one batch in flight at once (threads that
+            release the GIL around ``preadv``/``pwritev``); 1 = one at a time, inline.
 
     Raises:
         DiskTierLocked: another live process owns ``path``.
         OSError: ``path`` cannot be created or listed.
-        ValueError: ``namespace`` is not 32 bytes or ``capacity_bytes`` is negative.
+        ValueError: ``namespace`` is not 32 bytes, ``capacity_bytes`` is negative or
+            ``io_threads`` < 1.
 
     Counters (monotonic): ``written_chunks``, ``evicted_chunks``, ``evicted_bytes``,
     ``dropped_writes`` (no room), ``failed_writes`` (I/O errors), ``corrupt_reads``
@@ -116,12 +139,15 @@ class DiskTier(LowerTier):
         fsync: bool = False,
         direct_io: bool = False,
         fs: FileOps | None = None,
+        io_threads: int = DEFAULT_IO_THREADS,
     ):
         if len(namespace) != 32:
             raise ValueError(f"namespace digests are 32 bytes, got {len(namespace)}")
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self._pool = IOPool(io_threads)
         self.path = Path(path)
+        self._root = str(self.path) + os.sep  # record paths are built as strings on the I/O path
         self.namespace = bytes(namespace)
         self._io = RecordIO(fs or FileOps(), self.namespace, fsync)
         self.direct_io = False
@@ -299,7 +325,7 @@ class DiskTier(LowerTier):
         out.update(
             written_chunks=self.written_chunks, dropped_writes=self.dropped_writes,
             failed_writes=self.failed_writes, corrupt_reads=self.corrupt_reads, read_errors=self.read_errors,
-            writable=self.writable, direct_io=self.direct_io,
+            writable=self.writable, direct_io=self.direct_io, io_threads=self._pool.threads,
         )
         return out
 
@@ -326,11 +352,19 @@ class DiskTier(LowerTier):
 
     # -- LowerTier: writes ---------------------------------------------------------------
     def put_many(self, items: Sequence[ChunkWrite]) -> list[bool]:
-        """Write each chunk synchronously; True where the chunk is on disk afterwards.
+        """Write the chunks, up to ``io_threads`` files in flight; True where a chunk is on disk afterwards.
+
+        Three steps: reserve room for every chunk in batch order (under the lock); write
+        each record to its ``.tmp`` file on the I/O threads (checksum, ``pwritev``,
+        optional fsync, close); then, in batch order on the caller's thread, rename each
+        complete file into place and index it. So records are published parent before
+        child, exactly as one-at-a-time writes did, and a kill at any point leaves only
+        complete records under final names (plus ``.tmp`` leftovers, dropped at open).
 
         A key already on disk is rewritten (its recorded parent is kept). A chunk
-        whose parent failed earlier in the same batch is not written (it could not
+        whose parent failed earlier in the same batch is not published (it could not
         be hit); one whose parent is simply absent is (out-of-order write-behind).
+        A key given twice in one batch is written once.
 
         Raises:
             TypeError/ValueError: a bad key or parent, or a payload that is empty or
@@ -342,61 +376,104 @@ class DiskTier(LowerTier):
         if self._closed or not self._writable:
             self.counters.add(puts=len(items), put_failed=len(items), skipped_calls=1)
             return out
-        written = 0
         failed: set[bytes] = set()
+        first: dict[bytes, int] = {}
+        plans: list[_Write] = []
         for i, it in enumerate(items):
+            if it.key in first:
+                continue
+            first[it.key] = i
             # a chunk whose parent failed in this batch could not be hit: skip it
-            n = 0 if it.parent in failed else self._write(it.key, views[i], it.parent)
+            pending = it.parent is not None and it.parent in first
+            w = None if it.parent in failed else self._reserve(i, it.key, views[i], it.parent, pending)
+            if w is None:
+                failed.add(it.key)
+            else:
+                plans.append(w)
+        written = 0
+        for w, (size, exc) in zip(plans, self._pool.ordered(self._write_file, plans)):
+            n = self._publish(w, size, exc, w.parent in failed)
             if n:
-                out[i] = True
+                out[w.index] = True
                 written += n
             else:
-                failed.add(it.key)
+                failed.add(w.key)
+        for i, it in enumerate(items):  # duplicates share the first write's outcome
+            out[i] = out[first[it.key]]
         ok = sum(out)
         self.counters.add(puts=len(items), put_ok=ok, put_failed=len(items) - ok, bytes_written=written)
         return out
 
-    def _write(self, key: bytes, data: memoryview, parent: bytes | None) -> int:
-        """Write one record; returns its file bytes (0: not written)."""
+    def _reserve(
+        self, index: int, key: bytes, data: memoryview, parent: bytes | None, parent_pending: bool
+    ) -> "_Write | None":
+        """Reserve room for one record (None: not written, no room or not writable).
+
+        ``parent_pending``: the parent is planned earlier in this batch (published first)."""
         if not self._writable or self._closed:
-            return 0
+            return None
         direct = self.direct_io
         size = HEADER_BYTES + (align_up(len(data)) if direct else len(data))
         with self._lock:
-            if not self._index.reserve(key, size, parent):
+            if not self._index.reserve(key, size, parent, parent_pending):
                 self.dropped_writes += 1
-                return 0
+                return None
         final = self.file_of(key)
         tmp = str(final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"))
-        written = 0
+        return _Write(index, key, parent, data, size, direct, tmp, str(final))
+
+    def _write_file(self, w: "_Write") -> tuple[int, OSError | None]:
+        """I/O thread: write ``w``'s complete record to its ``.tmp`` file; (file bytes, None) or (0, error)."""
         try:
-            if direct:
-                header = encode_payload_header(key, self.namespace, data, parent, stored_len=size - HEADER_BYTES)
+            if w.direct and self.direct_io:
+                header = encode_payload_header(w.key, self.namespace, w.data, w.parent, stored_len=w.size - HEADER_BYTES)
                 try:
-                    written = self._io.write_direct(tmp, str(final), header, data)
+                    return self._io.write_record(w.tmp, w.final, header, w.data, True), None
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
-                    unlink_quietly(self.fs, tmp)
+                    unlink_quietly(self.fs, w.tmp)
                     self._disable_direct_io(exc)
-            if not written:
-                header = encode_payload_header(key, self.namespace, data, parent)
-                written = self._io.write_buffered(tmp, str(final), header, data)
+            n = len(w.data)
+
+            def header(body_sum: bytes) -> bytes:
+                return encode_header(key=w.key, namespace=self.namespace, parent=w.parent, payload_len=n,
+                                     body_len=n, body_sum=body_sum)
+
+            return self._io.write_record_hashed(w.tmp, w.final, header, w.data), None
         except OSError as exc:
+            unlink_quietly(self.fs, w.tmp)
+            return 0, exc
+
+    def _publish(self, w: "_Write", size: int, exc: OSError | None, parent_failed: bool) -> int:
+        """Caller's thread, batch order: rename ``w``'s file into place and index it; its file bytes (0: not)."""
+        if parent_failed or not self._writable or self._closed:
+            # It could not be hit, or writes stopped meanwhile (an earlier chunk of the batch hit
+            # ENOSPC: one-at-a-time writes would not have tried this one, so neither is it counted).
+            unlink_quietly(self.fs, w.tmp)
             with self._lock:
-                self._index.unreserve(key)
+                self._index.unreserve(w.key)
+            return 0
+        if exc is None:
+            try:
+                self._io.publish(w.tmp, w.final)
+            except OSError as e:
+                unlink_quietly(self.fs, w.tmp)
+                exc = e
+        if exc is not None:
+            with self._lock:
+                self._index.unreserve(w.key)
                 self.failed_writes += 1
-            unlink_quietly(self.fs, tmp)
             self.counters.add(errors=1)
             if exc.errno in STOP_WRITES:
                 self._stop_writes(exc)
             else:
-                log.warning("kvtier disk tier: write of chunk %s failed: %s", key.hex()[:16], exc)
+                log.warning("kvtier disk tier: write of chunk %s failed: %s", w.key.hex()[:16], exc)
             return 0
         with self._lock:
-            self._index.commit(key, written, parent)
+            self._index.commit(w.key, size, w.parent)
             self.written_chunks += 1
-        return written
+        return size
 
     def _stop_writes(self, exc: OSError) -> None:
         with self._lock:
@@ -406,10 +483,12 @@ class DiskTier(LowerTier):
 
     # -- LowerTier: reads ----------------------------------------------------------------
     def get_many_into(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
-        """Read each ``(key, out)``; buffered mode reads straight into ``out`` (no extra copy).
+        """Read each ``(key, out)``, up to ``io_threads`` at once, straight into ``out`` (no extra copy).
 
-        A record that fails validation is a miss, logged and deleted; one whose
-        payload length differs from ``len(out)`` is a miss but kept.
+        Every payload is checksummed as it is read. A record that fails validation is
+        a miss for that chunk only, logged and deleted; one whose payload length
+        differs from ``len(out)`` is a miss but kept. Every read has finished when
+        this returns (no write into any ``out`` afterwards).
 
         Raises:
             TypeError/ValueError: a bad key, or ``out`` read-only or not contiguous.
@@ -422,28 +501,31 @@ class DiskTier(LowerTier):
         if self._closed:
             self.counters.add(skipped_calls=1, gets=len(items), get_misses=len(items))
             return out
-        corrupt0 = self.corrupt_reads
-        nbytes = 0
-        for i, (key, _) in enumerate(items):
-            if self._get(key, views[i]):
+        jobs = [(key, views[i]) for i, (key, _) in enumerate(items)]
+        nbytes = corrupt = 0
+        for i, status in enumerate(self._pool.ordered(self._get, jobs)):
+            if status == _HIT:
                 out[i] = True
                 nbytes += len(views[i])
+            elif status == _CORRUPT:
+                corrupt += 1
         hits = sum(out)
-        corrupt = self.corrupt_reads - corrupt0
         self.counters.add(
             gets=len(items), get_hits=hits, get_corrupt=corrupt,
             get_misses=max(0, len(items) - hits - corrupt), bytes_read=nbytes,
         )
         return out
 
-    def _get(self, key: bytes, dst: memoryview) -> bool:
+    def _get(self, job: tuple[bytes, memoryview]) -> int:
+        """I/O thread: read one chunk; ``_HIT``, ``_MISS`` or ``_CORRUPT``."""
+        key, dst = job
         reading = self._index.reading
         with self._lock:
             if key not in self._index:
-                return False
+                return _MISS
             reading[key] = reading.get(key, 0) + 1
         try:
-            ok = self._read(key, dst)
+            status = self._read(key, dst)
         finally:
             with self._lock:
                 n = reading[key] - 1
@@ -451,14 +533,14 @@ class DiskTier(LowerTier):
                     reading[key] = n
                 else:
                     del reading[key]
-        if ok:
+        if status == _HIT:
             with self._lock:
                 if key in self._index:
                     self._index.policy.touch(key)
-        return ok
+        return status
 
-    def _read(self, key: bytes, dst: memoryview) -> bool:
-        path = str(self.file_of(key))
+    def _read(self, key: bytes, dst: memoryview) -> int:
+        path = self._root + record_relpath(key)
         try:
             try:
                 self._io.read(path, key, dst, self.direct_io)
@@ -469,14 +551,14 @@ class DiskTier(LowerTier):
                 self._io.read(path, key, dst, False)
         except KeepRecord as exc:
             log.warning("kvtier disk tier: chunk %s is a miss: %s", key.hex()[:16], exc)
-            return False
+            return _MISS
         except (RecordError, FileNotFoundError) as exc:
             reason = "file missing" if isinstance(exc, FileNotFoundError) else str(exc)
-            self.corrupt_reads += 1
             log.warning("kvtier disk tier: chunk %s is a miss: %s; removing it", key.hex()[:16], reason)
             with self._lock:
+                self.corrupt_reads += 1
                 self._forget_locked(key)
-            return False
+            return _CORRUPT
         except OSError as exc:
             with self._lock:
                 self.read_errors += 1
@@ -489,11 +571,11 @@ class DiskTier(LowerTier):
                 "kvtier disk tier: read of chunk %s failed (%s); a miss%s",
                 key.hex()[:16], exc, "; forgetting it" if fails >= MAX_READ_ERRORS else "",
             )
-            return False
+            return _MISS
         if self._read_failures:
             with self._lock:
                 self._read_failures.pop(key, None)
-        return True
+        return _HIT
 
     # -- LowerTier: removal and lifecycle ----------------------------------------------------
     def _forget_locked(self, key: bytes) -> None:
@@ -558,6 +640,7 @@ class DiskTier(LowerTier):
         if self._closed:
             return
         self._closed = True
+        self._pool.close()
         if self._lock_fd is not None:
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)

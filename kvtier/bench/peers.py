@@ -1,0 +1,199 @@
+"""``kvtier bench peers``: kvtier's tiers against LMCache's storage backends, side by side, in one run.
+
+Each round runs, for every figure, LMCache's peer script (``--lmcache-script``,
+default ``../shared/tools/lmcache-peer/lmcache_peer_bench.py``, in the virtual
+environment of ``--lmcache-python``) and kvtier's side
+(:mod:`kvtier.bench.peers_side`), each in a fresh subprocess, in an order that
+alternates between rounds; then the physical baselines in their own subprocess.
+Same KV shape (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64, bf16), same
+prompt (2,048 tokens, 8 chunks of 256), same repetitions (median per round).
+Before every timed put each side flushes dirty pages (``os.sync``) and frees the
+same amount of freshly touched memory (``--free-mb``), LMCache's child included.
+
+Which levels are compared: CPU at engine level (LMCache ``store()``/``retrieve()``
+vs kvtier hash + ``open_write``/copy/``commit`` and ``lookup_keys``/``open_read``/
+copy), disk and Redis at storage level (LMCache ``batched_submit_put_task`` until
+every write completed / ``batched_get_blocking`` vs kvtier ``put_many`` /
+``get_many_into``; kvtier verifies a checksum on every read, LMCache does not).
+
+Per figure the report gives each side's GB/s (median of the round medians), the
+ratio kvtier / LMCache (median and min-max over rounds) and each side's ratio to
+the physical baseline of that round: memcpy for CPU, ``io_threads`` threads of
+plain ``pwrite``/``preadv`` files (buffered or O_DIRECT) for disk, redis-py
+pipelined ``SET``/``GET`` for Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from kvtier.bench.common import BenchUsageError, write_json
+from kvtier.bench.peers_report import FIGURES, build_report, print_report
+from kvtier.bench.peers_side import LMCACHE_WRAPPER, free_fresh_memory
+
+#: Where the shared peer script lives, relative to the repository root.
+DEFAULT_SCRIPT = Path(__file__).resolve().parents[3] / "shared" / "tools" / "lmcache-peer" / "lmcache_peer_bench.py"
+#: Where the LMCache environment is expected by default.
+DEFAULT_LMCACHE_PYTHON = Path(__file__).resolve().parents[3] / "lmc-venv" / "bin" / "python"
+
+#: LMCache peer-script backend and result level behind each figure group.
+_LMC_CHILD = {"cpu": ("cpu", "engine", False), "disk": ("disk", "backend_direct", False),
+              "disk_direct": ("disk", "backend_direct", True), "redis": ("redis", "backend_direct", False)}
+
+
+@dataclass(frozen=True)
+class PeerSizes:
+    """Shape and repetitions of one run (defaults: SmolLM2-135M, a 2,048-token prompt)."""
+
+    tokens: int = 2048
+    layers: int = 30
+    kv_heads: int = 3
+    head_dim: int = 64
+    chunk: int = 256
+    reps: int = 5
+    io_threads: int = 4
+    free_mb: int = 256
+    child_timeout_s: int = 300
+
+    @classmethod
+    def tiny(cls) -> "PeerSizes":
+        """Smoke tests: seconds; figures meaningless."""
+        return cls(tokens=512, layers=2, reps=1, free_mb=4, child_timeout_s=120)
+
+    def args(self) -> list[str]:
+        return ["--tokens", str(self.tokens), "--layers", str(self.layers), "--kv-heads", str(self.kv_heads),
+                "--head-dim", str(self.head_dim), "--chunk", str(self.chunk), "--reps", str(self.reps)]
+
+
+def _result_line(out: subprocess.CompletedProcess[str], prefix: str) -> dict[str, Any] | None:
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(prefix)]
+    return json.loads(lines[-1][len(prefix):]) if lines else None
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: int, prefix: str = "RESULT ") -> tuple[dict[str, Any] | None, str]:
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout} s"
+    res = _result_line(out, prefix)
+    return res, "" if res is not None else f"rc={out.returncode}: {out.stderr.strip()[-600:]}"
+
+
+def lmcache_available(python: Path, script: Path) -> str:
+    """Empty if LMCache can run; else why not (one line)."""
+    if not script.is_file():
+        return f"LMCache peer script not found at {script}"
+    if not Path(python).exists():
+        return f"LMCache environment not found: {python} does not exist (see the peer script's README)"
+    try:
+        out = subprocess.run([str(python), "-c", "import lmcache, torch"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"LMCache environment at {python} does not start: {exc}"
+    if out.returncode:
+        return f"LMCache is not importable with {python}: {out.stderr.strip().splitlines()[-1:]}"
+    return ""
+
+
+def run_peers_bench(
+    lmcache_python: Path | None = None,
+    rounds: int = 3,
+    odirect: bool = False,
+    redis_url: str = "127.0.0.1:6399",
+    sizes: PeerSizes | None = None,
+    lmcache_script: Path | None = None,
+    work_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run every round; returns the JSON document (see the module doc and :mod:`.peers_report`).
+
+    Raises:
+        BenchUsageError: ``rounds`` < 1.
+    """
+    if rounds < 1:
+        raise BenchUsageError(f"--rounds must be >= 1, got {rounds}")
+    sizes = sizes or PeerSizes()
+    python = Path(lmcache_python or DEFAULT_LMCACHE_PYTHON)
+    script = Path(lmcache_script or DEFAULT_SCRIPT)
+    skip = lmcache_available(python, script)
+    if skip:
+        log(f"LMCache skipped: {skip}; kvtier figures are still measured")
+    groups = ["cpu", "disk"] + (["disk_direct"] if odirect else []) + ["redis"]
+    cache = Path.home() / ".cache" / "kvtier"
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-peers-", dir=work_dir or cache))  # not tmpfs: O_DIRECT works
+    free = sizes.free_mb << 20
+    env = dict(os.environ, PYTHONHASHSEED="0", LMCACHE_LOG_LEVEL="ERROR", KVTIER_PEER_FREE_BYTES=str(free))
+    common = sizes.args()
+    side_args = common + ["--redis-url", redis_url, "--work-dir", str(tmp), "--io-threads", str(sizes.io_threads),
+                          "--free-bytes", str(free)]
+    raw_rounds: list[dict[str, Any]] = []
+    errors: list[str] = []
+    try:
+        for r in range(rounds):
+            log(f"round {r + 1}/{rounds}")
+            rd: dict[str, Any] = {"kvtier": {}, "lmcache": {}, "baseline": None}
+            for g in groups:
+                sides = ["lmcache", "kvtier"] if r % 2 == 0 else ["kvtier", "lmcache"]
+                for side in sides:
+                    if side == "lmcache" and skip:
+                        continue
+                    free_fresh_memory(free)  # the same memory state before each side
+                    if side == "kvtier":
+                        cmd = [sys.executable, "-m", "kvtier.bench.peers_side", g] + side_args
+                    else:
+                        backend, _, direct = _LMC_CHILD[g]
+                        cmd = [str(python), "-c", LMCACHE_WRAPPER, str(script), "--child", backend] + common + [
+                            "--redis-url", redis_url, "--disk-dir", str(tmp / "lmc-disk"),
+                            "--child-timeout", str(sizes.child_timeout_s)] + (["--odirect"] if direct else [])
+                    res, err = _run(cmd, env, sizes.child_timeout_s + 30)
+                    if res is None:
+                        errors.append(f"round {r + 1} {side} {g}: {err}")
+                        log(f"  {side} {g}: FAILED {err}")
+                    else:
+                        rd[side][g] = res
+                    shutil.rmtree(tmp / "lmc-disk", ignore_errors=True)
+            free_fresh_memory(free)
+            base, err = _run([sys.executable, "-m", "kvtier.bench.peers_side", "baseline"] + side_args, env,
+                             sizes.child_timeout_s + 30)
+            if base is None:
+                errors.append(f"round {r + 1} baseline: {err}")
+            rd["baseline"] = base
+            raw_rounds.append(rd)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    doc = build_report(raw_rounds, groups, _LMC_CHILD)
+    doc.update(lmcache_skipped=skip, lmcache_python=str(python), lmcache_script=str(script), rounds=rounds,
+               odirect=odirect, sizes=sizes.__dict__, errors=errors, raw_rounds=raw_rounds)
+    return doc
+
+
+def run_peers(
+    lmcache_python: Path | None = None,
+    rounds: int = 3,
+    json_path: Path | None = None,
+    odirect: bool = False,
+    redis_url: str = "127.0.0.1:6399",
+    sizes: PeerSizes | None = None,
+    lmcache_script: Path | None = None,
+    enforce: bool = False,
+) -> int:
+    """``kvtier bench peers``: run, print the table, write JSON. Returns 1 if ``enforce`` and a target is missed."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    doc = run_peers_bench(lmcache_python, rounds, odirect, redis_url, sizes, lmcache_script,
+                          log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    print_report(doc)
+    write_json(json_path, doc)
+    return 1 if enforce and not doc["all_targets_met"] else 0
+
+
+__all__ = ["FIGURES", "PeerSizes", "run_peers", "run_peers_bench", "lmcache_available"]

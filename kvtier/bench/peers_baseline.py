@@ -1,0 +1,157 @@
+"""Physical baselines of ``kvtier bench peers`` and ``kvtier bench tiers``: what the machine gives
+with no cache layer at all, on the same bytes and chunking.
+
+- memcpy: the chunks copied out of / back into a KV tensor ``[2, L, T, H*D]`` (numpy ``copyto``);
+- plain files: one file per chunk, ``open``/``pwrite``/``close`` and ``open``/``preadv``/``close``
+  on ``io_threads`` already started threads (the disk tier's default: 4), buffered and with
+  O_DIRECT into page-aligned buffers; the single-thread figure too;
+- Redis: redis-py (hiredis) pipelined ``SET``/``GET`` of the chunks on one connection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from kvtier.bench.peers_side import _kv, _Shape, _timed, before_put
+
+
+def _aligned(n: int) -> np.ndarray:
+    mm = mmap.mmap(-1, max(n, 4096))
+    arr = np.frombuffer(mm, dtype=np.uint8)[:n]
+    arr.fill(1)
+    return arr
+
+
+def plain_files_put(
+    paths: Sequence[str], bufs: Sequence[Any], threads: int, direct: bool, fsync: bool = False,
+    executor: ThreadPoolExecutor | None = None,
+) -> None:
+    """The physical write baseline: one file per buffer (``open``/``pwrite``/[``fsync``]/``close``)
+    on ``threads`` threads (1: inline; ``executor``: already started threads, as the tier's are).
+    O_DIRECT needs page-aligned buffers of whole pages."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+
+    def one(i: int) -> None:
+        fd = os.open(paths[i], flags, 0o600)
+        try:
+            view, off = memoryview(bufs[i]).cast("B"), 0
+            while off < len(view):
+                off += os.pwrite(fd, view[off:], off)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    _each(one, len(paths), threads, executor)
+
+
+def plain_files_get(
+    paths: Sequence[str], bufs: Sequence[Any], threads: int, direct: bool, executor: ThreadPoolExecutor | None = None
+) -> None:
+    """The physical read baseline: ``open``/``preadv``/``close`` of each file into its buffer on ``threads`` threads."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+
+    def one(i: int) -> None:
+        fd = os.open(paths[i], flags)
+        try:
+            view = memoryview(bufs[i]).cast("B")
+            if os.preadv(fd, [view], 0) != len(view):
+                raise RuntimeError("short read")
+        finally:
+            os.close(fd)
+
+    _each(one, len(paths), threads, executor)
+
+
+def _each(fn: Callable[[int], None], n: int, threads: int, executor: ThreadPoolExecutor | None) -> None:
+    if threads <= 1:
+        for i in range(n):
+            fn(i)
+    elif executor is not None:
+        list(executor.map(fn, range(n)))
+    else:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(fn, range(n)))
+
+
+def baselines(a: argparse.Namespace, s: _Shape) -> dict[str, Any]:
+    """memcpy, multi-threaded plain file I/O (buffered, O_DIRECT), redis-py; same bytes and chunking."""
+    kv, src = _kv(s)
+    slots = [_aligned(2 * s.L * m * s.HD * 2) for m in s.sizes]  # page-aligned, pre-touched
+    slot_views = [x.view(np.uint16).reshape(2, s.L, m, s.HD) for x, m in zip(slots, s.sizes)]
+    d = os.path.join(a.work_dir, "plain")
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    out: dict[str, Any] = {"bytes": s.nbytes, "io_threads": a.io_threads}
+    ex = ThreadPoolExecutor(a.io_threads)  # started once, like the disk tier's I/O threads
+    names = ("memcpy_put", "memcpy_get", "file_put", "file_get", "file_direct_put", "file_direct_get",
+             "file_1t_put", "file_1t_get", "redis_put", "redis_get")
+    for k in names:
+        out[k + "_s"] = []
+    try:
+        import redis
+
+        host, port = a.redis_url.split(":")
+        r: Any = redis.Redis(host=host, port=int(port))
+        r.ping()
+    except Exception:  # noqa: BLE001 - no Redis: that baseline is skipped
+        r = None
+    try:
+        for rep in range(a.reps + 1):
+            np.copyto(kv, src)
+            rec: dict[str, float] = {}
+
+            def mput() -> None:
+                for i, (m, v) in enumerate(zip(s.sizes, slot_views)):
+                    np.copyto(v, kv[:, :, i * s.CH : i * s.CH + m])
+
+            def mget() -> None:
+                for i, (m, v) in enumerate(zip(s.sizes, slot_views)):
+                    np.copyto(kv[:, :, i * s.CH : i * s.CH + m], v)
+
+            rec["memcpy_put"] = _timed(mput)
+            rec["memcpy_get"] = _timed(mget)
+            for mode, threads, direct in (("file", a.io_threads, False), ("file_1t", 1, False),
+                                          ("file_direct", a.io_threads, True)):
+                paths = [os.path.join(d, f"{mode}-{rep}-{i}") for i in range(len(slots))]
+                before_put(a.free_bytes)
+                rec[mode + "_put"] = _timed(lambda: plain_files_put(paths, slots, threads, direct, executor=ex))
+                rec[mode + "_get"] = _timed(lambda: plain_files_get(paths, slots, threads, direct, executor=ex))
+            if r is not None:
+                keys = [f"kvtier-peers-raw:{rep}:{i}" for i in range(len(slots))]
+                blobs = [memoryview(x) for x in slots]
+                before_put(a.free_bytes)
+
+                def rput() -> None:
+                    p = r.pipeline(transaction=False)
+                    for k, b in zip(keys, blobs):
+                        p.set(k, b)
+                    p.execute()
+
+                got: list[Any] = []
+
+                def rget() -> None:
+                    p = r.pipeline(transaction=False)
+                    for k in keys:
+                        p.get(k)
+                    got[:] = p.execute()
+
+                rec["redis_put"] = _timed(rput)
+                rec["redis_get"] = _timed(rget)
+                r.delete(*keys)
+            if rep:
+                for k, v in rec.items():
+                    out[k + "_s"].append(v)
+    finally:
+        ex.shutdown()
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
+

@@ -336,8 +336,8 @@ def bench_controller(
 def bench_serve(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout); the PNG plot goes next to it."),
     configs: str = typer.Option("vllm,kvtier-cpu,kvtier-cpu-disk,rr-2x,router-2x", help="Configurations, comma-separated."),
-    users: Optional[int] = typer.Option(None, min=1, help="Multi-round QA users (default 12; --quick 6)."),
-    rounds: Optional[int] = typer.Option(None, min=1, help="Questions per user (default 3; --quick 2)."),
+    users: Optional[int] = typer.Option(None, min=1, help="Multi-round QA users (default 10; --quick 6)."),
+    rounds: Optional[int] = typer.Option(None, min=1, help="Questions per user (default 10; --quick 3)."),
     concurrency: Optional[int] = typer.Option(None, min=1, help="Requests in flight (default 2; --quick 1)."),
     qps: Optional[float] = typer.Option(None, min=0.001, help="Also pace request starts to this rate."),
     url: list[str] = typer.Option([], "--url", help="Target running servers instead: NAME[@fits]=URL[,METRICS_URL...] (repeatable)."),
@@ -588,6 +588,66 @@ def router(
         raise typer.Exit(2) from None
     typer.echo(f"kvtier router: {server.url} -> {', '.join(b.url for b in cfg.backends)} (policy {policy})", err=True)
     server.serve_forever()
+
+
+@bench_app.command("peers")
+def bench_peers(
+    lmcache_python: Optional[Path] = typer.Option(None, "--lmcache-python", help="Python of the LMCache venv (default ../lmc-venv/bin/python)."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds (medians, spread over rounds)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    odirect: bool = typer.Option(False, "--odirect", help="Also compare the disk figures with O_DIRECT."),
+    redis_url: str = typer.Option("127.0.0.1:6399", "--redis-url", help="HOST:PORT of the Redis both sides use."),
+    lmcache_script: Optional[Path] = typer.Option(None, "--lmcache-script", help="LMCache peer script (default ../shared/tools/lmcache-peer/)."),
+) -> None:
+    """kvtier's tiers vs LMCache's backends side by side (CPU, disk, Redis), with physical baselines."""
+    from kvtier.bench.peers import run_peers
+
+    with _json_target(json_path) as out:
+        _finish("bench peers", lambda: run_peers(lmcache_python=lmcache_python, rounds=rounds, json_path=out,
+                                                 odirect=odirect, redis_url=redis_url,
+                                                 lmcache_script=lmcache_script, enforce=True))
+
+
+@app.command("top")
+def top(
+    url: str = typer.Argument("http://127.0.0.1:9477", help="A kvtier server's metrics URL or a controller's HTTP URL."),
+    interval: float = typer.Option(1.0, "--interval", min=0.1, help="Seconds between redraws."),
+    count: Optional[int] = typer.Option(None, "--count", min=1, help="Redraw this many times, then exit (default: until Ctrl-C)."),
+    token: Optional[str] = typer.Option(None, "--token", envvar="KVTIER_CONTROLLER_TOKEN", help="Bearer token (not needed to read)."),
+) -> None:
+    """Live terminal view of a server or controller: tiers, hit rate, throughput, hot prefixes, instances.
+    Exit codes: 0, or 2 when --count is given and the endpoint never answered."""
+    from kvtier.dashboard.top import run_top
+
+    raise typer.Exit(run_top(url, interval, count, token))
+
+
+@bench_app.command("transfer")
+def bench_transfer(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    chunks: int = typer.Option(16, min=1, help="Chunks per transferred batch."),
+    chunk_mb: float = typer.Option(5.89824, help="Bytes per chunk / 10^6 (default: one 256-token SmolLM2 chunk)."),
+    rounds: int = typer.Option(7, min=1, help="Interleaved timed rounds per channel and baseline."),
+) -> None:
+    """Transfer channels vs their physical baselines: shared memory vs memcpy, TCP vs a raw loopback socket."""
+    from kvtier.bench.transfer import run_bench_transfer
+
+    with _json_target(json_path) as out:
+        _finish("bench transfer", lambda: run_bench_transfer(json_path=out, chunks=chunks, chunk_mb=chunk_mb,
+                                                             rounds=rounds))
+
+
+@bench_app.command("hf")
+def bench_hf(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    reps: int = typer.Option(3, min=1, help="Prompts timed cold and with a hit (medians)."),
+    prefix_tokens: int = typer.Option(2048, min=256, help="Shared prefix length, tokens."),
+) -> None:
+    """Hugging Face transformers on real SmolLM2 (CPU): TTFT cold vs a kvtier hit, and answer identity."""
+    from kvtier.bench.hf import run_bench_hf
+
+    with _json_target(json_path) as out:
+        _finish("bench hf", lambda: run_bench_hf(json_path=out, reps=reps, prefix_tokens=prefix_tokens))
 
 
 def main() -> None:

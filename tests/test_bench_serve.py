@@ -315,7 +315,7 @@ def test_answer_mismatch_detection() -> None:
 # -- the whole run against fakes ------------------------------------------------------------
 def test_run_bench_serve_against_fakes_writes_issue_keys(serving: Any, tmp_path: Any) -> None:
     vllm = serving(fake_app())
-    kv = serving(fake_app(corrupt="u1-r1"))
+    kv = serving(fake_app(corrupt="check-u1001-q1"))
     rr = serving(fake_app(instances=2))
     router = serving(fake_app(instances=2))
     fits_a, fits_b = serving(fake_app()), serving(fake_app())
@@ -332,7 +332,14 @@ def test_run_bench_serve_against_fakes_writes_issue_keys(serving: Any, tmp_path:
         assert k in data
     assert rc == 1  # answers differ (and fake speeds meet no target)
     assert data["answers_identical"] is False
-    assert [(m["config"], m["request_id"]) for m in data["answer_mismatches"]] == [("kvtier-cpu", "u1-r1")]
+    assert [(m["config"], m["request_id"]) for m in data["answer_mismatches"]] == [("kvtier-cpu", "check-u1001-q1")]
+    # serial check: 3 users x 2 questions on vllm@fits (reference), kvtier-cpu and kvtier-cpu@fits
+    assert data["answer_check"]["compared"] == 12
+    assert [r["request_id"] for r in data["answer_check"]["records"]["kvtier-cpu"]] == [
+        "check-u1000-q0", "check-u1001-q0", "check-u1002-q0", "check-u1000-q1", "check-u1001-q1", "check-u1002-q1"]
+    agree = data["concurrent_answer_agreement"]
+    assert agree["kvtier-cpu"] == {"equal": 6, "of": 6, "baseline": "vllm"}
+    assert agree["kvtier-cpu@fits"]["baseline"] == "vllm@fits"
     cfg = data["configs"]
     assert set(cfg) == {"vllm", "kvtier-cpu", "rr-2x", "router-2x", "router-2x@noreuse", "vllm@fits", "kvtier-cpu@fits"}
     assert cfg["vllm"]["requests"] == 6 and cfg["vllm"]["errors"] == 0
@@ -354,11 +361,23 @@ def test_run_bench_serve_against_fakes_writes_issue_keys(serving: Any, tmp_path:
 
 
 def test_identical_answers_pass(serving: Any, tmp_path: Any) -> None:
-    a, b = serving(fake_app()), serving(fake_app())
-    targets = {"vllm": Target(a.url), "kvtier-cpu": Target(b.url)}
+    a, b, c = serving(fake_app()), serving(fake_app()), serving(fake_app())
+    targets = {"vllm": Target(a.url), "kvtier-cpu": Target(b.url), "vllm@fits": Target(c.url)}
     opts = ServeBenchOptions(users=2, rounds=2, concurrency=1, system_tokens=20, context_tokens=(30, 40),
                              max_tokens=3, vllm_bench=False)
     run_bench_serve(json_path=tmp_path / "s.json", targets=targets, tokenizer=WordTokenizer(), options=opts)
     data = json.loads((tmp_path / "s.json").read_text())
     assert data["answers_identical"] is True and data["answer_mismatches"] == []
+    assert data["answer_check"]["compared"] == 4
     assert data["router_hit_rate_vs_oracle"] is None and data["fits_throughput_ratio"] is None
+
+
+def test_no_reference_means_answers_not_judged(serving: Any, tmp_path: Any) -> None:
+    a, b = serving(fake_app()), serving(fake_app(corrupt="u0-r1"))
+    targets = {"vllm": Target(a.url), "kvtier-cpu": Target(b.url)}
+    opts = ServeBenchOptions(users=2, rounds=2, concurrency=1, system_tokens=20, context_tokens=(30, 40),
+                             max_tokens=3, vllm_bench=False)
+    run_bench_serve(json_path=tmp_path / "s.json", targets=targets, tokenizer=WordTokenizer(), options=opts)
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["answers_identical"] is None  # no vllm@fits reference: not judged, never "passed"
+    assert data["concurrent_answer_agreement"]["kvtier-cpu"]["equal"] < data["concurrent_answer_agreement"]["kvtier-cpu"]["of"]

@@ -20,7 +20,7 @@ prompt it served (unbounded: kvtier's tiers are sized to hold the working set). 
 first request goes to the instance that has served fewer requests (ties: the lower index),
 every later one to the instance that served that user (where its whole history is). A
 request hits its longest prefix shared with a prompt cached on that instance, rounded down
-to whole kvtier chunks and at most prompt_tokens - 1 (vLLM always computes the last prompt
+to whole kvtier chunks (the engine block, 128 tokens, in this bench) and at most prompt_tokens - 1 (vLLM always computes the last prompt
 token). Hit rate: hit tokens / prompt tokens. Engine hits finer than a chunk are not
 counted, so a measured rate can exceed it slightly. (Sending every request to the instance
 with the longest cached prefix instead would put every user on one instance, since they

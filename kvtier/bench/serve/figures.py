@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvtier.bench.common import BLOCK_SIZE, Check
 from kvtier.bench.serve.options import ServeBenchOptions
-from kvtier.bench.serve.phase import Phase, answer_mismatches
+from kvtier.bench.serve.answer_check import compare_answers, concurrent_agreement
+from kvtier.bench.serve.client import RequestRecord
+from kvtier.bench.serve.phase import Phase
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -17,8 +20,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def summarize(phases: dict[str, Phase], opts: ServeBenchOptions, ws: Any, engine_blocks: int,
-              fits_blocks: int, max_model_len: int) -> dict[str, Any]:
-    """The JSON document: the issue's top-level figures, then every phase in detail."""
+              fits_blocks: int, max_model_len: int,
+              check_runs: dict[str, Sequence[RequestRecord]] | None = None) -> dict[str, Any]:
+    """The JSON document: the issue's top-level figures, then every phase in detail.
+
+    ``check_runs``: the answer check's records per configuration (:mod:`.answer_check`)."""
     s = {k: p.summary() for k, p in phases.items()}
 
     def get(name: str, *path: str) -> Any:
@@ -36,17 +42,21 @@ def summarize(phases: dict[str, Phase], opts: ServeBenchOptions, ws: Any, engine
     if nr:
         counts = nr["requests_per_instance"]
         share = max(counts) / min(counts) if counts and min(counts) > 0 else None
-    mism = answer_mismatches(phases)
-    has_base = "vllm" in phases and len(phases) > 1
+    check = compare_answers(dict(check_runs or {}))
     return {
         "ttft_mean_ratio_vs_vllm": _ratio(get("vllm", "ttft_s", "mean"), get(kv, "ttft_s", "mean")),
+        "ttft_mean_ratio_vs_vllm_later_rounds": _ratio(get("vllm", "ttft_later_rounds_s", "mean"),
+                                                       get(kv, "ttft_later_rounds_s", "mean")),
         "throughput_ratio_vs_vllm": _ratio(get(kv, "request_throughput"), get("vllm", "request_throughput")),
         "fits_throughput_ratio": _ratio(get(f"{kv}@fits", "request_throughput"), get("vllm@fits", "request_throughput")),
         "router_hit_rate_ratio_vs_round_robin": _ratio(get("router-2x", "hit_rate"), get("rr-2x", "hit_rate")),
         "router_hit_rate_vs_oracle": _ratio(get("router-2x", "hit_rate"), router_oracle),
         "max_request_share_ratio_no_reuse": share,
-        "answers_identical": (not mism) if has_base else None,
-        "answer_mismatches": mism,
+        "answers_identical": check["identical"],
+        "answer_mismatches": check["mismatches"],
+        "answer_check": {"reference": check["reference"], "compared": check["compared"],
+                         "records": {k: [r.as_dict() for r in v] for k, v in (check_runs or {}).items()}},
+        "concurrent_answer_agreement": concurrent_agreement(phases),
         "kvtier_config_in_ratios": kv,
         "working_set_blocks": ws.blocks,
         "engine_kv_blocks": engine_blocks,
@@ -59,7 +69,7 @@ def summarize(phases: dict[str, Phase], opts: ServeBenchOptions, ws: Any, engine
         "workload": {
             "users": opts.users, "rounds": opts.rounds, "concurrency": opts.concurrency, "qps": opts.qps,
             "max_tokens": opts.max_tokens, "system_tokens": opts.system_tokens,
-            "context_tokens": list(opts.context_tokens), "no_reuse_requests": opts.no_reuse_requests,
+            "context_tokens": list(opts.context_tokens), "fleet_cpu_fraction": opts.fleet_cpu_fraction, "no_reuse_requests": opts.no_reuse_requests,
             "no_reuse_tokens": opts.no_reuse_tokens, "quick": opts.quick, "endpoint": "/v1/chat/completions",
             "temperature": 0.0, "stream": True,
         },
@@ -80,5 +90,5 @@ def checks_of(result: dict[str, Any]) -> list[Check]:
     out = [Check(n, float(result[k]), t, hib, u) for n, k, t, hib, u in spec if result.get(k) is not None]
     if result.get("answers_identical") is not None:
         out.append(Check("answers identical to vLLM alone", 1.0 if result["answers_identical"] else 0.0, 1.0, True,
-                         note=f"{len(result['answer_mismatches'])} mismatches"))
+                         note=f"{len(result['answer_mismatches'])} of {result['answer_check']['compared']} differ"))
     return out

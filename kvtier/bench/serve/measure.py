@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.bench.common import BLOCK_SIZE, CHUNK_SIZE
+from kvtier.bench.common import BLOCK_SIZE
 from kvtier.bench.serve.client import OnDone, run_prompts, run_sessions, run_sync
 from kvtier.bench.serve.configs import delta, oracle_hit_rate, scrape
 from kvtier.bench.serve.options import ServeBenchOptions
@@ -47,7 +47,7 @@ def measure_sessions(name: str, url: str, model: str, instances: Sequence[str], 
         by_id = dict(zip(ids, prompts))
         order = sorted((r for r in recs), key=lambda r: r.start)
         ph.extra["oracle"] = oracle_hit_rate(
-            [(r.request_id.split("-")[0], by_id[r.request_id]) for r in order], len(instances), CHUNK_SIZE)
+            [(r.request_id.split("-")[0], by_id[r.request_id]) for r in order], len(instances), BLOCK_SIZE)
     return ph
 
 

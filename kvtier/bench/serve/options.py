@@ -11,6 +11,9 @@ from kvtier.bench.serve.configs import CONFIGS
 KV_BYTES_PER_TOKEN = 23_040
 #: Working set over engine KV in phase 1.
 WORKING_SET_RATIO = 4.0
+#: Fraction of the working set each instance's kvtier CPU tier holds in the two-instance
+#: configurations: the pair holds it all only when users are partitioned between them.
+FLEET_CPU_FRACTION = 0.6
 
 DEFAULT_CONFIGS = "vllm,kvtier-cpu,kvtier-cpu-disk,rr-2x,router-2x"
 
@@ -45,14 +48,15 @@ def parse_target(text: str) -> tuple[str, Target]:
 class ServeBenchOptions:
     """Knobs of one run (see :func:`run_bench_serve`)."""
 
-    users: int = 12
-    rounds: int = 3
+    users: int = 10
+    rounds: int = 10
     concurrency: int = 2
     qps: float | None = None
     max_tokens: int = 16
     system_tokens: int = 300
-    context_tokens: tuple[int, int] = (1500, 3000)
+    context_tokens: tuple[int, int] = (1500, 2500)
     ratio: float = WORKING_SET_RATIO
+    fleet_cpu_fraction: float = FLEET_CPU_FRACTION
     no_reuse_requests: int = 16
     no_reuse_tokens: int = 384
     vllm_bench: bool = True
@@ -61,5 +65,5 @@ class ServeBenchOptions:
     @staticmethod
     def quick_defaults() -> ServeBenchOptions:
         """The smaller workload of ``--quick``."""
-        return ServeBenchOptions(users=6, rounds=2, concurrency=1, context_tokens=(900, 1100),
+        return ServeBenchOptions(users=6, rounds=3, concurrency=1, context_tokens=(900, 1100),
                                  no_reuse_requests=8, no_reuse_tokens=256, quick=True)

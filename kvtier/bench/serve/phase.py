@@ -36,6 +36,7 @@ class Phase:
             "request_throughput": len(ok) / self.wall_s if self.wall_s > 0 else 0.0,
             "output_token_throughput": sum(r.output_tokens for r in ok) / self.wall_s if self.wall_s > 0 else 0.0,
             "ttft_s": stats([r.ttft for r in ok]),
+            "ttft_later_rounds_s": stats([r.ttft for r in ok if _round_of(r.request_id) > 0]),
             "tpot_s": stats([r.tpot for r in ok if r.output_tokens > 1]),
             "itl_s": stats([x for r in ok for x in r.itl]),
             "latency_s": stats([r.latency for r in ok]),
@@ -46,6 +47,12 @@ class Phase:
             **self.extra,
             "records": [_record(r) for r in self.records],
         }
+
+
+def _round_of(request_id: str) -> int:
+    """Round of a multi-round QA id (``u3-r1`` -> 1); -1 for other ids (``nr-7``)."""
+    _, sep, rnd = request_id.rpartition("-r")
+    return int(rnd) if sep and rnd.isdigit() else -1
 
 
 def _record(r: RequestRecord) -> dict[str, Any]:

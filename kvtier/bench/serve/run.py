@@ -15,17 +15,29 @@ Phases, all in one run (each configuration on freshly started servers, see
    ``vllm`` and ``kvtier-cpu`` (``kvtier-cpu`` only with ``quick``), results as it reports them.
 4. **Fits**: ``vllm`` and ``kvtier-cpu`` again, engine KV holding the whole working set
    (``fits_throughput_ratio``).
+5. **Answer check**, one request at a time on ``vllm@fits``, ``kvtier-cpu``,
+   ``kvtier-cpu-disk`` and ``kvtier-cpu@fits`` (see :mod:`.answer_check`).
+
+kvtier's CPU tier holds twice the working set in ``kvtier-cpu`` (half of it in
+``kvtier-cpu-disk``, the disk below), and ``fleet_cpu_fraction`` (0.6) of it on each of the
+two instances of ``rr-2x`` and ``router-2x``: the pair holds the whole working set only
+when each user's requests stay on one instance, which is what a KV-aware router buys a
+fleet (round robin makes every instance cache every user).
 
 Top-level JSON figures (None when a configuration they need was not run):
 
-- ``ttft_mean_ratio_vs_vllm``: mean TTFT of ``vllm`` / mean TTFT of ``kvtier-cpu`` (phase 1);
+- ``ttft_mean_ratio_vs_vllm``: mean TTFT of ``vllm`` / mean TTFT of ``kvtier-cpu`` (phase 1,
+  every request, first rounds included); ``ttft_mean_ratio_vs_vllm_later_rounds``: the
+  same over rounds 2.. only (a user's first round is a miss everywhere);
 - ``throughput_ratio_vs_vllm``: request throughput of ``kvtier-cpu`` / ``vllm`` (phase 1);
 - ``fits_throughput_ratio``: the same ratio in phase 4;
 - ``router_hit_rate_ratio_vs_round_robin``: prefix hit rate of ``router-2x`` / ``rr-2x``;
 - ``router_hit_rate_vs_oracle``: hit rate of ``router-2x`` / the oracle's on its requests;
 - ``max_request_share_ratio_no_reuse``: phase 2 (None if an instance got no request);
-- ``answers_identical``: every answer of every other configuration equals ``vllm``'s for
-  the same request id (phases 1 and 4); mismatches listed under ``answer_mismatches``.
+- ``answers_identical``: the serial answer check (:mod:`.answer_check`): every kvtier
+  answer equals ``vllm@fits``'s engine-resident hit at the same split; mismatches under
+  ``answer_mismatches``. The concurrent phases' answers are compared for information only
+  (``concurrent_answer_agreement``): batching changes bf16 rounding, vLLM alone included.
 
 Request throughput is successful requests per second of wall time of the phase.
 
@@ -47,6 +59,7 @@ from typing import Any
 import httpx
 
 from kvtier.bench.common import BLOCK_SIZE, BenchUsageError, print_checks, write_json
+from kvtier.bench.serve.answer_check import CHECKED, check_sessions, run_check
 from kvtier.bench.serve.client import RequestRecord
 from kvtier.bench.serve.configs import CONFIGS, ConfigSpec, parse_configs
 from kvtier.bench.serve.figures import checks_of, summarize
@@ -153,13 +166,18 @@ def run_bench_serve(
     per_req = math.ceil((ws.max_prompt_tokens + opts.max_tokens) / BLOCK_SIZE)
     fits_blocks = ws.blocks + opts.concurrency * per_req + 8
     kvtier_cpu_bytes = max(256 << 20, 2 * ws.tokens * KV_BYTES_PER_TOKEN)
+    fleet_cpu_bytes = max(4 * ws.max_prompt_tokens * KV_BYTES_PER_TOKEN,
+                          int(opts.fleet_cpu_fraction * ws.tokens * KV_BYTES_PER_TOKEN))
 
     names = [c.name for c in cfgs]
     fits_names = [n for n in ("vllm", "kvtier-cpu") if n in names] if (targets is None) else [
         n.split("@")[0] for n in targets if n.endswith("@fits")]
     bench_names = [n for n in (("kvtier-cpu",) if opts.quick else ("vllm", "kvtier-cpu")) if n in names] if opts.vllm_bench else []
     n_requests = len(sessions) * spec.rounds
-    total = n_requests * (len(names) + len(fits_names)) + (opts.no_reuse_requests if "router-2x" in names else 0)
+    check_users = check_sessions(spec, tokenizer, opts.users)
+    n_checked = sum(1 for n in [*names, *(f + "@fits" for f in fits_names)] if n in CHECKED)
+    total = (n_requests * (len(names) + len(fits_names)) + (opts.no_reuse_requests if "router-2x" in names else 0)
+             + n_checked * 2 * len(check_users))
 
     from rich.console import Console
     from rich.progress import (
@@ -178,6 +196,7 @@ def run_bench_serve(
     )
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-"))
     phases: dict[str, Phase] = {}
+    check_runs: dict[str, list[RequestRecord]] = {}
     vllm_bench_results: dict[str, Any] = {}
     errors: dict[str, str] = {}
 
@@ -203,12 +222,16 @@ def run_bench_serve(
                             blocks = None
                         else:
                             run = stack.enter_context(start_config(
-                                cfg, str(model_path), int(blocks or 0), max_model_len, kvtier_cpu_bytes, workdir,
+                                cfg, str(model_path), int(blocks or 0), max_model_len,
+                                fleet_cpu_bytes if cfg.instances > 1 else kvtier_cpu_bytes, workdir,
                                 label.replace("@", "-")))
                             url, instances, model = run.url, run.instances, run.model
                         progress.update(task, description=f"{label}: multi-round QA")
                         phases[label] = measure_sessions(label, url, model, instances, blocks, sessions, spec,
                                                          tokenizer, opts, on_done)
+                        if label in CHECKED:
+                            progress.update(task, description=f"{label}: answer check (serial)")
+                            check_runs[label] = run_check(url, model, check_users, opts.max_tokens, on_done)
                         if label == "router-2x":
                             progress.update(task, description=f"{label}: no-reuse slice")
                             phases[label + "@noreuse"] = measure_no_reuse(label, url, model, instances, tokenizer,
@@ -232,7 +255,8 @@ def run_bench_serve(
         for p in workdir.glob("disk-*"):
             shutil.rmtree(p, ignore_errors=True)
 
-    result = summarize(phases, opts, ws, engine_blocks, fits_blocks, max_model_len)
+    result = summarize(phases, opts, ws, engine_blocks, fits_blocks, max_model_len, check_runs)
+    result["kvtier_cpu_bytes"] = {"single_instance": kvtier_cpu_bytes, "per_instance_of_two": fleet_cpu_bytes}
     result["vllm_bench_serve"] = vllm_bench_results
     result["config_errors"] = errors
     result["server_logs"] = str(workdir)

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from kvtier.bench.common import BenchUsageError
+from kvtier.bench.common import BLOCK_SIZE, BenchUsageError
 from kvtier.bench.serve.configs import ConfigSpec
 
 
@@ -86,7 +86,9 @@ def start_config(
             kv: dict[str, Any] | None = None
             if cfg.kvtier:
                 cpu = kvtier_cpu_bytes // 2 if cfg.disk else kvtier_cpu_bytes
-                kv = {"cpu_capacity": f"{max(64, cpu >> 20)}MiB"}
+                # kvtier's chunk = the engine block, so a kvtier hit ends where an engine hit would
+                # (the answer check compares the two at the same split).
+                kv = {"cpu_capacity": f"{max(64, cpu >> 20)}MiB", "chunk_size": BLOCK_SIZE}
                 if cfg.disk:
                     disk = workdir / f"disk-{tag}-{i}"
                     disk.mkdir(parents=True, exist_ok=True)

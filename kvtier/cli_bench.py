@@ -1,0 +1,192 @@
+"""``kvtier bench ...``: benchmarks that print ratios measured side by side in one run.
+Each command imports its module lazily, so ``kvtier --help`` does not import vLLM or torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvtier.cli_common import finish as _finish
+from kvtier.cli_common import json_target as _json_target
+
+bench_app = typer.Typer(
+    help="Benchmarks that print ratios measured side by side in one run. "
+    "Exit codes: 0 every target met, 1 a target missed, 2 usage error (bad flag, unreachable target).",
+    no_args_is_help=True,
+)
+
+
+@bench_app.command("tiers")
+def bench_tiers(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    quick: bool = typer.Option(False, help="One prompt size, fewer repetitions, 100,000 indexed chunks (seconds)."),
+) -> None:
+    """CPU and disk tier bandwidth vs plain copies/file I/O, lookup latency, index memory, hashing speed."""
+    from kvtier.bench.tiers import run_tiers
+
+    with _json_target(json_path) as out:
+        _finish("bench tiers", lambda: run_tiers(json_path=out, quick=quick, enforce=True))
+
+
+@bench_app.command("miss-overhead")
+def bench_miss_overhead(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    quick: bool = typer.Option(False, help="One round of two requests, connector with the CPU tier only."),
+    rounds: Optional[int] = typer.Option(None, min=1, help="Rounds (each runs every configuration once)."),
+    requests: Optional[int] = typer.Option(None, min=1, help="Timed prompts per engine run."),
+) -> None:
+    """Throughput through vLLM with and without kvtier on a workload with no reuse (every lookup misses)."""
+    from kvtier.bench.miss_overhead import run_miss_overhead
+
+    with _json_target(json_path) as out:
+        _finish(
+            "bench miss-overhead",
+            lambda: run_miss_overhead(json_path=out, quick=quick, rounds=rounds, requests=requests, enforce=True),
+        )
+
+
+@bench_app.command("remote")
+def bench_remote(
+    url: str = typer.Option(..., "--url", help="Redis URL of the store to measure, e.g. redis://127.0.0.1:6379/0."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    chunks: int = typer.Option(16, min=1, help="Chunks of 5,898,240 bytes per put/get round."),
+    reps: int = typer.Option(5, min=1, help="Timed repetitions of each measurement (interleaved)."),
+) -> None:
+    """kvtier's remote tier vs raw redis-py SET/GET/pipelined EXISTS of the same bytes, and round trips."""
+    from kvtier.bench.remote import run_remote
+
+    with _json_target(json_path) as out:
+        _finish("bench remote", lambda: run_remote(url=url, json_path=out, num_chunks=chunks, reps=reps))
+
+
+@bench_app.command("quality")
+def bench_quality(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    questions: int = typer.Option(1, min=1, help="Questions per demo document (one prompt each)."),
+    max_tokens: int = typer.Option(32, min=1, help="Greedy answer tokens per prompt."),
+) -> None:
+    """Each remote codec on real SmolLM2 KV through vLLM: ratio, GB/s, and answer agreement with raw KV."""
+    from kvtier.bench.quality import run_quality
+
+    with _json_target(json_path) as out:
+        _finish("bench quality", lambda: run_quality(json_path=out, questions=questions, max_tokens=max_tokens))
+
+
+@bench_app.command("server")
+def bench_server(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    chunks: int = typer.Option(16, min=1, help="Chunks moved per repetition (5.9 MB each)."),
+    reps: int = typer.Option(7, min=1, help="Interleaved repetitions per mode."),
+    lookups: int = typer.Option(2000, min=10, help="Lookup round trips timed."),
+) -> None:
+    """Store/load bandwidth through ``kvtier server`` vs the embedded tiers, and lookup round-trip latency."""
+    from kvtier.bench.server import run_bench_server
+
+    with _json_target(json_path) as out:
+        _finish("bench server", lambda: run_bench_server(json_path=out, chunks=chunks, reps=reps, lookups=lookups, enforce=True))
+
+
+@bench_app.command("controller")
+def bench_controller(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    instances: int = typer.Option(3, min=1, help="Real instances (StorageManager + fleet agent) registered."),
+    prompt_tokens: int = typer.Option(32768, min=1, help="Tokens of the looked-up prompt, stored on every instance."),
+    lookups: int = typer.Option(2000, min=10, help="Lookups timed (in-process and over HTTP)."),
+    event_rate: float = typer.Option(50_000.0, min=1.0, help="Chunk events per second fed to the controller."),
+    event_seconds: float = typer.Option(3.0, min=0.1, help="Seconds of paced event ingestion."),
+) -> None:
+    """Controller lookup latency (32k-token prompt across instances) and KV-event apply latency."""
+    from kvtier.bench.controller import run_bench_controller
+
+    with _json_target(json_path) as out:
+        _finish("bench controller", lambda: run_bench_controller(
+            json_path=out, instances=instances, prompt_tokens=prompt_tokens, lookups=lookups,
+            event_rate=event_rate, event_seconds=event_seconds))
+
+
+@bench_app.command("serve")
+def bench_serve(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout); the PNG plot goes next to it."),
+    configs: str = typer.Option("vllm,kvtier-cpu,kvtier-cpu-disk,rr-2x,router-2x", help="Configurations, comma-separated."),
+    users: Optional[int] = typer.Option(None, min=1, help="Multi-round QA users (default 10; --quick 6)."),
+    rounds: Optional[int] = typer.Option(None, min=1, help="Questions per user (default 10; --quick 3)."),
+    concurrency: Optional[int] = typer.Option(None, min=1, help="Requests in flight (default 2; --quick 1)."),
+    qps: Optional[float] = typer.Option(None, min=0.001, help="Also pace request starts to this rate."),
+    url: list[str] = typer.Option([], "--url", help="Target running servers instead: NAME[@fits]=URL[,METRICS_URL...] (repeatable)."),
+    vllm_bench: bool = typer.Option(True, "--vllm-bench/--no-vllm-bench", help="Also run vLLM's own benchmark client."),
+    quick: bool = typer.Option(False, "--quick", help="Tiny workload (a few minutes on 2 cores)."),
+) -> None:
+    """Serving benchmark: vLLM alone vs + kvtier vs two instances (round robin, kvtier router), real streaming clients."""
+    from kvtier.bench.serve import parse_target, run_bench_serve
+
+    with _json_target(json_path) as out:
+        _finish("bench serve", lambda: run_bench_serve(
+            json_path=out, configs=configs, users=users, rounds=rounds, concurrency=concurrency, qps=qps, quick=quick,
+            targets=dict(parse_target(u) for u in url) or None, vllm_bench=vllm_bench, enforce=True))
+
+
+@bench_app.command("soak")
+def bench_soak(
+    minutes: float = typer.Option(10.0, help="Length of the measured run, minutes (fractions allowed)."),
+    clients: int = typer.Option(8, help="Well-behaved client processes (1-64)."),
+    rate: float = typer.Option(20.0, help="Requests per second of each well-behaved client."),
+    cpu_capacity: str = typer.Option("64MiB", help="The server's CPU pool, e.g. 64MiB."),
+    rss_allowance: str = typer.Option("128MiB", help="Server RSS allowed above the pool, e.g. 128MiB."),
+    no_tcp: bool = typer.Option(False, "--no-tcp", help="No TCP listener (the wrong-token attack is skipped)."),
+    restart_every: float = typer.Option(30.0, help="Seconds between restarts (re-registrations) of each client; 0: none."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write every measured number here ('-': stdout)."),
+) -> None:
+    """Well-behaved engines and a hostile client against one ``kvtier server``: lookup p99, refusals, server RSS."""
+    from kvtier.bench.soak import soak_main
+
+    raise typer.Exit(
+        soak_main(minutes, clients, rate, cpu_capacity, rss_allowance, not no_tcp, json_path, restart_every)
+    )
+
+
+@bench_app.command("peers")
+def bench_peers(
+    lmcache_python: Optional[Path] = typer.Option(None, "--lmcache-python", help="Python of the LMCache venv (default ../lmc-venv/bin/python)."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds (medians, spread over rounds)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    odirect: bool = typer.Option(False, "--odirect", help="Also compare the disk figures with O_DIRECT."),
+    redis_url: str = typer.Option("127.0.0.1:6399", "--redis-url", help="HOST:PORT of the Redis both sides use."),
+    lmcache_script: Optional[Path] = typer.Option(None, "--lmcache-script", help="LMCache peer script (default ../shared/tools/lmcache-peer/)."),
+) -> None:
+    """kvtier's tiers vs LMCache's backends side by side (CPU, disk, Redis), with physical baselines."""
+    from kvtier.bench.peers import run_peers
+
+    with _json_target(json_path) as out:
+        _finish("bench peers", lambda: run_peers(lmcache_python=lmcache_python, rounds=rounds, json_path=out,
+                                                 odirect=odirect, redis_url=redis_url,
+                                                 lmcache_script=lmcache_script, enforce=True))
+
+
+@bench_app.command("transfer")
+def bench_transfer(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    chunks: int = typer.Option(16, min=1, help="Chunks per transferred batch."),
+    chunk_mb: float = typer.Option(5.89824, help="Bytes per chunk / 10^6 (default: one 256-token SmolLM2 chunk)."),
+    rounds: int = typer.Option(7, min=1, help="Interleaved timed rounds per channel and baseline."),
+) -> None:
+    """Transfer channels vs their physical baselines: shared memory vs memcpy, TCP vs a raw loopback socket."""
+    from kvtier.bench.transfer import run_bench_transfer
+
+    with _json_target(json_path) as out:
+        _finish("bench transfer", lambda: run_bench_transfer(json_path=out, chunks=chunks, chunk_mb=chunk_mb,
+                                                             rounds=rounds))
+
+
+@bench_app.command("hf")
+def bench_hf(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    reps: int = typer.Option(3, min=1, help="Prompts timed cold and with a hit (medians)."),
+    prefix_tokens: int = typer.Option(2048, min=256, help="Shared prefix length, tokens."),
+) -> None:
+    """Hugging Face transformers on real SmolLM2 (CPU): TTFT cold vs a kvtier hit, and answer identity."""
+    from kvtier.bench.hf import run_bench_hf
+
+    with _json_target(json_path) as out:
+        _finish("bench hf", lambda: run_bench_hf(json_path=out, reps=reps, prefix_tokens=prefix_tokens))

@@ -1,0 +1,55 @@
+"""Shared pieces of the ``kvtier`` command line: JSON output targets and exit handling."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator, NoReturn, Optional
+
+import typer
+
+#: ``--json -`` writes the JSON to stdout (the tables then go to stderr).
+STDOUT = "-"
+
+
+@contextlib.contextmanager
+def json_target(json_path: Optional[Path]) -> Iterator[Optional[Path]]:
+    """The path a command writes its JSON to; for ``-`` a temporary file copied to stdout at the end,
+    with everything the command prints meanwhile sent to stderr (so stdout is pure JSON)."""
+    if json_path is None or str(json_path) != STDOUT:
+        yield json_path
+        return
+    with tempfile.TemporaryDirectory(prefix="kvtier-json-") as tmp:
+        path = Path(tmp) / "out.json"
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                yield path
+        finally:  # also when the command ends by typer.Exit
+            if path.exists():
+                with path.open() as f:
+                    shutil.copyfileobj(f, sys.stdout)
+                sys.stdout.flush()
+
+
+def finish(command: str, run: Callable[[], int]) -> NoReturn:
+    """Run a command and exit with its code; a usage error (bad flag or setting, unreachable
+    target, missing extra) is one line on stderr and exit code 2, never a traceback."""
+    from kvtier.bench.common import BenchUsageError
+    from kvtier.config import ConfigError
+
+    try:
+        code = run()
+    except (BenchUsageError, ConfigError) as exc:
+        typer.echo(f"kvtier {command}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except ModuleNotFoundError as exc:
+        typer.echo(
+            f"kvtier {command}: needs the Python module {exc.name!r}, not installed "
+            "(see README, Install: pip install 'kvtier[...]' with the extra this command needs)",
+            err=True,
+        )
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)

@@ -70,6 +70,7 @@ SERVER_KEYS = frozenset(
         "disk_direct_io", "disk_write_queue", "remote_url", "remote_codec", "remote_ttl_s",
         "remote_timeout_s", "remote_write_queue", "lease_ttl_s", "log_level", "config_file", "lmcache_config_file",
         "controller", "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint",
+        "peer_listen", "peers", "peer_timeout_s", "peer_retry_s",
     }
 )
 
@@ -180,6 +181,22 @@ class KVTierConfig(BaseModel):
         description="Chunks whose engine block hashes and tokens the connector remembers to translate kvtier's "
         "tier changes into vLLM KV events (LRU; about 1.5 KiB each); changes of others are counted, not published.",
     )
+    peer_listen: str | None = Field(
+        None,
+        description="Serve this instance's CPU/disk chunks to peers on this URL (tcp://HOST:PORT, shm:///PATH or "
+        "nixl://HOST:PORT; port 0: any free port); unset: serve nothing.",
+    )
+    peers: tuple[str, ...] = Field(
+        (),
+        description="Peer instances' peer_listen URLs (a list, or one comma-separated string); each is one more "
+        "read-only lower tier, last in order: a local miss is pulled from the first peer holding it.",
+    )
+    peer_timeout_s: float = Field(
+        1.0, gt=0, description="Bound on one peer call (connect, lookup or pull); a timeout is a miss."
+    )
+    peer_retry_s: float = Field(
+        5.0, gt=0, description="After a peer fails, seconds its calls are misses without trying it again."
+    )
     log_level: str = Field("INFO", description="Log level of kvtier's loggers: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
     config_file: Path | None = Field(
         None, description="TOML or JSON file with any of these keys, or an LMCache YAML config (.yaml/.yml)."
@@ -192,7 +209,8 @@ class KVTierConfig(BaseModel):
 
     @field_validator(
         "disk_path", "config_file", "lmcache_config_file", "model_id", "remote_url", "remote_ttl_s", "server", "server_token", "controller",
-        "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint", mode="before",
+        "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint", "peer_listen",
+        mode="before",
     )
     @classmethod
     def _empty_is_unset(cls, v: Any) -> Any:
@@ -268,6 +286,29 @@ class KVTierConfig(BaseModel):
                 raise ValueError(f"{info.field_name} {v!r}: expected tcp://HOST:PORT with a port in 0-65535")
         return v
 
+    @field_validator("peer_listen")
+    @classmethod
+    def _peer_listen_url(cls, v: str | None) -> str | None:
+        return v if v is None else _check_transfer_url("peer_listen", v, listen=True)
+
+    @field_validator("peers", mode="before")
+    @classmethod
+    def _peer_list(cls, v: Any) -> Any:
+        if isinstance(v, str):  # KVTIER_PEERS="tcp://10.0.0.5:7700,tcp://10.0.0.6:7700"
+            return tuple(p.strip() for p in v.split(",") if p.strip())
+        return v
+
+    @field_validator("peers")
+    @classmethod
+    def _peer_urls(cls, v: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        for url in v:
+            _check_transfer_url("peers", url, listen=False)
+        if len(set(v)) != len(v):
+            raise ValueError(f"peers {list(v)!r} names a peer twice")
+        if info.data.get("peer_listen") in v:
+            raise ValueError(f"peers names this instance's own peer_listen {info.data['peer_listen']!r}")
+        return v
+
     @field_validator("cpu_eviction", "disk_eviction")
     @classmethod
     def _known_policy(cls, v: str) -> str:
@@ -334,6 +375,29 @@ def _check_ports(url: str, rest: str) -> None:
         host, sep, port = part.rpartition(":") if not part.endswith("]") else ("", "", "")
         if sep and (not port.isdigit() or not 0 < int(port) < 65536):
             raise ValueError(f"remote_url {mask_url(url)!r}: port {port!r} is not a number in 1-65535")
+
+
+#: Transfer channel schemes a peer URL may name (see :mod:`kvtier.transfer.urls`).
+PEER_SCHEMES = ("tcp", "shm", "nixl")
+
+
+def _check_transfer_url(key: str, url: str, listen: bool) -> str:
+    """``url`` if it is ``tcp://HOST:PORT``, ``nixl://HOST:PORT`` or ``shm:///ABSOLUTE/PATH``, else ValueError.
+
+    Ports are 1-65535 (0 too when ``listen``: any free port).
+    """
+    scheme, sep, rest = url.partition("://")
+    if scheme not in PEER_SCHEMES or not sep:
+        raise ValueError(f"{key} {url!r}: scheme must be one of {', '.join(s + '://' for s in PEER_SCHEMES)}")
+    if scheme == "shm":
+        if not rest.startswith("/") or len(rest) < 2:
+            raise ValueError(f"{key} {url!r}: shm:// needs an absolute socket path, e.g. shm:///run/kvtier-peer.sock")
+        return url
+    host, colon, port = rest.rstrip("/").rpartition(":")
+    low = 0 if listen else 1
+    if not colon or not host or "/" in host or not port.isdigit() or not low <= int(port) < 65536:
+        raise ValueError(f"{key} {url!r}: expected {scheme}://HOST:PORT with a port in {low}-65535")
+    return url
 
 
 def _source(config: KVTierConfig, key: str) -> str:

@@ -19,7 +19,7 @@ from kvtier.index.keys import KeyNamespace
 from kvtier.serde.base import DTYPE_ITEMSIZE, ValueSpec
 from kvtier.tiers.base import LowerTier
 from kvtier.tiers.policies import make_policy
-from kvtier.tiers.registry import load_tier_class
+from kvtier.tiers.registry import load_tier_class, open_peer_tier
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def _accepts(cls: type, name: str) -> bool:
 def open_lower_tiers(
     config: KVTierConfig, namespace: KeyNamespace, is_pinned: Callable[[bytes], bool]
 ) -> list[LowerTier]:
-    """The lower tiers ``config`` names, fastest first: disk (if ``disk_path``), then remote.
+    """The lower tiers ``config`` names, fastest first: disk (if ``disk_path``), remote, then one per ``peers`` entry.
 
     ``is_pinned`` tells the disk tier which keys leases hold (never evicted).
 
@@ -81,6 +81,8 @@ def open_lower_tiers(
         remote = open_remote_tier(config, namespace)
         if remote is not None:
             tiers.append(remote)
+        for url in config.peers:  # one read-only tier per peer instance, slowest: last
+            tiers.append(open_peer_tier(url, config.peer_timeout_s, config.peer_retry_s))
     except BaseException:
         for t in tiers:
             t.close()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import numpy as np
 
@@ -47,6 +47,7 @@ from kvtier.storage.write_behind import WriteBehind
 from kvtier.tiers.base import ChunkWrite, LowerTier
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.policies import make_policy
+from kvtier.tiers.registry import start_peer_server
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,13 @@ class StorageManager:
         self._hooks_lock = threading.Lock()  # orders hook (un)installation of concurrent (un)subscribes
         #: Per lower tier: True if it reports its own changes (set while someone listens).
         self._self_reporting = [False] * len(self.lower)
+        #: Serves local chunks to peers on ``config.peer_listen`` (None when unset); stopped by close.
+        self.peer_server: Any = None
+        try:
+            self.peer_server = start_peer_server(config, self)
+        except BaseException:
+            self.close()
+            raise
         log.info(
             "kvtier storage: chunk_bytes=%d lower tiers=[%s] %s",
             self.chunk_bytes,
@@ -496,6 +504,8 @@ class StorageManager:
             if self._closed:
                 return
             self._closed = True
+        if self.peer_server is not None:
+            self.peer_server.stop()
         self.promoter.close()
         self.write_behind.close(60.0)
         for tier in self.lower:

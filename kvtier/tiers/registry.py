@@ -12,6 +12,10 @@ tiers are registered the same way (redis, rediss, unix, redis+cluster,
 rediss+cluster, fs) and, for source checkouts where no package metadata is
 installed, also found through the fallback table below. An installed entry
 point of the same name takes precedence over the fallback.
+
+Peer sharing (``peers`` / ``peer_listen`` settings) lives above the storage layer, in
+:mod:`kvtier.transfer.peer_open`; :func:`open_peer_tier` and :func:`start_peer_server`
+reach it by name (:data:`PEER_TARGETS`), like a plug-in, so no lower layer imports it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,49 @@ BUILTIN_TIERS: Mapping[str, str] = MappingProxyType(
         "fs": "kvtier.tiers.fs_tier:FsTier",
     }
 )
+
+
+#: Peer sharing entry points (name -> "module:attribute"), resolved at run time.
+PEER_TARGETS: Mapping[str, str] = MappingProxyType(
+    {
+        "tier": "kvtier.transfer.peer_open:open_peer_tier",
+        "server": "kvtier.transfer.peer_open:start_peer_server",
+    }
+)
+
+
+def _load_target(target: str) -> Any:
+    module, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def open_peer_tier(url: str, timeout_s: float, retry_s: float) -> LowerTier:
+    """A read-only lower tier for the peer instance listening on ``url`` (one ``peers`` entry).
+
+    Contacts nothing here (the tier dials on first use; each call bounded by
+    ``timeout_s`` seconds; a failed peer is a miss, not dialled for ``retry_s`` seconds).
+
+    Raises:
+        ValueError: a malformed URL.
+    """
+    tier = _load_target(PEER_TARGETS["tier"])(url, timeout_s, retry_s)
+    if not isinstance(tier, LowerTier):  # pragma: no cover - a broken build
+        raise ValueError(f"{PEER_TARGETS['tier']} returned {type(tier).__name__}, not a LowerTier")
+    return tier
+
+
+def start_peer_server(config: Any, manager: Any) -> Any:
+    """Serve ``manager``'s CPU/disk chunks on ``config.peer_listen``; the server (``stop()``, ``url``) or None.
+
+    Raises:
+        ValueError: a malformed URL. OSError: the address is taken.
+    """
+    if not getattr(config, "peer_listen", None):
+        return None
+    return _load_target(PEER_TARGETS["server"])(config, manager)
 
 
 def available_tiers() -> dict[str, str]:

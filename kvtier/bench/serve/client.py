@@ -41,6 +41,7 @@ class RequestRecord:
         itl: inter-token gaps, seconds.
         output_tokens, prompt_tokens: token counts (prompt_tokens 0 if the server sent no usage).
         start: send time, seconds since the run began.
+        backend: the instance that served it (``x-kvtier-backend`` of ``kvtier router``; "" when absent).
     """
 
     request_id: str
@@ -54,6 +55,7 @@ class RequestRecord:
     output_tokens: int = 0
     prompt_tokens: int = 0
     start: float = 0.0
+    backend: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,6 +111,7 @@ async def stream_request(
         async with client.stream(
             "POST", base_url.rstrip("/") + path, json=body, headers={"X-Request-Id": request_id}, timeout=timeout_s
         ) as resp:
+            rec.backend = resp.headers.get("x-kvtier-backend", "")
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 rec.error = f"HTTP {resp.status_code}: {text[:300]}"

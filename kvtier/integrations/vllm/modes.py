@@ -79,8 +79,9 @@ def open_scheduler_index(config: KVTierConfig, namespace: KeyNamespace, engine_i
     local = registry.get(engine_id)
     if local is not None:
         return local
-    # The worker's lookup may include one remote existence call.
-    timeout = config.lookup_timeout_s + (config.remote_timeout_s if config.remote_url else 0)
+    # The worker's lookup may include one remote existence call and one call per peer.
+    timeout = (config.lookup_timeout_s + (config.remote_timeout_s if config.remote_url else 0)
+               + config.peer_timeout_s * len(config.peers))
     return LookupClient(socket_path(engine_id), namespace.chunk_size, timeout_s=timeout)
 
 

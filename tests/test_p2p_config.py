@@ -1,0 +1,87 @@
+"""P2P settings: ``peer_listen`` / ``peers`` validation and the lower-tier order they give."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import CHUNK, small_namespace
+from kvtier.config import ConfigError, KVTierConfig, load_config
+from kvtier.storage.lower_tiers import open_lower_tiers
+from kvtier.transfer.peer_open import UrlPeerTier
+
+
+def test_defaults_share_nothing():
+    c = load_config(environ={})
+    assert c.peer_listen is None and c.peers == ()
+    assert c.peer_timeout_s > 0 and c.peer_retry_s > 0
+
+
+def test_env_comma_list_and_file_list(tmp_path):
+    c = load_config(environ={"KVTIER_PEERS": "tcp://10.0.0.5:7700, shm:///run/kv.sock", "KVTIER_PEER_LISTEN": ""})
+    assert c.peers == ("tcp://10.0.0.5:7700", "shm:///run/kv.sock") and c.peer_listen is None
+    f = tmp_path / "kv.toml"
+    f.write_text('peer_listen = "tcp://0.0.0.0:7700"\npeers = ["tcp://10.0.0.6:7700"]\n')
+    c = load_config({"config_file": str(f)}, environ={})
+    assert c.peer_listen == "tcp://0.0.0.0:7700" and c.peers == ("tcp://10.0.0.6:7700",)
+
+
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        ({"peers": ["http://10.0.0.5:7700"]}, "scheme must be one of"),
+        ({"peers": ["10.0.0.5:7700"]}, "scheme must be one of"),
+        ({"peers": ["tcp://10.0.0.5"]}, "port in 1-65535"),
+        ({"peers": ["tcp://10.0.0.5:0"]}, "port in 1-65535"),
+        ({"peers": ["tcp://10.0.0.5:70000"]}, "port in 1-65535"),
+        ({"peers": ["tcp://10.0.0.5:77x"]}, "port in 1-65535"),
+        ({"peers": ["shm://relative.sock"]}, "absolute socket path"),
+        ({"peers": ["tcp://a:1", "tcp://a:1"]}, "names a peer twice"),
+        ({"peer_listen": "udp://0.0.0.0:7700"}, "scheme must be one of"),
+        ({"peer_listen": "tcp://0.0.0.0:65536"}, "port in 0-65535"),
+        ({"peer_listen": "tcp://h:7700", "peers": ["tcp://h:7700"]}, "own peer_listen"),
+        ({"peer_timeout_s": 0}, "greater than 0"),
+        ({"peer_retry_s": -1}, "greater than 0"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_key_named(settings, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(settings, environ={})
+    key = next(iter(settings)) if "own" not in words and "twice" not in words else "peers"
+    assert words in str(err.value) and key in str(err.value)
+
+
+def test_bad_env_value_names_the_variable():
+    with pytest.raises(ConfigError, match="KVTIER_PEERS"):
+        load_config(environ={"KVTIER_PEERS": "tcp://h:1,redis://h:2"})
+
+
+def test_peers_are_the_last_lower_tiers_in_order(tmp_path):
+    cfg = KVTierConfig(
+        chunk_size=CHUNK, cpu_capacity=1 << 20, disk_path=tmp_path / "d", disk_capacity=1 << 20,
+        peers=["tcp://127.0.0.1:9", f"shm://{tmp_path}/p.sock"], peer_timeout_s=0.25, peer_retry_s=7,
+    )
+    tiers = open_lower_tiers(cfg, small_namespace(), lambda k: False)
+    try:
+        assert [t.kind for t in tiers] == ["disk", "peer", "peer"]
+        assert isinstance(tiers[1], UrlPeerTier) and tiers[1].location == "tcp://127.0.0.1:9"
+        assert tiers[2].location == f"shm://{tmp_path}/p.sock"
+        assert tiers[1].timeout_s == 0.25 and tiers[1].retry_s == 7
+        assert not tiers[1].writable  # write-behind never sends chunks to a peer
+    finally:
+        for t in tiers:
+            t.close()
+
+
+def test_kvtier_server_refuses_peer_settings_clearly(tmp_path) -> None:
+    """kvtier server hosts one manager per namespace; a per-namespace peer_listen would bind
+    the same port several times, so the server refuses peer settings at start (exit 2)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVTIER_PEERS": "tcp://127.0.0.1:7700"}
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "server", "--socket", str(tmp_path / "s.sock"),
+                        "--no-metrics"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "peer_listen / peers are not supported by kvtier server" in r.stderr
+    assert not (tmp_path / "s.sock").exists()

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.bench.common import BLOCK_SIZE, Check
-from kvtier.bench.serve.options import ServeBenchOptions
 from kvtier.bench.serve.answer_check import compare_answers, concurrent_agreement
 from kvtier.bench.serve.client import RequestRecord
+from kvtier.bench.serve.options import ServeBenchOptions
 from kvtier.bench.serve.phase import Phase
 
 

@@ -485,3 +485,24 @@ def test_controller_lookup_counts_kvtier_tiers(fleet) -> None:
     finally:
         srv.should_exit = True
         th.join(10)
+
+
+def test_backend_whose_events_never_arrive_is_reported_silent(fleet, caplog) -> None:
+    """The silent-0% failure: a backend publishes nowhere the router listens (vLLM *connects*
+    its publisher for tcp://HOST:PORT). The router serves on, but says so: events_silent in
+    /router/state and one WARNING, while a backend whose events arrive is not flagged."""
+    backs, pubs, tmp_path = fleet
+    specs = (BackendSpec(url=backs[0].url, instance_id="a", events=f"ipc://{tmp_path}/nobody.sock"),
+             BackendSpec(url=backs[1].url, instance_id="b", events=pubs[1].endpoint))
+    cfg = RouterConfig(backends=specs, policy="round-robin")
+    with contextlib.closing(RouterServer(cfg, port=0).start()) as r, httpx.Client(base_url=r.url, timeout=10) as c:
+        pubs[1].publish([_stored(DOC, salt=7)])
+        _wait(lambda: _blocks(r, "b") == 8)
+        with caplog.at_level("WARNING", logger="kvtier.router"):
+            for i in range(2 * r.router.SILENT_AFTER_REQUESTS):
+                assert _complete(c, [5, i]).status_code == 200
+        state = c.get("/router/state").json()["backends"]
+        assert state["a"]["events_silent"] is True and state["a"]["served"] == r.router.SILENT_AFTER_REQUESTS
+        assert state["b"]["events_silent"] is False
+        warnings = [m for m in caplog.messages if "no KV events from a" in m]
+        assert len(warnings) == 1 and "tcp://*:PORT" in warnings[0]

@@ -61,6 +61,8 @@ class Router:
         self.controller_errors = 0
         self.controller_last_error: str | None = None
         self._rr = 0
+        self._served: dict[str, int] = {}
+        self._silent_warned: set[str] = set()
         self._client: httpx.AsyncClient | None = None
         self._probe_client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -175,8 +177,29 @@ class Router:
             self._rr = (d.choice.index + 1) % len(self.config.backends)
         return d
 
+    #: Requests a backend serves before a feed that delivered no KV event is reported silent.
+    SILENT_AFTER_REQUESTS = 4
+
+    def events_silent(self, name: str) -> bool:
+        """True when ``name`` has a KV-event feed that delivered nothing although the backend
+        served :data:`SILENT_AFTER_REQUESTS` requests: kv-aware routing is blind to its cache
+        (a silent 0% predicted hit rate, e.g. vLLM *connecting* its publisher because its
+        endpoint was ``tcp://HOST:PORT`` instead of the bind form ``tcp://*:PORT``)."""
+        feed = self.feeds.get(name)
+        return (feed is not None and feed.batches == 0
+                and self._served.get(name, 0) >= self.SILENT_AFTER_REQUESTS)
+
     def _record(self, path: str, tokens: list[int] | None, d: Decision, served_by: str | None,
                 attempts: list[dict[str, Any]]) -> None:
+        if served_by is not None:
+            self._served[served_by] = self._served.get(served_by, 0) + 1
+            if served_by not in self._silent_warned and self.events_silent(served_by):
+                self._silent_warned.add(served_by)
+                feed = self.feeds[served_by]
+                log.warning("kvtier router: no KV events from %s (%s) after %d requests it served: routing "
+                            "cannot see its cache. vLLM binds its publisher only for tcp://*:PORT (or ipc://); "
+                            "with tcp://HOST:PORT it connects, and nobody receives.", served_by,
+                            feed.stats().get("endpoint"), self._served[served_by])
         self.metrics.decisions.labels(d.policy, d.reason).inc()
         self.decisions.append({
             "t": time.time(), "path": path, "prompt_tokens": len(tokens) if tokens else 0,
@@ -243,7 +266,8 @@ class Router:
         load = self.load.state()
         index = self.index.stats()
         backends = {n: {**pool[n], "load": load[n], "index": index[n],
-                        "events": self.feeds[n].stats() if n in self.feeds else None} for n in pool}
+                        "events": self.feeds[n].stats() if n in self.feeds else None,
+                        "events_silent": self.events_silent(n), "served": self._served.get(n, 0)} for n in pool}
         return {"policy": self.config.policy, "backends": backends, "decisions": list(self.decisions),
                 "controller": {"url": self.config.controller_url, "errors": self.controller_errors,
                                "last_error": self.controller_last_error}}

@@ -43,6 +43,11 @@ def summarize(phases: dict[str, Phase], opts: ServeBenchOptions, ws: Any, engine
         counts = nr["requests_per_instance"]
         share = max(counts) / min(counts) if counts and min(counts) > 0 else None
     check = compare_answers(dict(check_runs or {}))
+    view = get("router-2x", "router")
+    # A kv-aware router that received no KV events routes by load alone: its hit rate would
+    # be luck, so the router figures say so instead of passing or failing silently.
+    router_blind = ([n for n, b in view.items() if not b.get("events_batches")]
+                    if isinstance(view, dict) else None)
     return {
         "ttft_mean_ratio_vs_vllm": _ratio(get("vllm", "ttft_s", "mean"), get(kv, "ttft_s", "mean")),
         "ttft_mean_ratio_vs_vllm_later_rounds": _ratio(get("vllm", "ttft_later_rounds_s", "mean"),
@@ -52,6 +57,7 @@ def summarize(phases: dict[str, Phase], opts: ServeBenchOptions, ws: Any, engine
         "router_hit_rate_ratio_vs_round_robin": _ratio(get("router-2x", "hit_rate"), get("rr-2x", "hit_rate")),
         "router_hit_rate_vs_oracle": _ratio(get("router-2x", "hit_rate"), router_oracle),
         "max_request_share_ratio_no_reuse": share,
+        "router_backends_without_kv_events": router_blind,
         "answers_identical": check["identical"],
         "answer_mismatches": check["mismatches"],
         "answer_check": {"reference": check["reference"], "compared": check["compared"],
@@ -88,6 +94,10 @@ def checks_of(result: dict[str, Any]) -> list[Check]:
         ("no-reuse request share, max / min", "max_request_share_ratio_no_reuse", 1.5, False, "x"),
     ]
     out = [Check(n, float(result[k]), t, hib, u) for n, k, t, hib, u in spec if result.get(k) is not None]
+    blind = result.get("router_backends_without_kv_events")
+    if blind is not None:
+        out.append(Check("router instances without KV events", float(len(blind)), 0.0, False,
+                         note=", ".join(blind)))
     if result.get("answers_identical") is not None:
         out.append(Check("answers identical to vLLM alone", 1.0 if result["answers_identical"] else 0.0, 1.0, True,
                          note=f"{len(result['answer_mismatches'])} of {result['answer_check']['compared']} differ"))

@@ -4,6 +4,9 @@ the no-reuse slice (phase 2), each with the instances' /metrics read before and 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+import httpx
 
 from kvtier.bench.common import BLOCK_SIZE
 from kvtier.bench.serve.client import OnDone, run_prompts, run_sessions, run_sync
@@ -44,6 +47,7 @@ def measure_sessions(name: str, url: str, model: str, instances: Sequence[str], 
     ph.extra["prompt_tokens_local_vs_server_mismatches"] = sum(
         1 for rid, p in zip(ids, prompts) if usage.get(rid) and usage[rid] != len(p))
     if len(instances) > 1:
+        ph.extra["router"] = router_view(url)
         by_id = dict(zip(ids, prompts))
         order = sorted((r for r in recs), key=lambda r: r.start)
         ph.extra["oracle"] = oracle_hit_rate(
@@ -60,3 +64,16 @@ def measure_no_reuse(name: str, url: str, model: str, instances: Sequence[str], 
     recs, wall = run_sync(run_prompts(url, model, prompts, opts.concurrency, opts.max_tokens, on_done=on_done))
     after = [scrape(u) for u in instances]
     return Phase(name + "@noreuse", recs, wall, [delta(b, a) for b, a in zip(before, after)], None)
+
+
+def router_view(url: str) -> dict[str, Any] | None:
+    """Per backend of the ``kvtier router`` at ``url``: its prefix index and KV-event feed
+    (``events_batches``, ``events_silent``); None when ``url`` is no kvtier router."""
+    try:
+        r = httpx.get(url.rstrip("/") + "/router/state", timeout=10)
+        r.raise_for_status()
+        backends = r.json()["backends"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    return {n: {"index": b.get("index"), "events_batches": (b.get("events") or {}).get("batches"),
+                "events_silent": b.get("events_silent"), "served": b.get("served")} for n, b in backends.items()}

@@ -94,9 +94,13 @@ def start_config(
                     disk.mkdir(parents=True, exist_ok=True)
                     kv.update(disk_path=str(disk), disk_capacity=f"{max(256, (4 * kvtier_cpu_bytes) >> 20)}MiB")
             cores = "0-1" if cfg.instances == 1 else str(i % 2)
-            events = f"tcp://127.0.0.1:{free_port()}" if cfg.instances > 1 else None
+            # vLLM binds its KV-event publisher only for a wildcard endpoint (tcp://*:PORT); with
+            # tcp://HOST:PORT it connects, and the router (which connects too) would get nothing.
+            port = free_port() if cfg.instances > 1 else None
+            events = f"tcp://127.0.0.1:{port}" if port else None
             specs.append((ServerSpec(model=model_path, kvtier=kv, cpu_cores=cores, num_gpu_blocks_override=engine_blocks,
-                                     max_model_len=max_model_len, kv_events_endpoint=events), events))
+                                     max_model_len=max_model_len,
+                                     kv_events_endpoint=f"tcp://*:{port}" if port else None), events))
         servers = [ApiServer(s, log_path=str(workdir / f"{tag}-{i}.log")) for i, (s, _) in enumerate(specs)]
         # Started side by side from worker threads kept alive until the servers stop: ApiServer sets
         # PR_SET_PDEATHSIG, which fires when the *thread* that started the child exits.

@@ -67,7 +67,10 @@ class ServerSpec:
         num_gpu_blocks_override: engine KV blocks (bounds vLLM's own prefix cache).
         max_model_len: tokens per sequence.
         kv_events_endpoint: ZMQ endpoint of vLLM's KV event publisher
-            (``--kv-events-config``, e.g. ``"tcp://*:5557"``); None: no events.
+            (``--kv-events-config``); None: no events. vLLM *binds* only wildcard and
+            ipc/inproc endpoints (``"tcp://*:5557"``) and *connects* to any other
+            (``"tcp://10.0.0.1:5557"``: a broker's address), so subscribers that connect, like
+            ``kvtier router``, need the wildcard form.
         extra_args: more ``api_server`` arguments, appended last (they win).
         env: environment overrides for the server process (applied last).
     """

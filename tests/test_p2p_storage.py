@@ -9,28 +9,16 @@ import numpy as np
 import pytest
 
 from conftest import CHUNK, payload_for, small_namespace
+from transfer_helpers import CB, store_chain
 from kvtier.config import KVTierConfig
 from kvtier.storage.manager import StorageManager
 
-CB = small_namespace().chunk_bytes
 #: A hang guard, not a speed target: a dead peer must cost about one peer_timeout_s.
 HANG_S = 10.0
 
 
 def _config(**kw) -> KVTierConfig:
     return KVTierConfig(**{"chunk_size": CHUNK, "cpu_capacity": 32 * CB, "peer_timeout_s": 0.5, **kw})
-
-
-def _store(mgr: StorageManager, tokens: list[int]) -> list[bytes]:
-    keys = mgr.keys(tokens)
-    parent = None
-    for k in keys:
-        buf = mgr.open_write(k, parent)
-        assert buf is not None
-        buf[:] = payload_for(k, CB)
-        mgr.commit(k, parent)
-        parent = k
-    return keys
 
 
 @pytest.fixture(params=["tcp", "shm"])
@@ -47,7 +35,7 @@ def test_b_gets_a_prefix_only_a_holds_and_promotes_it(pair):
     a, b = pair
     assert [t.kind for t in b.lower] == ["peer"] and a.lower == []
     tokens = list(range(5 * CHUNK + 3))
-    keys = _store(a, tokens)
+    keys = store_chain(a, tokens)
     assert not any(b.contains(k) for k in keys)
     hit = b.lookup(tokens)
     assert hit.num_tokens == 5 * CHUNK and hit.tiers == ["peer"] * 5 and hit.keys == keys
@@ -69,7 +57,7 @@ def test_b_gets_a_prefix_only_a_holds_and_promotes_it(pair):
 def test_partial_prefix_and_other_namespace_miss(pair):
     a, b = pair
     tokens = list(range(6 * CHUNK + 1))
-    keys = _store(a, tokens[: 3 * CHUNK])
+    keys = store_chain(a, tokens[: 3 * CHUNK])
     assert b.lookup(tokens).keys == keys  # B gets exactly what A holds, nothing past the gap
     other = StorageManager(_config(peers=[a.peer_server.url]), small_namespace(model="test/other-model"))
     try:
@@ -81,7 +69,7 @@ def test_partial_prefix_and_other_namespace_miss(pair):
 def test_a_closed_between_lookup_and_pull_is_a_miss(pair):
     a, b = pair
     tokens = list(range(4 * CHUNK + 1))
-    keys = _store(a, tokens)
+    keys = store_chain(a, tokens)
     assert b.lookup(tokens).num_tokens == 4 * CHUNK
     a.close()  # the peer goes away after B's lookup, before its pull
     t0 = time.monotonic()

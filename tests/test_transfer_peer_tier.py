@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import CHUNK, payload_for, small_namespace
+from transfer_helpers import CB, store_chain
 from kvtier.config import KVTierConfig
 from kvtier.storage.manager import StorageManager
 from kvtier.transfer.peer_tier import PeerServer, PeerTier
@@ -15,23 +16,9 @@ from kvtier.transfer.shm import ShmChannel
 from kvtier.transfer.shm_listener import ShmListener
 from kvtier.transfer.tcp import TcpChannel, TcpListener
 
-CB = small_namespace().chunk_bytes
-
 
 def _config(chunks: int = 16) -> KVTierConfig:
     return KVTierConfig(chunk_size=CHUNK, cpu_capacity=chunks * CB)
-
-
-def _store(mgr: StorageManager, tokens: list[int]) -> list[bytes]:
-    keys = mgr.keys(tokens)
-    parent = None
-    for k in keys:
-        buf = mgr.open_write(k, parent)
-        assert buf is not None
-        buf[:] = payload_for(k, CB)
-        mgr.commit(k, parent)
-        parent = k
-    return keys
 
 
 @pytest.fixture(params=["tcp", "shm"])
@@ -55,7 +42,7 @@ def peers(request):
 def test_prefix_only_on_a_is_served_to_b_from_the_peer(peers):
     a, b, tier, _ = peers
     tokens = list(range(5 * CHUNK + 3))
-    keys = _store(a, tokens)
+    keys = store_chain(a, tokens)
     assert not any(b.cpu.contains(k) for k in keys)
     assert tier.contains_many(keys + [b"\x01" * 32]) == [True] * 5 + [False]
     assert b.lookup(tokens).num_tokens >= 4 * CHUNK  # the peer's chunks count as hits
@@ -71,7 +58,7 @@ def test_prefix_only_on_a_is_served_to_b_from_the_peer(peers):
 
 def test_batched_get_with_absent_keys(peers):
     a, b, tier, _ = peers
-    keys = _store(a, list(range(3 * CHUNK)))
+    keys = store_chain(a, list(range(3 * CHUNK)))
     outs = [np.zeros(CB, np.uint8) for _ in range(4)]
     got = tier.get_many_into(list(zip([keys[0], b"\x02" * 32, keys[2], keys[1]], outs)))
     assert got == [True, False, True, True]
@@ -83,7 +70,7 @@ def test_batched_get_with_absent_keys(peers):
 
 def test_vanished_peer_is_a_miss_within_the_timeout(peers):
     a, b, tier, server = peers
-    keys = _store(a, list(range(2 * CHUNK)))
+    keys = store_chain(a, list(range(2 * CHUNK)))
     assert tier.contains_many(keys) == [True, True]
     server.stop()  # the peer goes away (its channels close)
     t0 = time.monotonic()

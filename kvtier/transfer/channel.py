@@ -30,6 +30,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence, Union
 
+import numpy as np
 import xxhash
 
 from kvtier.serde.base import Buffer
@@ -131,6 +132,11 @@ def payload_digest(mv: memoryview, given: bytes | None) -> bytes:
     return given if given is not None else xxhash.xxh3_64_digest(mv)
 
 
+def buffer_address(mv: memoryview) -> int:
+    """The address of ``mv``'s first byte (a flat uint8 view), 0 for an empty one."""
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
+
+
 def check_in_slots(dests: Sequence[InSlot]) -> tuple[list[memoryview], dict[bytes, int]]:
     """Writable flat views of the destinations and the index of each key.
 
@@ -162,6 +168,27 @@ class TransferChannel(ABC):
 
     def _deadline(self, timeout_s: float | None) -> Deadline:
         return Deadline(self.timeout_s if timeout_s is None else timeout_s)
+
+    def _count_sent(self, items: Sequence[tuple[bytes, memoryview, bytes | None]], received: Sequence[bool]) -> None:
+        """Count one batch sent (``items`` from :func:`check_out_chunks`) and the peer's verdicts."""
+        self.counters.add(batches_sent=1, chunks_sent=len(items), bytes_sent=sum(len(it[1]) for it in items),
+                          chunks_delivered=sum(received))
+
+    def _slot_for(self, key: bytes, nbytes: int, views: list[memoryview], index: dict[bytes, int]) -> int | None:
+        """The destination index of an incoming chunk, or None (counted) when the caller did not ask
+        for ``key`` or its destination is not ``nbytes`` long."""
+        i = index.get(key)
+        if i is None:
+            self.counters.add(unexpected=1)
+            return None
+        if len(views[i]) != nbytes:
+            self.counters.add(size_mismatch=1)
+            return None
+        return i
+
+    def _count_received(self, ok: bool, nbytes: int) -> None:
+        """Count one chunk received: verified (``ok``) or corrupt."""
+        self.counters.add(**({"chunks_received": 1, "bytes_received": nbytes} if ok else {"corrupt": 1}))
 
     @abstractmethod
     def send(self, chunks: Sequence[OutChunk], timeout_s: float | None = None) -> list[bool]:

@@ -23,7 +23,6 @@ import uuid
 from collections import deque
 from typing import Any, Sequence
 
-import numpy as np
 import xxhash
 
 from kvtier.transfer.channel import (
@@ -31,6 +30,7 @@ from kvtier.transfer.channel import (
     Deadline,
     InSlot,
     OutChunk,
+    buffer_address,
     check_in_slots,
     check_out_chunks,
     payload_digest,
@@ -50,6 +50,7 @@ from kvtier.transfer.frames import (
     encode_frame,
 )
 from kvtier.transfer.stream import StreamChannel
+from kvtier.transfer.tcp import dial_tcp, tune_tcp
 
 
 def nixl_agent_class() -> tuple[Any, Any]:
@@ -64,10 +65,6 @@ def nixl_agent_class() -> tuple[Any, Any]:
         raise ChannelUnavailable(f"NIXL is not installed or does not load ({exc}): "
                                  "pip install 'kvtier[nixl]'") from None
     return nixl_agent, nixl_agent_config
-
-
-def _addr(mv: memoryview) -> int:
-    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
 
 
 class NixlChannel(StreamChannel):
@@ -85,7 +82,7 @@ class NixlChannel(StreamChannel):
 
     def __init__(self, sock: socket.socket, timeout_s: float = DEFAULT_TIMEOUT_S):
         agent_cls, config_cls = nixl_agent_class()
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune_tcp(sock)
         super().__init__(sock, timeout_s)
         try:
             self._agent = agent_cls(f"kvtier-{os.getpid()}-{uuid.uuid4().hex[:12]}", config_cls(backends=["UCX"]))
@@ -105,11 +102,7 @@ class NixlChannel(StreamChannel):
             ChannelUnavailable: NIXL missing. TransferError: cannot connect, or the handshake failed.
         """
         nixl_agent_class()
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout_s)
-        except OSError as exc:
-            raise TransferError(f"cannot connect to nixl transfer peer {host}:{port}: {exc}") from None
-        chan = cls(sock, timeout_s)
+        chan = cls(dial_tcp(host, port, timeout_s, "nixl"), timeout_s)
         chan.handshake()
         return chan
 
@@ -126,7 +119,7 @@ class NixlChannel(StreamChannel):
     def _register(self, mv: memoryview) -> Any:
         """Register ``mv``'s memory with the NIXL agent unless a registered region holds it;
         returns the new registration (None if none was needed)."""
-        a, n = _addr(mv), len(mv)
+        a, n = buffer_address(mv), len(mv)
         if n == 0 or any(base <= a and a + n <= base + size for base, size, _ in self._regions):
             return None
         reg = self._agent.register_memory([(a, n, 0, "")], "DRAM")
@@ -164,23 +157,19 @@ class NixlChannel(StreamChannel):
         """See :meth:`TransferChannel.send`; the peer reads the payloads from this process's memory."""
         items = check_out_chunks(chunks)
         deadline = self._deadline(timeout_s)
-        batch_id = self._next_batch
-        self._next_batch += 1
+        batch_id = self._begin_batch()
         try:
             self._announce([r for r in (self._register(mv) for _, mv, _ in items) if r is not None], deadline)
             self._send_views([encode_frame(Batch(batch_id=batch_id, count=len(items)))], deadline)
             for i, (key, mv, given) in enumerate(items):  # frame by frame: the peer reads chunk i while we hash i+1
                 self._send_views([encode_frame(Chunk(index=i, key=key, nbytes=len(mv), checksum=payload_digest(mv, given),
-                                                     segment_id=0, offset=_addr(mv)))], deadline)
-            ack = self._recv_msg(deadline)
-            if not isinstance(ack, BatchAck) or ack.batch_id != batch_id or len(ack.received) != len(items):
-                raise ProtocolError(f"expected the ack of batch {batch_id}, got {ack!r:.80}")
+                                                     segment_id=0, offset=buffer_address(mv)))], deadline)
+            ack = self._recv_batch_ack(batch_id, len(items), deadline)
         except (OSError, TransferError) as exc:
             raise self._fail(exc) from None
         except Exception as exc:  # a NIXL registration failure
             raise self._fail(TransferError(f"nixl send failed: {exc}")) from None
-        self.counters.add(batches_sent=1, chunks_sent=len(items), bytes_sent=sum(len(it[1]) for it in items),
-                          chunks_delivered=sum(ack.received))
+        self._count_sent(items, ack.received)
         return list(ack.received)
 
     def recv_into(self, dests: Sequence[InSlot], timeout_s: float | None = None) -> list[bool]:
@@ -191,21 +180,13 @@ class NixlChannel(StreamChannel):
         result = [False] * len(views)
         pending: deque[tuple[Any, int, Chunk]] = deque()
         try:
-            batch = self._recv_msg(deadline)
-            if not isinstance(batch, Batch):
-                raise ProtocolError(f"expected a batch frame, got {type(batch).__name__}")
+            batch = self._recv_batch(deadline)
             verdict = [False] * batch.count
             self.last_sources = []
             for expect in range(batch.count):
-                chunk = self._recv_msg(deadline)
-                if not isinstance(chunk, Chunk) or chunk.index != expect:
-                    raise ProtocolError(f"expected chunk frame {expect} of batch {batch.batch_id}, got {chunk!r:.80}")
-                i = index.get(chunk.key)
-                if i is None:
-                    self.counters.add(unexpected=1)
-                elif len(views[i]) != chunk.nbytes:
-                    self.counters.add(size_mismatch=1)
-                elif chunk.nbytes:
+                chunk = self._recv_chunk(batch, expect, deadline)
+                i = self._slot_for(chunk.key, chunk.nbytes, views, index)
+                if i is not None and chunk.nbytes:
                     self.last_sources.append((views[i], chunk.offset))
                     pending.append((self._post([(views[i], chunk.offset)]), i, chunk))
                 while pending and self._state(pending[0][0]) == "DONE":
@@ -227,7 +208,7 @@ class NixlChannel(StreamChannel):
         self._release(handle)
         ok = xxhash.xxh3_64_digest(views[i]) == chunk.checksum
         result[i] = verdict[chunk.index] = ok
-        self.counters.add(**({"chunks_received": 1, "bytes_received": chunk.nbytes} if ok else {"corrupt": 1}))
+        self._count_received(ok, chunk.nbytes)
 
     def _post(self, pairs: Sequence[tuple[memoryview, int]]) -> Any:
         """Start one NIXL READ of each ``(destination view, peer address)``; returns its handle.
@@ -237,7 +218,7 @@ class NixlChannel(StreamChannel):
         """
         for mv, _ in pairs:
             self._register(mv)
-        local = self._agent.get_xfer_descs([(_addr(mv), len(mv), 0) for mv, _ in pairs], "DRAM")
+        local = self._agent.get_xfer_descs([(buffer_address(mv), len(mv), 0) for mv, _ in pairs], "DRAM")
         remote = self._agent.get_xfer_descs([(addr, len(mv), 0) for mv, addr in pairs], "DRAM")
         try:
             handle = self._agent.initialize_xfer("READ", local, remote, self._peer)

@@ -38,6 +38,7 @@ from kvtier.transfer.channel import (
     Deadline,
     InSlot,
     OutChunk,
+    buffer_address,
     check_in_slots,
     check_out_chunks,
     payload_digest,
@@ -52,10 +53,6 @@ DEFAULT_STAGING_BYTES = 256 << 20
 _PIECE = 512 << 10
 #: Most segments one peer may share.
 MAX_PEER_SEGMENTS = 64
-
-
-def _address(mv: memoryview) -> int:
-    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
 
 
 def copy_and_hash(src: np.ndarray, dst: np.ndarray) -> bytes:
@@ -156,7 +153,7 @@ class ShmChannel(StreamChannel):
 
     def _locate(self, mv: memoryview) -> tuple[int, int]:
         """(segment id, offset) of a payload lying in a shared segment, else (-1, -1)."""
-        addr, n = _address(mv), len(mv)
+        addr, n = buffer_address(mv), len(mv)
         for seg_id, (base, size) in self._mine.items():
             if base <= addr and addr + n <= base + size and seg_id != self._staging_id:
                 return seg_id, addr - base
@@ -167,8 +164,7 @@ class ShmChannel(StreamChannel):
         """See :meth:`TransferChannel.send`; payloads in shared segments are not copied."""
         items = check_out_chunks(chunks)
         deadline = self._deadline(timeout_s)
-        batch_id = self._next_batch
-        self._next_batch += 1
+        batch_id = self._begin_batch()
         placed = [self._locate(it[1]) for it in items]
         if any(s < 0 and len(mv) > self.staging_bytes for (s, _), (_, mv, _) in zip(placed, items)):
             raise ValueError(f"a payload larger than the staging ring ({self.staging_bytes} bytes) "
@@ -200,8 +196,7 @@ class ShmChannel(StreamChannel):
                 acked = self._take_ack(batch_id, acked, received, ring, deadline)
         except (OSError, TransferError) as exc:
             raise self._fail(exc) from None
-        self.counters.add(batches_sent=1, chunks_sent=len(items), bytes_sent=sum(len(it[1]) for it in items),
-                          chunks_delivered=sum(received))
+        self._count_sent(items, received)
         return received
 
     def _ensure_staging(self, deadline: Deadline) -> None:
@@ -241,13 +236,9 @@ class ShmChannel(StreamChannel):
         deadline = self._deadline(timeout_s)
         result = [False] * len(views)
         try:
-            batch = self._recv_msg(deadline)
-            if not isinstance(batch, Batch):
-                raise ProtocolError(f"expected a batch frame, got {type(batch).__name__}")
+            batch = self._recv_batch(deadline)
             for expect in range(batch.count):
-                chunk = self._recv_msg(deadline)
-                if not isinstance(chunk, Chunk) or chunk.index != expect:
-                    raise ProtocolError(f"expected chunk frame {expect} of batch {batch.batch_id}, got {chunk!r:.80}")
+                chunk = self._recv_chunk(batch, expect, deadline)
                 ok = self._take(chunk, views, index, result)
                 self._send_views([encode_frame(ChunkAck(batch_id=batch.batch_id, index=expect, ok=ok))], deadline)
         except (OSError, TransferError) as exc:
@@ -266,16 +257,12 @@ class ShmChannel(StreamChannel):
 
     def _take(self, chunk: Chunk, views: list[memoryview], index: dict[bytes, int], result: list[bool]) -> bool:
         src = self._source(chunk)
-        i = index.get(chunk.key)
+        i = self._slot_for(chunk.key, chunk.nbytes, views, index)
         if i is None:
-            self.counters.add(unexpected=1)
-            return False
-        if len(views[i]) != chunk.nbytes:
-            self.counters.add(size_mismatch=1)
             return False
         ok = copy_and_hash(src, np.frombuffer(views[i], dtype=np.uint8)) == chunk.checksum
         result[i] = ok
-        self.counters.add(**({"chunks_received": 1, "bytes_received": chunk.nbytes} if ok else {"corrupt": 1}))
+        self._count_received(ok, chunk.nbytes)
         return ok
 
     def close(self) -> None:

@@ -7,8 +7,8 @@ import socket
 import tempfile
 
 from kvtier.transfer.channel import DEFAULT_TIMEOUT_S
-from kvtier.transfer.errors import TransferError, TransferTimeout
 from kvtier.transfer.shm import DEFAULT_STAGING_BYTES, ShmChannel
+from kvtier.transfer.stream import accept_socket
 
 
 class ShmListener:
@@ -36,13 +36,7 @@ class ShmListener:
         Raises:
             TransferTimeout: nobody connected in time. TransferError: the handshake failed.
         """
-        self._sock.settimeout(self.timeout_s if timeout_s is None else timeout_s)
-        try:
-            sock, _ = self._sock.accept()
-        except (socket.timeout, TimeoutError):
-            raise TransferTimeout("no shm transfer peer connected in time") from None
-        except OSError as exc:
-            raise TransferError(f"shm accept failed: {exc}") from None
+        sock = accept_socket(self._sock, self.timeout_s if timeout_s is None else timeout_s, "shm")
         chan = ShmChannel(sock, self.timeout_s, self.staging_bytes)
         chan.handshake(timeout_s)
         return chan

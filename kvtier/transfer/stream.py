@@ -23,6 +23,9 @@ from kvtier.transfer.errors import (
 )
 from kvtier.transfer.frames import (
     PREFIX,
+    Batch,
+    BatchAck,
+    Chunk,
     Control,
     Hello,
     Message,
@@ -92,14 +95,21 @@ class StreamChannel(TransferChannel):
                     pending[0] = pending[0][sent:]
                     sent = 0
 
-    def _recv_exact(self, view: memoryview, deadline: Deadline) -> None:
+    def _recv_exact(self, view: memoryview, deadline: Deadline, hasher: xxhash.xxh3_64 | None = None) -> None:
+        """Fill ``view`` from the socket; each piece is fed to ``hasher`` (if any) as it lands.
+
+        Raises:
+            PeerGone: EOF before ``view`` is full. TransferTimeout: ``deadline`` passed.
+        """
         sock = self._live()
         pos, n = 0, len(view)
         while pos < n:
             sock.settimeout(deadline.remaining())
             got = sock.recv_into(view[pos:], n - pos)
             if got == 0:
-                raise PeerGone(f"{self.kind} peer closed the connection mid-frame")
+                raise PeerGone(f"{self.kind} peer closed the connection mid-{'frame' if hasher is None else 'payload'}")
+            if hasher is not None:
+                hasher.update(view[pos : pos + got])
             pos += got
 
     def _recv_prefix(self, deadline: Deadline) -> list[int]:
@@ -153,16 +163,8 @@ class StreamChannel(TransferChannel):
 
     def _recv_payload_into(self, view: memoryview, deadline: Deadline) -> bytes:
         """Read ``len(view)`` payload bytes into ``view``, hashing each piece as it lands; xxh3-64 digest."""
-        sock = self._live()
         h = xxhash.xxh3_64()
-        pos, n = 0, len(view)
-        while pos < n:
-            sock.settimeout(deadline.remaining())
-            got = sock.recv_into(view[pos:], n - pos)
-            if got == 0:
-                raise PeerGone(f"{self.kind} peer closed the connection mid-payload")
-            h.update(view[pos : pos + got])
-            pos += got
+        self._recv_exact(view, deadline, h)
         return h.digest()
 
     def _discard(self, n: int, deadline: Deadline) -> None:
@@ -171,6 +173,46 @@ class StreamChannel(TransferChannel):
             m = min(n, len(scratch))
             self._recv_exact(scratch[:m], deadline)
             n -= m
+
+    # -- batch framing (shared by the channels' send / recv_into) ------------------------
+    def _begin_batch(self) -> int:
+        """The id of the next batch this end sends."""
+        batch_id = self._next_batch
+        self._next_batch += 1
+        return batch_id
+
+    def _recv_batch(self, deadline: Deadline) -> Batch:
+        """The next frame, which must open a batch.
+
+        Raises:
+            ProtocolError: it is another frame. TransferError: timeout or the peer gone.
+        """
+        batch = self._recv_msg(deadline)
+        if not isinstance(batch, Batch):
+            raise ProtocolError(f"expected a batch frame, got {type(batch).__name__}")
+        return batch
+
+    def _recv_chunk(self, batch: Batch, expect: int, deadline: Deadline) -> Chunk:
+        """The next frame, which must be chunk frame ``expect`` of ``batch``.
+
+        Raises:
+            ProtocolError: another frame or chunk index. TransferError: timeout or the peer gone.
+        """
+        chunk = self._recv_msg(deadline)
+        if not isinstance(chunk, Chunk) or chunk.index != expect:
+            raise ProtocolError(f"expected chunk frame {expect} of batch {batch.batch_id}, got {chunk!r:.80}")
+        return chunk
+
+    def _recv_batch_ack(self, batch_id: int, count: int, deadline: Deadline) -> BatchAck:
+        """The next frame, which must be the ack of batch ``batch_id`` (``count`` chunks).
+
+        Raises:
+            ProtocolError: another frame, batch or count. TransferError: timeout or the peer gone.
+        """
+        ack = self._recv_msg(deadline)
+        if not isinstance(ack, BatchAck) or ack.batch_id != batch_id or len(ack.received) != count:
+            raise ProtocolError(f"expected the ack of batch {batch_id}, got {ack!r:.80}")
+        return ack
 
     # -- shared operations ----------------------------------------------------------
     def handshake(self, timeout_s: float | None = None) -> None:
@@ -222,6 +264,23 @@ class StreamChannel(TransferChannel):
     @property
     def closed(self) -> bool:
         return self._sock is None
+
+
+def accept_socket(listener: socket.socket, timeout_s: float, kind: str) -> socket.socket:
+    """The next connection on the listening ``listener`` within ``timeout_s`` seconds (blocking mode).
+
+    Raises:
+        TransferTimeout: nobody connected in time. TransferError: the accept failed.
+    """
+    listener.settimeout(timeout_s)
+    try:
+        sock, _addr = listener.accept()
+    except (socket.timeout, TimeoutError):
+        raise TransferTimeout(f"no {kind} transfer peer connected in time") from None
+    except OSError as exc:
+        raise TransferError(f"{kind} accept failed: {exc}") from None
+    sock.settimeout(None)
+    return sock
 
 
 def _pack_fds(fds: Sequence[int]) -> bytes:

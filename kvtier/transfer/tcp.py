@@ -26,13 +26,26 @@ from kvtier.transfer.channel import (
     check_out_chunks,
     payload_digest,
 )
-from kvtier.transfer.errors import ProtocolError, TransferError
+from kvtier.transfer.errors import TransferError
 from kvtier.transfer.frames import Batch, BatchAck, Chunk, encode_frame
-from kvtier.transfer.stream import StreamChannel
+from kvtier.transfer.stream import StreamChannel, accept_socket
 
 
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks and control frames go out at once
+def tune_tcp(sock: socket.socket) -> None:
+    """Set TCP_NODELAY on ``sock``: acks and control frames go out at once."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def dial_tcp(host: str, port: int, timeout_s: float, kind: str) -> socket.socket:
+    """A TCP connection to ``host:port`` (the control link of a ``kind`` channel).
+
+    Raises:
+        TransferError: cannot connect within ``timeout_s`` seconds.
+    """
+    try:
+        return socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as exc:
+        raise TransferError(f"cannot connect to {kind} transfer peer {host}:{port}: {exc}") from None
 
 
 class TcpChannel(StreamChannel):
@@ -46,7 +59,7 @@ class TcpChannel(StreamChannel):
     kind = "tcp"
 
     def __init__(self, sock: socket.socket, timeout_s: float = DEFAULT_TIMEOUT_S):
-        _tune(sock)
+        tune_tcp(sock)
         super().__init__(sock, timeout_s)
 
     @classmethod
@@ -56,11 +69,7 @@ class TcpChannel(StreamChannel):
         Raises:
             TransferError: cannot connect within ``timeout_s``, or the peer is not a TCP transfer channel.
         """
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout_s)
-        except OSError as exc:
-            raise TransferError(f"cannot connect to tcp transfer peer {host}:{port}: {exc}") from None
-        chan = cls(sock, timeout_s)
+        chan = cls(dial_tcp(host, port, timeout_s, "tcp"), timeout_s)
         chan.handshake()
         return chan
 
@@ -68,21 +77,16 @@ class TcpChannel(StreamChannel):
         """See :meth:`TransferChannel.send`. Payloads go to the kernel as they are (``sendmsg``)."""
         items = check_out_chunks(chunks)
         deadline = self._deadline(timeout_s)
-        batch_id = self._next_batch
-        self._next_batch += 1
+        batch_id = self._begin_batch()
         try:
             self._send_views([encode_frame(Batch(batch_id=batch_id, count=len(items)))], deadline)
             for i, (key, mv, given) in enumerate(items):
                 frame = encode_frame(Chunk(index=i, key=key, nbytes=len(mv), checksum=payload_digest(mv, given)))
                 self._send_views([frame, mv], deadline)
-            ack = self._recv_msg(deadline)
-            if not isinstance(ack, BatchAck) or ack.batch_id != batch_id or len(ack.received) != len(items):
-                raise ProtocolError(f"expected the ack of batch {batch_id}, got {ack!r:.80}")
+            ack = self._recv_batch_ack(batch_id, len(items), deadline)
         except (OSError, TransferError) as exc:
             raise self._fail(exc) from None
-        nbytes = sum(len(it[1]) for it in items)
-        self.counters.add(batches_sent=1, chunks_sent=len(items), bytes_sent=nbytes,
-                          chunks_delivered=sum(ack.received))
+        self._count_sent(items, ack.received)
         return list(ack.received)
 
     def recv_into(self, dests: Sequence[InSlot], timeout_s: float | None = None) -> list[bool]:
@@ -91,14 +95,10 @@ class TcpChannel(StreamChannel):
         deadline = self._deadline(timeout_s)
         result = [False] * len(views)
         try:
-            batch = self._recv_msg(deadline)
-            if not isinstance(batch, Batch):
-                raise ProtocolError(f"expected a batch frame, got {type(batch).__name__}")
+            batch = self._recv_batch(deadline)
             verdicts: list[bool] = []
             for expect in range(batch.count):
-                chunk = self._recv_msg(deadline)
-                if not isinstance(chunk, Chunk) or chunk.index != expect:
-                    raise ProtocolError(f"expected chunk frame {expect} of batch {batch.batch_id}, got {chunk!r:.80}")
+                chunk = self._recv_chunk(batch, expect, deadline)
                 verdicts.append(self._take(chunk, views, index, result, deadline))
             self._send_views([encode_frame(BatchAck(batch_id=batch.batch_id, received=verdicts))], deadline)
         except (OSError, TransferError) as exc:
@@ -108,16 +108,12 @@ class TcpChannel(StreamChannel):
     def _take(self, chunk: Chunk, views: list[memoryview], index: dict[bytes, int], result: list[bool],
               deadline) -> bool:
         """Read one chunk's payload into its destination (or drop it); True if received intact."""
-        i = index.get(chunk.key)
-        if i is None:
-            self.counters.add(unexpected=1)
-        elif len(views[i]) != chunk.nbytes:
-            self.counters.add(size_mismatch=1)
-        else:
+        i = self._slot_for(chunk.key, chunk.nbytes, views, index)
+        if i is not None:
             result[i] = False
             ok = self._recv_payload_into(views[i], deadline) == chunk.checksum
             result[i] = ok
-            self.counters.add(**({"chunks_received": 1, "bytes_received": chunk.nbytes} if ok else {"corrupt": 1}))
+            self._count_received(ok, chunk.nbytes)
             return ok
         self._discard(chunk.nbytes, deadline)
         return False
@@ -142,16 +138,7 @@ class TcpListener:
         Raises:
             TransferTimeout: nobody connected in time. TransferError: the handshake failed.
         """
-        from kvtier.transfer.errors import TransferTimeout
-
-        self._sock.settimeout(self.timeout_s if timeout_s is None else timeout_s)
-        try:
-            sock, _addr = self._sock.accept()
-        except (socket.timeout, TimeoutError):
-            raise TransferTimeout("no tcp transfer peer connected in time") from None
-        except OSError as exc:
-            raise TransferError(f"tcp accept failed: {exc}") from None
-        sock.settimeout(None)
+        sock = accept_socket(self._sock, self.timeout_s if timeout_s is None else timeout_s, "tcp")
         return self._wrap(sock, timeout_s)
 
     def _wrap(self, sock: socket.socket, timeout_s: float | None) -> TcpChannel:

@@ -434,6 +434,26 @@ def top(
     raise typer.Exit(run_top(url, interval, count, token))
 
 
+@app.command("pd-proxy")
+def pd_proxy(
+    prefill: list[str] = typer.Option(..., "--prefill", help="A prefill instance's URL (repeatable; round robin)."),
+    decode: list[str] = typer.Option(..., "--decode", help="A decode instance's URL (repeatable; round robin)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8200, help="Port to listen on."),
+) -> None:
+    """PD disaggregation proxy: each request is prefilled (max_tokens=1) on a prefiller, then decoded
+    on a decoder with the prefiller's kv_transfer_params. Exit code 2: bad arguments or port in use."""
+    from kvtier.router.pd_proxy import PDProxyServer
+
+    try:
+        server = PDProxyServer(prefill, decode, host=host, port=port)
+    except (ValueError, OSError) as exc:
+        typer.echo(f"kvtier pd-proxy: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"kvtier pd-proxy: {server.url} prefill {', '.join(prefill)} -> decode {', '.join(decode)}", err=True)
+    server.serve_forever()
+
+
 def main() -> None:
     app()
 

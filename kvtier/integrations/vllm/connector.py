@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.config import KVTierConfig, load_config
 from kvtier.integrations.vllm.extras import check_engine_extra_keys
 from kvtier.integrations.vllm.kv_events import kv_events_enabled
+from kvtier.integrations.vllm.pd import PDSettings
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics, counter_delta, ledger_counters
 from kvtier.integrations.vllm.scheduler import KVTierScheduler
 from kvtier.integrations.vllm.types import KVTierMetadata
@@ -67,6 +68,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if role_name in ("kv_both", "kv_producer", "kv_consumer"):
             # vLLM's kv_role gates kvtier too: a producer only saves, a consumer only loads.
             extra.setdefault("kv_role", role_name)
+        self.pd = PDSettings.pop_from(extra)  # PD keys (pd.py) are not kvtier config keys
         self.config: KVTierConfig = load_config(extra)
         _ensure_log_handler(self.config.log_level)
         if vllm_config.parallel_config.world_size > 1:
@@ -84,9 +86,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self._reported = ledger_counters({}, {}, 0)  # ledger counters already sent as stats
         kv_events = kv_events_enabled(vllm_config)  # kvtier's tier changes go to vLLM's KV event publisher
         if role == KVConnectorRole.WORKER:
-            self.worker = KVTierWorker(self.config, self.namespace, engine_id, kv_events=kv_events)
+            self.worker = KVTierWorker(self.config, self.namespace, engine_id, kv_events=kv_events, pd=self.pd)
         else:
-            self.scheduler = KVTierScheduler(self.config, self.namespace, engine_id, kv_events=kv_events)
+            self.scheduler = KVTierScheduler(self.config, self.namespace, engine_id, kv_events=kv_events, pd=self.pd)
         log.info(
             "kvtier connector (%s) ready: model=%s layout=%s chunk=%d tokens (%d bytes)",
             role.name,

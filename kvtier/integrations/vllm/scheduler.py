@@ -35,6 +35,8 @@ from kvtier.integrations.vllm.accounting import RequestLedger
 from kvtier.integrations.vllm.extras import AdapterFingerprints, UnkeyableRequest, request_extras
 from kvtier.integrations.vllm.kv_events import BlockEventTranslator, TierChanges
 from kvtier.integrations.vllm.modes import LookupIndex, close_scheduler_index, open_scheduler_index
+from kvtier.integrations.vllm.pd import PDSettings, RemotePrefill
+from kvtier.integrations.vllm.pd_scheduler import PDScheduler
 from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, TransferSpec
 from kvtier.storage.types import LookupResult
 
@@ -61,6 +63,12 @@ class _Tracker:
     async_inflight: bool = False  # an async load was sent and its completion not yet seen
     request: Any = field(default=None, repr=False, compare=False)  # vLLM's Request (block hashes for KV events)
     lineage: bytes | None = None  # recorded parent of chunk 0: the salt's lineage marker (index/keys.py)
+    # PD (pd_scheduler.py): keys then end with the partial chunk's key (pd_partial tokens)
+    pd_prefill: bool = False  # a prefill leg (do_remote_decode)
+    pd_marked: bool = False  # its hold was sent to the worker: request_finished keeps the blocks
+    pd_remote: RemotePrefill | None = None  # a decode leg: where its KV was prefilled
+    pd_confirmed: bool = False  # the prefiller was told it may free the blocks
+    pd_partial: int = 0  # tokens of the last partial chunk keyed in ``keys`` (0: none)
 
     def check(self, queued_async: bool) -> None:
         assert not (self.pending_load is not None and queued_async), f"{self.req_id}: two loads planned"
@@ -80,7 +88,8 @@ class KVTierScheduler:
     name are those this scheduler planned to save or found by lookup.
     """
 
-    def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str, kv_events: bool = False):
+    def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str, kv_events: bool = False,
+                 pd: PDSettings | None = None):
         self.config = config
         self.namespace = namespace
         self.engine_id = engine_id
@@ -89,6 +98,9 @@ class KVTierScheduler:
         self.blocks_per_chunk = namespace.blocks_per_chunk
         self.ledger = RequestLedger()
         self._hasher = ChunkHasher(namespace)
+        self.pd: PDScheduler | None = None
+        if pd is not None and pd.role != "off":
+            self.pd = PDScheduler(pd, engine_id, self._hasher, self.blocks_per_chunk)
         self._adapters = AdapterFingerprints()
         self._refused: set[str] = set()  # reasons already logged
         self._index: LookupIndex | None = None
@@ -137,6 +149,8 @@ class KVTierScheduler:
             keys = self._hasher.keys(tokens, request.cache_salt, extras=extras)
             tr = _Tracker(request.request_id, tokens, keys, request=request,
                           lineage=self._hasher.lineage(request.cache_salt))
+            if self.pd is not None:
+                self.pd.annotate(tr, request, extras)
             self._trackers[request.request_id] = tr
         return tr
 
@@ -160,9 +174,14 @@ class KVTierScheduler:
                 return 0, False
             assert tr.pending_load is None and not tr.async_inflight, f"{tr.req_id}: looked up with a load planned"
             self.ledger.on_lookup(tr.req_id, len(tr.tokens), num_computed_tokens)
-            # Never the whole prompt: the chunk holding the last token is left out.
+            # Never the whole prompt: the chunk holding the last token is left out
+            # (except for a PD decode leg: vLLM recomputes the last token after an async load).
             candidates = tr.keys[: max(0, (len(tr.tokens) - 1) // self.chunk_size)]
+            if tr.pd_remote is not None and self.pd is not None:
+                candidates = tr.keys
             res = index.lookup_keys(candidates, request.request_id)  # replaces an earlier lease of this id
+            if tr.pd_remote is not None and self.pd is not None:
+                res = self.pd.decode_hit(tr, res)
             tr.lookup = res
             tr.lease_held = res.num_tokens > 0
             tr.saved_chunks = max(tr.saved_chunks, res.num_tokens // self.chunk_size)  # already stored
@@ -171,9 +190,12 @@ class KVTierScheduler:
             if res.num_tokens <= num_computed_tokens:
                 if tr.lease_held:
                     self._drop_lease(tr)
+                if self.pd is not None:
+                    self.pd.confirm(tr)  # nothing to load from the prefiller
                 return 0, False
             first = num_computed_tokens // self.chunk_size
             tr.load_async = self.config.async_load and any(t != "cpu" for t in res.tiers[first:])
+            tr.load_async = tr.load_async or tr.pd_remote is not None  # PD: WAITING_FOR_REMOTE_KVS
             return res.num_tokens - num_computed_tokens, tr.load_async
         except Exception:  # kvtier must never take the engine down: a failure is a miss
             log.exception("kvtier lookup failed; treating as a miss")
@@ -198,7 +220,7 @@ class KVTierScheduler:
         assert start >= 0 and start % self.block_size == 0, f"{tr.req_id}: load starts at token {start}"
         bpc, bs = self.blocks_per_chunk, self.block_size
         chunks = []
-        for ci in range(start // self.chunk_size, hit // self.chunk_size):
+        for ci in range(start // self.chunk_size, -(-hit // self.chunk_size)):  # a PD hit may end mid-chunk
             first = ci * bpc
             offset = max(0, start // bs - first)
             parent = tr.keys[ci - 1] if ci else tr.lineage
@@ -231,6 +253,8 @@ class KVTierScheduler:
             self._hand_over(self._trackers[spec.req_id], spec)
             meta.loads.append(spec)
         self._async_to_send = []
+        if self.pd is not None:
+            self.pd.take_releases(meta)
         for preempted in scheduler_output.preempted_req_ids or ():
             tr = self._trackers.get(preempted)
             if tr is not None:  # its blocks are freed; it is looked up again on resume
@@ -266,6 +290,8 @@ class KVTierScheduler:
             self._hand_over(tr, tr.pending_load)
             meta.loads.append(tr.pending_load)
             tr.pending_load = None
+        if self.pd is not None:
+            self.pd.on_prompt_computed(tr, computed_after_step, self.config.should_save, meta)
         if not self.config.should_save:
             return
         full = min(computed_after_step, len(tr.tokens)) // self.chunk_size
@@ -293,6 +319,8 @@ class KVTierScheduler:
             tr = self._trackers.get(req_id)
             if tr is not None:
                 tr.async_inflight = False
+                if self.pd is not None:
+                    self.pd.confirm(tr)  # PD decode leg: the load is over, the prefiller may free
         invalid = set(connector_output.invalid_block_ids or ())
         if invalid:
             # vLLM recomputes from the first unfilled block; those chunks are not
@@ -331,9 +359,11 @@ class KVTierScheduler:
         if tr.loaded_blocks and tr.lookup is not None:
             tiers = {b: tr.lookup.tiers[c] for b, c in tr.loaded_blocks.items()}
             self._unsettled[tr.req_id] = (tiers, tr.async_inflight)
+        params = self.pd.finished(tr, request, block_ids) if self.pd is not None else None
         # An async load may still be writing into this request's blocks: keep them
-        # until the worker reports the load over (as finished_sending).
-        return tr.async_inflight, None
+        # until the worker reports the load over (as finished_sending). A PD prefill
+        # leg's blocks are kept until the decoder confirms (pd_worker.py).
+        return tr.async_inflight or tr.pd_marked, params
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -358,6 +388,8 @@ class KVTierScheduler:
         return self.events.take() if self.events is not None else []
 
     def shutdown(self) -> None:
+        if self.pd is not None:
+            self.pd.close()
         if self._index is not None:
             close_scheduler_index(self._index)
         self._index = None

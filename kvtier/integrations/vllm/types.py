@@ -42,6 +42,8 @@ class KVTierMetadata(KVConnectorMetadata):
 
     loads: list[TransferSpec] = field(default_factory=list)
     saves: list[TransferSpec] = field(default_factory=list)
+    pd_holds: list["PDHold"] = field(default_factory=list)  # PD prefill: hold these after they finish
+    pd_releases: list[str] = field(default_factory=list)  # PD prefill: end these holds (aborted)
 
 
 @dataclass
@@ -78,3 +80,12 @@ class RequestHits:
             "tiers": dict(self.tiers),
             "load_failures": self.load_failures,
         }
+
+
+@dataclass
+class PDHold:
+    """Prefiller scheduler -> worker: keep ``req_id``'s blocks after it finishes (PD, see ``pd.py``);
+    ``keys`` are its stored chunks (full ones, then the partial one), leased while held."""
+
+    req_id: str
+    keys: list[bytes]

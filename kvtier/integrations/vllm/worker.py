@@ -30,6 +30,7 @@ from kvtier.index.keys import KeyNamespace
 from kvtier.integrations.block_copy import load_blocks, save_blocks
 from kvtier.integrations.vllm.kv_events import TierChanges, WorkerTierFeed
 from kvtier.integrations.vllm.modes import close_worker_store, open_worker_store
+from kvtier.integrations.vllm.pd import PDSettings
 from kvtier.integrations.vllm.types import KVTierMetadata, TransferSpec
 from kvtier.integrations.vllm_layout import paged_views, stacked_view
 from kvtier.storage.backend import KVStore
@@ -55,7 +56,8 @@ class KVTierWorker:
     With a shared ``kvtier server`` the server does both itself.
     """
 
-    def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str, kv_events: bool = False):
+    def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str, kv_events: bool = False,
+                 pd: PDSettings | None = None):
         self.config = config
         self.namespace = namespace
         self.block_size = namespace.layout.block_size
@@ -76,6 +78,12 @@ class KVTierWorker:
         self._async_done: set[str] = set()  # finished, to report in get_finished
         self._finished_while_loading: set[str] = set()  # vLLM finished them mid-load
         self._failed_sync_loads: set[str] = set()  # requests whose load failed in this step
+        self._pd_orphans: set[str] = set()  # PD holds with no PD worker: reported once finished
+        self.pd: Any = None  # pd_worker.PDWorker of a prefiller (PD holds and the confirm socket)
+        if pd is not None and pd.prefills and self.store is not None:
+            from kvtier.integrations.vllm.pd_worker import PDWorker
+
+            self.pd = PDWorker(pd, engine_id, self.store)
 
     def _start_fleet(self, kv_events: bool) -> None:
         """The KV event feed and the fleet agent (embedded mode only; a failure disables them, never the engine)."""
@@ -172,6 +180,11 @@ class KVTierWorker:
             sending = done & self._finished_while_loading
             self._finished_while_loading -= sending
             recving = done - sending
+        if self.pd is not None:
+            sending |= self.pd.finished_sending(finished_req_ids)
+        if self._pd_orphans & finished_req_ids:
+            sending |= self._pd_orphans & finished_req_ids
+            self._pd_orphans -= finished_req_ids
         return (sending or None), (recving or None)
 
     def _load_request(self, spec: TransferSpec) -> bool:
@@ -225,6 +238,8 @@ class KVTierWorker:
     # -- saves ---------------------------------------------------------------------------------
     def wait_for_save(self, meta: KVTierMetadata) -> None:
         """Store this step's newly computed chunks (after the forward pass)."""
+        if self.pd is None and meta.pd_holds:  # no PD worker (kvtier disabled): free them when finished
+            self._pd_orphans.update(h.req_id for h in meta.pd_holds)
         if self.store is None:
             return
         for spec in meta.saves:
@@ -233,6 +248,8 @@ class KVTierWorker:
                 # past them is wrong, so it is not stored (vLLM recomputes it).
                 continue
             self._save_request(spec)
+        if self.pd is not None and (meta.pd_holds or meta.pd_releases):
+            self.pd.on_step(meta.pd_holds, meta.pd_releases)
 
     def _save_request(self, spec: TransferSpec) -> None:
         """Store a request's newly computed chunks (slots reserved in one call).
@@ -268,6 +285,9 @@ class KVTierWorker:
         return skip in (WriteSkip.PRESENT, WriteSkip.IN_FLIGHT)
 
     def shutdown(self) -> None:
+        if self.pd is not None:
+            self.pd.close()
+            self.pd = None
         if self.agent is not None:
             self.agent.close()
             self.agent = None

@@ -1,0 +1,100 @@
+"""Scheduler side of PD (see ``pd.py``): which requests are PD legs, partial-chunk keys, params, confirms.
+
+Used by :class:`~kvtier.integrations.vllm.scheduler.KVTierScheduler`; it calls
+:meth:`PDScheduler.annotate` on each new request tracker and the other methods at
+the matching vLLM hooks. Trackers are the scheduler's ``_Tracker`` (duck-typed:
+``tokens``, ``keys``, ``block_ids``, ``pd_*`` fields).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvtier.index.keys import ChunkHasher, KeyExtras
+from kvtier.integrations.vllm.pd import (
+    ConfirmSender,
+    PDSettings,
+    RemotePrefill,
+    partial_key,
+    prefill_params,
+    wants_remote_decode,
+)
+from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, PDHold, TransferSpec
+from kvtier.storage.types import LookupResult
+
+log = logging.getLogger("kvtier.vllm")
+
+
+class PDScheduler:
+    """PD bookkeeping of one scheduler-side connector."""
+
+    def __init__(self, settings: PDSettings, engine_id: str, hasher: ChunkHasher, blocks_per_chunk: int):
+        self.settings = settings
+        self.engine_id = engine_id
+        self.hasher = hasher
+        self.chunk_size = hasher.chunk_size
+        self.bpc = blocks_per_chunk
+        self.sender = ConfirmSender()
+        self._releases: list[str] = []  # aborted prefill legs whose hold the worker ends at the next step
+
+    def annotate(self, tr: Any, request: Any, extras: KeyExtras | None) -> None:
+        """Mark ``tr`` as a prefill or decode leg from ``request.kv_transfer_params``; key its partial chunk."""
+        params = getattr(request, "kv_transfer_params", None)
+        if self.settings.prefills and wants_remote_decode(params):
+            tr.pd_prefill = True
+        elif self.settings.decodes:
+            tr.pd_remote = RemotePrefill.parse(params)
+        if not (tr.pd_prefill or tr.pd_remote is not None):
+            return
+        n = len(tr.tokens) % self.chunk_size
+        if n:
+            padded = tr.tokens + [0] * (self.chunk_size - n)
+            last = self.hasher.keys(padded, request.cache_salt, extras=extras)[-1]
+            tr.keys = tr.keys + [partial_key(last, n)]
+            tr.pd_partial = n
+
+    # -- decoder ---------------------------------------------------------------------------
+    def decode_hit(self, tr: Any, res: LookupResult) -> LookupResult:
+        """The lookup of every key (partial included) as a token count capped at the prompt."""
+        return LookupResult(min(res.num_tokens, len(tr.tokens)), list(res.keys), list(res.tiers))
+
+    def confirm(self, tr: Any) -> None:
+        """Tell the prefiller its hold can end (once per request)."""
+        if tr.pd_remote is not None and not tr.pd_confirmed:
+            tr.pd_confirmed = True
+            self.sender.send(tr.pd_remote)
+
+    # -- prefiller -------------------------------------------------------------------------
+    def on_prompt_computed(self, tr: Any, computed_after_step: int, save: bool, meta: KVTierMetadata) -> None:
+        """At the step that completes a prefill leg's prompt: save the partial chunk, mark the hold."""
+        if not tr.pd_prefill or tr.pd_marked or computed_after_step < len(tr.tokens):
+            return
+        if save and tr.pd_partial:
+            p = len(tr.keys) - 1
+            bs_tokens = self.chunk_size // self.bpc
+            nblocks = -(-tr.pd_partial // bs_tokens)
+            blocks = tuple(tr.block_ids[p * self.bpc : p * self.bpc + nblocks])
+            if len(blocks) == nblocks:
+                parent = tr.keys[p - 1] if p else tr.lineage
+                meta.saves.append(TransferSpec(tr.req_id, [ChunkCopy(tr.keys[p], blocks, 0, parent)]))
+        meta.pd_holds.append(PDHold(tr.req_id, list(tr.keys)))
+        tr.pd_marked = True
+
+    def finished(self, tr: Any, request: Any, block_ids: list[int]) -> dict[str, Any] | None:
+        """``request_finished`` of a PD leg: the params to return (prefill) or the confirm (decode)."""
+        self.confirm(tr)
+        if not tr.pd_marked:
+            return None
+        status = str(getattr(request, "status", ""))
+        if "ABORTED" in status.upper():
+            self._releases.append(tr.req_id)
+            return None
+        return prefill_params(self.settings, self.engine_id, tr.req_id, block_ids, len(tr.tokens))
+
+    def take_releases(self, meta: KVTierMetadata) -> None:
+        meta.pd_releases.extend(self._releases)
+        self._releases = []
+
+    def close(self) -> None:
+        self.sender.close()

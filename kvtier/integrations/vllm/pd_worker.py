@@ -1,0 +1,138 @@
+"""Prefiller worker side of PD: holds finished prefill requests' blocks until the decoder confirms.
+
+Invariants:
+- A request is reported in ``finished_sending`` at most once, and only after vLLM
+  reported it finished (``get_finished``'s ``finished_req_ids``; the scheduler side
+  returned ``delay_free=True`` for every request it marked), so vLLM never frees a
+  running request's blocks.
+- Each hold ends by a confirm, a release from the scheduler side (request aborted),
+  or ``lease_s`` seconds after vLLM finished the request; its store lease
+  (``pd:<request id>``) ends with it. Shutdown releases everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+
+from kvtier.integrations.vllm.pd import PDConfirm, PDSettings
+from kvtier.integrations.vllm.types import PDHold
+
+log = logging.getLogger("kvtier.vllm")
+
+
+@dataclass
+class _Held:
+    keys: list[bytes]
+    finished_at: float | None = None  # when vLLM reported it finished (monotonic seconds)
+    done: bool = False  # confirmed or released: report once vLLM finished it
+
+
+@dataclass
+class PDWorker:
+    """Hold table and confirm socket of a prefiller's worker.
+
+    Args:
+        settings: PD settings (``port`` is bound on ``host`` for confirms).
+        engine_id: this engine's id (confirms for another engine are ignored).
+        store: the worker's store (``lookup_keys``/``release`` lease the held chunks), or None.
+        clock: monotonic seconds (tests pass a fake clock).
+    """
+
+    settings: PDSettings
+    engine_id: str
+    store: Any = None
+    clock: Callable[[], float] = time.monotonic
+    held: dict[str, _Held] = field(default_factory=dict)
+    confirms: int = 0
+    expired: int = 0
+    _ctx: Any = None
+    _sock: Any = None
+
+    def __post_init__(self) -> None:
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(f"tcp://{self.settings.host}:{self.settings.port}")
+        log.info("kvtier pd: prefiller confirms on tcp://%s:%d (lease %.1f s)",
+                 self.settings.host, self.settings.port, self.settings.lease_s)
+
+    def on_step(self, holds: list[PDHold], releases: list[str]) -> None:
+        """Register this step's holds (after its saves: the lease lookup also orders the
+        store's commits before the prefill's reply) and the scheduler side's releases."""
+        for h in holds:
+            if h.req_id in self.held:
+                continue
+            self.held[h.req_id] = _Held(list(h.keys))
+            if self.store is not None and h.keys:
+                try:
+                    self.store.lookup_keys(h.keys, f"pd:{h.req_id}")
+                except Exception:  # the hold still keeps the blocks; the chunks may be evicted
+                    log.exception("kvtier pd: leasing the chunks of %s failed", h.req_id)
+        for rid in releases:
+            if rid in self.held:
+                self.held[rid].done = True
+
+    def _drain(self) -> None:
+        import zmq
+
+        while True:
+            try:
+                raw = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = msgspec.msgpack.decode(raw, type=PDConfirm)
+            except msgspec.DecodeError:
+                log.warning("kvtier pd: dropped a malformed confirm (%d bytes)", len(raw))
+                continue
+            h = self.held.get(msg.request_id)
+            if msg.engine_id == self.engine_id and h is not None:
+                h.done = True
+                self.confirms += 1
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """Held requests whose blocks vLLM may free now."""
+        if not self.held:
+            return set()
+        self._drain()
+        now = self.clock()
+        out: set[str] = set()
+        for rid, h in self.held.items():
+            if rid in finished_req_ids and h.finished_at is None:
+                h.finished_at = now
+            if h.finished_at is None:
+                continue
+            if h.done or now - h.finished_at >= self.settings.lease_s:
+                if not h.done:
+                    self.expired += 1
+                    log.info("kvtier pd: hold of %s expired after %.1f s without a confirm", rid,
+                             self.settings.lease_s)
+                out.add(rid)
+        for rid in out:
+            self._end(rid)
+        return out
+
+    def _end(self, rid: str) -> None:
+        self.held.pop(rid, None)
+        if self.store is not None:
+            try:
+                self.store.release(f"pd:{rid}")
+            except Exception:  # the lease then ends at its TTL
+                log.exception("kvtier pd: releasing the lease of %s failed", rid)
+
+    def close(self) -> None:
+        for rid in list(self.held):
+            self._end(rid)
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None

@@ -1,0 +1,210 @@
+"""``kvtier pd-proxy``: the prefill/decode disaggregation proxy (vLLM's documented PD proxy pattern).
+
+Each ``POST /v1/completions`` or ``/v1/chat/completions`` goes first to a prefiller
+(round robin) as a non-streaming request with ``max_tokens=1`` (and
+``max_completion_tokens=1``) and ``kv_transfer_params={"do_remote_decode": true}``;
+the ``kv_transfer_params`` of its answer are added to the original request, which
+goes to a decoder (round robin), its answer (streamed or not) passed through.
+
+A prefiller that cannot be reached, answers an error or returns no
+``kv_transfer_params`` is skipped: the decoder then computes the prompt itself
+(slower, same tokens). A decoder that cannot be reached answers 502. Answers carry
+``x-kvtier-prefill`` (the prefiller's URL, or "skipped") and ``x-kvtier-decode``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+log = logging.getLogger("kvtier.router.pd")
+
+#: Request headers not passed on (hop-by-hop, or recomputed by the client).
+_HOP = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
+                  "te", "trailer", "accept-encoding"})
+
+
+@dataclass
+class PDProxyStats:
+    """Counters of one proxy (requests, prefills skipped, decoder failures)."""
+
+    requests: int = 0
+    prefilled: int = 0
+    prefill_skipped: int = 0
+    decode_failed: int = 0
+    last_params: dict[str, Any] = field(default_factory=dict)  # the last prefill's kv_transfer_params
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg of ``body``: one token, not streamed, ``do_remote_decode``."""
+    out = dict(body)
+    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out.pop("stream_options", None)
+    return out
+
+
+def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 600.0,
+                  connect_timeout_s: float = 5.0) -> tuple[FastAPI, PDProxyStats]:
+    """The proxy app and its counters.
+
+    Raises:
+        ValueError: no prefill or no decode URL.
+    """
+    if not prefill_urls or not decode_urls:
+        raise ValueError("pd-proxy needs at least one --prefill and one --decode URL")
+    stats = PDProxyStats()
+    prefills = itertools.cycle([u.rstrip("/") for u in prefill_urls])
+    decodes = itertools.cycle([u.rstrip("/") for u in decode_urls])
+    holder: dict[str, httpx.AsyncClient] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        holder["c"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        try:
+            yield
+        finally:
+            await holder["c"].aclose()
+
+    app = FastAPI(title="kvtier pd-proxy", lifespan=lifespan)
+
+    async def prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, dict | None]:
+        url = next(prefills)
+        try:
+            r = await holder["c"].post(url + path, json=prefill_body(body), headers=headers)
+            if r.status_code != 200:
+                log.warning("pd-proxy: prefiller %s answered %d; the decoder computes the prompt", url, r.status_code)
+                return url, None
+            params = r.json().get("kv_transfer_params")
+            return url, params if isinstance(params, dict) else None
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("pd-proxy: prefiller %s failed (%s); the decoder computes the prompt", url, exc)
+            return url, None
+
+    async def handle(path: str, request: Request) -> Response:
+        stats.requests += 1
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            return JSONResponse({"error": f"bad request body: {exc}"}, status_code=400)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        purl, params = await prefill(path, body, headers)
+        if params is None:
+            stats.prefill_skipped += 1
+            purl = "skipped"
+        else:
+            stats.prefilled += 1
+            stats.last_params = params
+            body = {**body, "kv_transfer_params": params}
+        durl = next(decodes)
+        out_headers = {"x-kvtier-prefill": purl, "x-kvtier-decode": durl}
+        client = holder["c"]
+        try:
+            req = client.build_request("POST", durl + path, json=body, headers=headers)
+            resp = await client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            stats.decode_failed += 1
+            return JSONResponse({"error": f"decoder {durl} unreachable: {exc}"}, status_code=502, headers=out_headers)
+        media = resp.headers.get("content-type", "application/json")
+
+        async def body_iter() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as exc:  # a stream cut mid-way ends early
+                log.warning("pd-proxy: decoder %s stream cut: %s", durl, exc)
+            finally:
+                await resp.aclose()
+
+        return StreamingResponse(body_iter(), status_code=resp.status_code, media_type=media, headers=out_headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await handle("/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        try:
+            r = await holder["c"].get(next(decodes) + "/v1/models")
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        except httpx.HTTPError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=502)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"requests": stats.requests, "prefilled": stats.prefilled,
+                             "prefill_skipped": stats.prefill_skipped, "decode_failed": stats.decode_failed})
+
+    return app, stats
+
+
+class PDProxyServer:
+    """Run the proxy on uvicorn in a background thread (tests) or the calling one (the CLI).
+
+    ``port`` 0: any free port (see :attr:`url`).
+    """
+
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], host: str = "127.0.0.1", port: int = 8200,
+                 timeout_s: float = 600.0):
+        import uvicorn
+
+        self.app, self.stats = create_pd_app(prefill_urls, decode_urls, timeout_s)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",
+                                                     timeout_graceful_shutdown=2))
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> "PDProxyServer":
+        """Serve in a background thread; returns once up. Raises RuntimeError if it did not start."""
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="kvtier-pd-proxy", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("kvtier pd-proxy did not start")
+            time.sleep(0.02)
+        return self
+
+    def serve_forever(self) -> None:
+        self._server.run(sockets=[self._sock])
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def __enter__(self) -> "PDProxyServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -60,14 +60,19 @@ from kvtier.tiers.policies import POLICIES
 
 ENV_PREFIX = "KVTIER_"
 #: ``KVTIER_*`` environment variables used by kvtier's own tooling, not settings (never refused).
-NON_SETTING_ENV = frozenset({"KVTIER_REDIS_STATE", "KVTIER_TEST_FAULTS_JSON_OUT"})
+NON_SETTING_ENV = frozenset({
+    "KVTIER_REDIS_STATE", "KVTIER_TEST_FAULTS_JSON_OUT",  # test tooling
+    "KVTIER_DASHBOARD_TOKENIZER",  # the dashboard's hot-prefix text (kvtier.dashboard.source)
+    "KVTIER_PEER_FREE_BYTES",  # bench peers: memory its child frees before a put
+    "KVTIER_TEST_ARTIFACTS", "KVTIER_UPDATE_DOCS",  # browser tests' screenshots
+})
 #: Log levels ``log_level`` accepts.
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Settings a ``kvtier server`` uses; the others only matter in an engine process.
 SERVER_KEYS = frozenset(
     {
         "cpu_capacity", "cpu_eviction", "disk_path", "disk_capacity", "disk_eviction", "disk_fsync",
-        "disk_direct_io", "disk_write_queue", "remote_url", "remote_codec", "remote_ttl_s",
+        "disk_direct_io", "disk_write_queue", "disk_io_threads", "remote_url", "remote_codec", "remote_ttl_s",
         "remote_timeout_s", "remote_write_queue", "lease_ttl_s", "log_level", "config_file", "lmcache_config_file",
         "controller", "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint",
         "peer_listen", "peers", "peer_timeout_s", "peer_retry_s",
@@ -109,6 +114,9 @@ class KVTierConfig(BaseModel):
     )
     disk_write_queue: int = Field(
         256, ge=1, description="Chunks waiting for write-behind to disk; more are dropped (counted)."
+    )
+    disk_io_threads: int = Field(
+        4, ge=1, le=64, description="Chunk reads/writes of one disk batch in flight at once (1: one at a time)."
     )
     remote_url: str | None = Field(
         None,

@@ -462,3 +462,29 @@ def test_a_disk_path_locked_by_another_process_is_refused(tmp_path: Path) -> Non
     finally:
         os.close(fd)
     validate_config(cfg)
+
+
+def test_every_kvtier_environment_name_in_the_code_is_a_setting_or_declared_tooling() -> None:
+    """A ``KVTIER_*`` variable that code or the test tooling reads but that is neither a
+    setting nor in NON_SETTING_ENV makes every config load fail while it is set (an operator
+    following the README, e.g. KVTIER_DASHBOARD_TOKENIZER on the controller, would be refused).
+    Scan the package, the tests' environment reads and the scripts for such names."""
+    import re
+    from pathlib import Path
+
+    from kvtier.config import ENV_PREFIX, NON_SETTING_ENV, KVTierConfig
+
+    root = Path(__file__).resolve().parents[1]
+    settings = {ENV_PREFIX + f.upper() for f in KVTierConfig.model_fields}
+    read = re.compile(r"""(?:environ(?:\.get)?\(?\[?|getenv\(|setenv\(|_ENV\s*=\s*|\b[A-Z_]+=)\s*["']?(KVTIER_[A-Z0-9_]+)""")
+    found: dict[str, str] = {}
+    files = [*root.joinpath("kvtier").rglob("*.py"), *root.joinpath("tests").rglob("*.py"),
+             *root.joinpath("scripts").glob("*.sh"), *root.joinpath(".ci").glob("*")]
+    for f in files:
+        if f.is_file():
+            for name in read.findall(f.read_text(errors="replace")):
+                found.setdefault(name, str(f.relative_to(root)))
+    assert "KVTIER_DASHBOARD_TOKENIZER" in found  # the scan sees constants and environ reads
+    unknown = {n: where for n, where in found.items()
+               if n not in settings and n not in NON_SETTING_ENV and n != "KVTIER_CPU_CAPACTY"}  # a deliberate typo
+    assert not unknown, f"KVTIER_* names neither settings nor NON_SETTING_ENV: {unknown}"

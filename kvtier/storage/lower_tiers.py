@@ -103,6 +103,7 @@ def open_disk_tier(config: KVTierConfig, namespace: KeyNamespace, is_pinned: Cal
         is_pinned,
         fsync=config.disk_fsync,
         direct_io=config.disk_direct_io,
+        io_threads=config.disk_io_threads,
     )
     log.info("kvtier disk tier %s opened", config.disk_path)
     return tier

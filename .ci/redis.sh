@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Start/stop the Redis servers the remote-tier tests use (loopback only).
 #
-#   .ci/redis.sh start   # standalone on 127.0.0.1:6399, 3-node cluster on 127.0.0.1:7100-7102
+#   .ci/redis.sh start   # standalone on 127.0.0.1:6399, 3-node cluster on 127.0.0.1:7100-7102;
+#                        # prints "started", or "reused" when another run's servers are up
+#                        # (then that run stops them, not this caller)
 #   .ci/redis.sh stop    # stop them and remove their data directory
 #
 # Installs redis-server with apt-get if it is missing. Data lives in a temp dir
@@ -45,9 +47,24 @@ start_server() {  # port dir extra-args...
     wait_ping "$port"
 }
 
+all_alive() {  # every server of the state answers and the cluster is ok
+    local p
+    for p in "$STANDALONE_PORT" "${CLUSTER_PORTS[@]}"; do
+        redis-cli -h "$HOST" -p "$p" ping 2>/dev/null | grep -q PONG || return 1
+    done
+    redis-cli -h "$HOST" -p "${CLUSTER_PORTS[0]}" cluster info 2>/dev/null | grep -q "cluster_state:ok"
+}
+
 start() {
     ensure_redis
     if [ -f "$STATE_FILE" ]; then
+        if all_alive; then
+            # Another run (a second test.sh on this machine) started them and uses them now:
+            # reuse them, and say so on stdout so the caller does not stop them at its end.
+            echo "redis.sh: servers of $STATE_FILE already running; reusing them" >&2
+            echo reused
+            return 0
+        fi
         # A previous run that was never stopped (killed session, crashed CI step):
         # stop whatever it left, then start afresh.
         echo "redis.sh: stale state $STATE_FILE found; stopping its servers first" >&2
@@ -66,7 +83,8 @@ start() {
     redis-cli --cluster create "${addrs[@]}" --cluster-replicas 0 --cluster-yes >"$root/cluster-create.log"
     for _ in $(seq 1 100); do
         if redis-cli -h "$HOST" -p "${CLUSTER_PORTS[0]}" cluster info | grep -q "cluster_state:ok"; then
-            echo "redis.sh: standalone on $HOST:$STANDALONE_PORT, cluster on $HOST:${CLUSTER_PORTS[0]}-${CLUSTER_PORTS[-1]} (data in $root)"
+            echo "redis.sh: standalone on $HOST:$STANDALONE_PORT, cluster on $HOST:${CLUSTER_PORTS[0]}-${CLUSTER_PORTS[-1]} (data in $root)" >&2
+            echo started
             return 0
         fi
         sleep 0.1

@@ -5,7 +5,11 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 if [ -x .ci/redis.sh ] || [ -f .ci/redis.sh ]; then
-  bash .ci/redis.sh start
-  trap 'bash .ci/redis.sh stop || true' EXIT
+  # Stop the Redis servers at the end only if this run started them (a second test run on
+  # the same machine reuses the first one's and leaves them to it).
+  redis_how="$(bash .ci/redis.sh start)"
+  if [ "$redis_how" = started ]; then
+    trap 'bash .ci/redis.sh stop || true' EXIT
+  fi
 fi
 python -m pytest -q -rs -p no:cacheprovider "$@"

@@ -144,7 +144,8 @@ class CacheServer:
             os.getpid(),
             o.socket_path,
             f", tcp {self.tcp_address}" if self.tcp_address else "",
-            f", metrics http://{o.metrics_host}:{self._http.port}/metrics" if self._http else "",
+            (f", metrics http://{o.metrics_host}:{self._http.port}/metrics, dashboard "
+             f"http://{o.metrics_host}:{self._http.port}/") if self._http else "",
             self.config.describe("server"),
         )
         return self

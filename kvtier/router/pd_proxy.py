@@ -17,9 +17,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import socket
-import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +24,8 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvtier.router.app_server import AppServer
 
 log = logging.getLogger("kvtier.router.pd")
 
@@ -157,7 +156,7 @@ def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: fl
     return app, stats
 
 
-class PDProxyServer:
+class PDProxyServer(AppServer):
     """Run the proxy on uvicorn in a background thread (tests) or the calling one (the CLI).
 
     ``port`` 0: any free port (see :attr:`url`).
@@ -165,46 +164,5 @@ class PDProxyServer:
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], host: str = "127.0.0.1", port: int = 8200,
                  timeout_s: float = 600.0):
-        import uvicorn
-
-        self.app, self.stats = create_pd_app(prefill_urls, decode_urls, timeout_s)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self.host, self.port = host, self._sock.getsockname()[1]
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",
-                                                     timeout_graceful_shutdown=2))
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout_s: float = 30.0) -> "PDProxyServer":
-        """Serve in a background thread; returns once up. Raises RuntimeError if it did not start."""
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name="kvtier-pd-proxy", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("kvtier pd-proxy did not start")
-            time.sleep(0.02)
-        return self
-
-    def serve_forever(self) -> None:
-        self._server.run(sockets=[self._sock])
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
-        with contextlib.suppress(OSError):
-            self._sock.close()
-
-    def __enter__(self) -> "PDProxyServer":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        app, self.stats = create_pd_app(prefill_urls, decode_urls, timeout_s)
+        super().__init__(app, host, port, "kvtier pd-proxy")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import random
 import shutil
@@ -32,10 +31,11 @@ from typing import Iterator
 
 import numpy as np
 import pytest
-
 from conftest import payload_for, small_namespace
+from fault_helpers.direct_io import aligned, o_direct_works
 from fault_helpers.faultfs import FaultyFileOps
 from fault_helpers.payloads import CRASH_NS, key_for, payload_for_key, size_for
+
 from kvtier.serde.record import FIXED, decode_header
 from kvtier.tiers.base import ChunkWrite
 from kvtier.tiers.disk import (
@@ -79,45 +79,22 @@ def _read(tier: DiskTier, key: bytes, n: int = CB) -> np.ndarray | None:
     return out if tier.get_into(key, out) else None
 
 
-def _aligned(n: int, offset: int = 0) -> np.ndarray:
-    """A uint8 array of ``n`` bytes whose address is page-aligned plus ``offset``."""
-    mm = mmap.mmap(-1, n + offset + ALIGN)
-    return np.frombuffer(mm, dtype=np.uint8)[offset : offset + n]
-
-
 def _child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env["PYTHONPATH"] = str(REPO)
     return env
 
 
-def _o_direct_works(d: Path) -> bool:
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    probe = d / ".o_direct_probe"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-        try:
-            os.write(fd, mmap.mmap(-1, ALIGN))
-        finally:
-            os.close(fd)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.unlink(missing_ok=True)
-
-
 @pytest.fixture
 def direct_dir(tmp_path: Path) -> Iterator[Path]:
     """An empty directory on a file system that accepts O_DIRECT (tmp, else /var/tmp, else /work)."""
-    if _o_direct_works(tmp_path):
+    if o_direct_works(tmp_path):
         d = tmp_path / "direct"
         d.mkdir()
         yield d
         return
     for base in (Path("/var/tmp"), Path("/work")):
-        if base.is_dir() and _o_direct_works(base):
+        if base.is_dir() and o_direct_works(base):
             d = Path(tempfile.mkdtemp(prefix="kvtier-direct-", dir=base))
             try:
                 yield d
@@ -128,7 +105,7 @@ def direct_dir(tmp_path: Path) -> Iterator[Path]:
 
 
 def _direct_supported(tmp_path: Path) -> bool:
-    return _o_direct_works(tmp_path)
+    return o_direct_works(tmp_path)
 
 
 # -- SIGKILL at random moments --------------------------------------------------------------
@@ -653,14 +630,14 @@ def test_direct_io_round_trip(direct_dir: Path, src_offset: int, dst_offset: int
         assert t.direct_io, "direct_dir accepts O_DIRECT, so the tier must use it"
         for i, n in enumerate(SIZES):
             k = _key(100 + i)
-            src = _aligned(n, src_offset)
+            src = aligned(n, src_offset)
             src[:] = payload_for(k, n)
             assert t.put(k, src)
             path = _file_of(direct_dir, k)
             assert path.stat().st_size == HEADER_BYTES + -(-n // ALIGN) * ALIGN
             hdr = decode_header(path.read_bytes()[:HEADER_BYTES])
             assert hdr.payload_len == n and hdr.stored_len == -(-n // ALIGN) * ALIGN
-            out = _aligned(n, dst_offset)
+            out = aligned(n, dst_offset)
             assert t.get_into(k, out)
             assert np.array_equal(out, payload_for(k, n)), f"size {n}"
         assert t.used_bytes == sum(p.stat().st_size for p in _kv_files(direct_dir))

@@ -10,7 +10,6 @@ child, and the number of I/Os in flight is bounded by ``io_threads``.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import random
 import signal
@@ -30,6 +29,8 @@ from kvtier.tiers.disk import DiskTier, FileOps
 from kvtier.tiers.disk.parallel import IOPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fault_helpers.direct_io import aligned as aligned_buffer  # noqa: E402
+from fault_helpers.direct_io import o_direct_works  # noqa: E402
 from fault_helpers.payloads import CRASH_NS, payload_for_key, size_for  # noqa: E402
 
 NS = bytes(range(32))
@@ -37,32 +38,11 @@ REPO = Path(__file__).resolve().parents[1]
 WRITER = Path(__file__).resolve().parent / "fault_helpers" / "crash_writer.py"
 
 
-def _direct_ok(d: Path) -> bool:
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    probe = d / ".probe"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
-        try:
-            os.write(fd, mmap.mmap(-1, ALIGN))
-        finally:
-            os.close(fd)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.unlink(missing_ok=True)
-
-
-def _aligned(n: int) -> np.ndarray:
-    return np.frombuffer(mmap.mmap(-1, max(n, ALIGN)), dtype=np.uint8)[:n]
-
-
 def _payloads(sizes: Sequence[int], seed: int, aligned: bool) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     out = []
     for n in sizes:
-        p = _aligned(n) if aligned else np.empty(n, np.uint8)
+        p = aligned_buffer(n) if aligned else np.empty(n, np.uint8)
         p[:] = rng.integers(0, 256, n, dtype=np.uint8)
         out.append(p)
     return out
@@ -80,14 +60,14 @@ SIZES = [3 * ALIGN, 5 * ALIGN + 17, 1, 2 * 1024 * 1024 + 4096, 700_001, ALIGN, 9
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
 def test_parallel_batch_round_trips_byte_for_byte(tmp_path: Path, direct: bool, aligned: bool) -> None:
-    if direct and not _direct_ok(tmp_path):
+    if direct and not o_direct_works(tmp_path):
         pytest.skip("file system refuses O_DIRECT")
     tier = DiskTier(tmp_path / "d", 1 << 30, NS, direct_io=direct, io_threads=4)
     try:
         assert tier.direct_io == direct
         ws = _chain(_payloads(SIZES, 1, aligned), 1)
         assert tier.put_many(ws) == [True] * len(ws)
-        outs = [_aligned(len(w.payload)) if aligned else np.zeros(len(w.payload), np.uint8) for w in ws]
+        outs = [aligned_buffer(len(w.payload)) if aligned else np.zeros(len(w.payload), np.uint8) for w in ws]
         assert tier.get_many_into([(w.key, o) for w, o in zip(ws, outs)]) == [True] * len(ws)
         for w, o in zip(ws, outs):
             assert np.array_equal(o, w.payload)

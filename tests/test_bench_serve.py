@@ -272,6 +272,8 @@ def test_working_set_counts_shared_blocks_once_and_engine_bound() -> None:
     ws = working_set([p1, p2], block_size=4)
     # p1: [0:4] [0:8] [0:10]; p2 adds [0:12] [0:14]
     assert ws.blocks == 5 and ws.max_prompt_tokens == 14 and ws.prompt_tokens == (10, 14)
+    # full blocks only ([0:4] [0:8] [0:12]): the partial tails [0:10] and [0:14] are never stored
+    assert ws.full_blocks == 3 and ws.full_tokens == 12
     big = working_set([[u] + list(range(1000)) for u in range(8)], block_size=128)
     assert big.blocks == 8 * 8
     blocks = engine_blocks_for_ratio(big, 4.0, concurrency=1, max_model_len=1024, max_tokens=16)

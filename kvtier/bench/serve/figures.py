@@ -65,6 +65,7 @@ def summarize(phases: dict[str, Phase], opts: ServeBenchOptions, ws: Any, engine
         "concurrent_answer_agreement": concurrent_agreement(phases),
         "kvtier_config_in_ratios": kv,
         "working_set_blocks": ws.blocks,
+        "working_set_full_blocks": ws.full_blocks,
         "engine_kv_blocks": engine_blocks,
         "working_set_to_engine_kv_ratio": ws.blocks / engine_blocks,
         "working_set_to_engine_kv_ratio_measured": (

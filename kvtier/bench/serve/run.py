@@ -18,9 +18,9 @@ Phases, all in one run (each configuration on freshly started servers, see
 5. **Answer check**, one request at a time on ``vllm@fits``, ``kvtier-cpu``,
    ``kvtier-cpu-disk`` and ``kvtier-cpu@fits`` (see :mod:`.answer_check`).
 
-kvtier's CPU tier holds twice the working set in ``kvtier-cpu`` (half of it in
-``kvtier-cpu-disk``, the disk below), and ``fleet_cpu_fraction`` (0.6) of it on each of the
-two instances of ``rr-2x`` and ``router-2x``: the pair holds the whole working set only
+kvtier's CPU tier holds twice the working set's stored footprint (its full blocks: kvtier
+stores no partial chunk) in ``kvtier-cpu`` (half of it in ``kvtier-cpu-disk``, the disk
+below), and ``fleet_cpu_fraction`` (0.6) of it on each of the two instances of ``rr-2x`` and ``router-2x``: the pair holds the whole working set only
 when each user's requests stay on one instance, which is what a KV-aware router buys a
 fleet (round robin makes every instance cache every user).
 
@@ -165,9 +165,12 @@ def run_bench_serve(
         engine_blocks = max(1, int(ws.blocks // opts.ratio))  # given servers: their bound is not ours
     per_req = math.ceil((ws.max_prompt_tokens + opts.max_tokens) / BLOCK_SIZE)
     fits_blocks = ws.blocks + opts.concurrency * per_req + 8
-    kvtier_cpu_bytes = max(256 << 20, 2 * ws.tokens * KV_BYTES_PER_TOKEN)
+    # Tier capacities on the stored footprint (full chunks; chunk = engine block here): kvtier
+    # never stores a prompt's partial last block, so sizing on ``ws.blocks`` gave each
+    # instance of the pair ~0.9 of what it stores instead of fleet_cpu_fraction.
+    kvtier_cpu_bytes = max(256 << 20, 2 * ws.full_tokens * KV_BYTES_PER_TOKEN)
     fleet_cpu_bytes = max(4 * ws.max_prompt_tokens * KV_BYTES_PER_TOKEN,
-                          int(opts.fleet_cpu_fraction * ws.tokens * KV_BYTES_PER_TOKEN))
+                          int(opts.fleet_cpu_fraction * ws.full_tokens * KV_BYTES_PER_TOKEN))
 
     names = [c.name for c in cfgs]
     fits_names = [n for n in ("vllm", "kvtier-cpu") if n in names] if (targets is None) else [

@@ -169,16 +169,26 @@ class WorkingSet:
         blocks: distinct KV blocks over the whole run (shared prefixes counted once).
         max_prompt_tokens: longest prompt.
         prompt_tokens: every request's prompt length, in request order.
+        full_blocks: distinct *full* blocks: what a chunk store (kvtier, chunk = block) keeps.
+            Every prompt's partial last block is distinct, so ``blocks`` overstates the
+            stored footprint (by about one block per request); tier capacities are sized on
+            this count.
     """
 
     block_size: int
     blocks: int
     max_prompt_tokens: int
     prompt_tokens: tuple[int, ...]
+    full_blocks: int = 0
 
     @property
     def tokens(self) -> int:
         return self.blocks * self.block_size
+
+    @property
+    def full_tokens(self) -> int:
+        """Tokens in full blocks (``full_blocks * block_size``): the stored footprint."""
+        return self.full_blocks * self.block_size
 
 
 def working_set(prompts: Sequence[Sequence[int]], block_size: int) -> WorkingSet:
@@ -191,10 +201,14 @@ def working_set(prompts: Sequence[Sequence[int]], block_size: int) -> WorkingSet
     if block_size < 1 or not prompts:
         raise ValueError("working_set needs prompts and block_size >= 1")
     seen: set[tuple[int, ...]] = set()
+    full = 0
     for p in prompts:
         for end in range(block_size, len(p) + block_size, block_size):
-            seen.add(tuple(p[: min(end, len(p))]))
-    return WorkingSet(block_size, len(seen), max(len(p) for p in prompts), tuple(len(p) for p in prompts))
+            key = tuple(p[: min(end, len(p))])
+            if key not in seen:
+                seen.add(key)
+                full += end <= len(p)
+    return WorkingSet(block_size, len(seen), max(len(p) for p in prompts), tuple(len(p) for p in prompts), full)
 
 
 def workload_prompts(sessions: Sequence[Session], tokenizer: Tokenizer, answers: Sequence[str] | None = None) -> list[list[int]]:

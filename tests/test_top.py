@@ -78,3 +78,22 @@ def test_top_unreachable_and_ctrl_c() -> None:
     assert code == 2 and "retrying" in screen and "Traceback" not in screen, screen
     code, screen = run_in_pty(["top", "http://127.0.0.1:9", "--interval", "0.1"], until=b"retrying")
     assert code == 0 and "Traceback" not in screen, screen
+
+
+def test_top_through_a_pipe_prints_every_frame_uncut(short_dir: Path) -> None:  # noqa: F811
+    """Batch mode: piped, every frame is printed (a Live view would print only the last) and
+    the tiers table keeps its last column (a pipe's default 80 columns cut it)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    with start_server(short_dir, metrics_port=0) as srv:
+        c = connect(short_dir / "s.sock")
+        store(c, KEYS[:2])
+        url = f"http://127.0.0.1:{srv.metrics_port}"
+        out = subprocess.run([sys.executable, "-m", "kvtier.cli", "top", url, "--count", "2", "--interval", "0.2"],
+                             capture_output=True, text=True, timeout=60, env=env)
+        c.close()
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("kvtier top") == 2, out.stdout
+    assert "hit rate" in out.stdout.split("tiers", 1)[1] and "…" not in out.stdout.split("hot prefixes")[0], out.stdout
+    assert "\x1b[" not in out.stdout  # plain text for a file or pipe

@@ -10,6 +10,7 @@ retried; Ctrl-C ends the view (exit code 0).
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -115,10 +116,43 @@ def render(snap: dict[str, Any], url: str) -> Group:
     return Group(*parts)
 
 
+#: Width of batch-mode output (a pipe has no width of its own).
+BATCH_WIDTH = 160
+
+
+def _default_console() -> Console:
+    probe = Console()
+    if probe.is_terminal or os.environ.get("COLUMNS"):
+        return probe
+    return Console(width=BATCH_WIDTH)
+
+
+def _run_batch(url: str, interval_s: float, count: int | None, token: str | None, console: Console) -> int:
+    """Batch mode of :func:`run_top`: one printed frame per interval."""
+    answered, n = False, 0
+    try:
+        while count is None or n < count:
+            try:
+                console.print(render(fetch(url, token), url))
+                answered = True
+            except TopError as exc:
+                console.print(Text(f"kvtier top: {exc} (retrying every {interval_s:g} s)", style="red"))
+            n += 1
+            if count is None or n < count:
+                time.sleep(interval_s)
+    except KeyboardInterrupt:
+        return 0
+    return 0 if answered or count is None else 2
+
+
 def run_top(url: str = DEFAULT_URL, interval_s: float = 1.0, count: int | None = None, token: str | None = None,
             console: Console | None = None) -> int:
     """Redraw every ``interval_s`` seconds, ``count`` times (None: until Ctrl-C); returns 0, or 2 when
     ``count`` is given and the endpoint never answered.
+
+    On a terminal the frame is redrawn in place; otherwise (a pipe, a file: batch mode, as
+    ``top -b``) every frame is printed one after the other, ``BATCH_WIDTH`` columns wide
+    unless ``COLUMNS`` says otherwise, so no column is cut to a pipe's default 80.
 
     Raises:
         ValueError: ``interval_s`` <= 0 or ``count`` < 1.
@@ -127,7 +161,9 @@ def run_top(url: str = DEFAULT_URL, interval_s: float = 1.0, count: int | None =
 
     if not interval_s > 0 or (count is not None and count < 1):
         raise ValueError(f"interval must be > 0 and count >= 1, got {interval_s}, {count}")
-    console = console or Console()
+    console = console or _default_console()
+    if not console.is_terminal:
+        return _run_batch(url, interval_s, count, token, console)
     answered, n = False, 0
     try:
         with Live(Text("connecting…"), console=console, refresh_per_second=4, screen=False) as live:

@@ -40,6 +40,7 @@ from kvtier.storage.leases import LeaseTable
 from kvtier.storage.lookup import contains_many_safe, held_prefix
 from kvtier.storage.lower_tiers import open_lower_tiers
 from kvtier.storage.promotion import Promoter
+from kvtier.storage.stale_remote import StaleRemoteReporter
 from kvtier.storage.stats import Counters, tier_prefixes, tier_stats
 from kvtier.storage.tier_events import TierChange, TierEvents, TierListener
 from kvtier.storage.types import LOCAL_TIER_KINDS, LookupResult, ReadHandle, WriteSkip
@@ -112,6 +113,8 @@ class StorageManager:
         self.promoter = Promoter(self.cpu, self.lower, self.write_behind, self.chunk_bytes, self.PREFETCH_QUEUE)
         self._local = [t for t in self.lower if t.kind in LOCAL_TIER_KINDS]
         self.events = TierEvents()
+        #: Keys reported stored per non-local tier: an answered absence reports them removed.
+        self._stale = StaleRemoteReporter(self.lower, self.events, self.counters)
         self._hooks_lock = threading.Lock()  # orders hook (un)installation of concurrent (un)subscribes
         #: Per lower tier: True if it reports its own changes (set while someone listens).
         self._self_reporting = [False] * len(self.lower)
@@ -153,12 +156,14 @@ class StorageManager:
         self.cpu.set_change_hook(self.events.hook("cpu") if on else None)
         for i, tier in enumerate(self.lower):
             try:
-                own = bool(tier.set_change_hook(self.events.hook(tier.kind) if on else None))
+                own = bool(tier.set_change_hook(self._stale.hook(i) if on else None))
             except Exception:  # defensive: a plug-in's hook failure means the manager reports
                 log.exception("kvtier: %s refused a change hook", tier.name)
                 own = False
             self._self_reporting[i] = own and on
-            self.write_behind.reporters[i] = self.events.hook(tier.kind) if on and not own else None
+            self.write_behind.reporters[i] = self._stale.hook(i) if on and not own else None
+        if not on:
+            self._stale.reset()
 
     def _report(self, tier: LowerTier, change: TierChange) -> None:
         """Emit ``change`` of ``tier`` unless the tier reports its own changes or nobody listens."""
@@ -166,6 +171,7 @@ class StorageManager:
             return
         i = self.lower.index(tier)
         if not self._self_reporting[i]:
+            self._stale.track(i, change.op, change.keys)
             self.events.emit(change)
 
     def lower_put(self, tier: LowerTier, writes: Sequence[ChunkWrite]) -> list[bool]:
@@ -286,7 +292,7 @@ class StorageManager:
             # the lease covers it. The lease is narrowed to the hits below.
             self.leases.grant(lease_owner, keys)
         try:
-            tiers = held_prefix(keys, self.lower, self.cpu)
+            tiers = held_prefix(keys, self.lower, self.cpu, on_absent=self._stale.on_absent if self.events.active else None)
         except BaseException:  # e.g. bad keys (TypeError): no lease outlives a failed call
             if lease_owner is not None:
                 self.leases.release(lease_owner)

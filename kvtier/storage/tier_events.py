@@ -15,9 +15,11 @@ with every change of its tiers, exactly once and in order per key:
   a successful write-behind or operation write is ``"s"``, a delete through the
   manager is ``"r"``, a clear is ``"c"``, emitted by the manager after the
   tier's call returns. Removals the store makes by itself (Redis ``maxmemory``
-  eviction, TTL expiry, another machine deleting files of a shared
-  filesystem) are NOT observable: a consumer must treat a remote tier's state as
-  a hint (a lookup there is confirmed by the store) and resync with a snapshot.
+  eviction, TTL expiry, a restart without persistence, another machine deleting
+  files of a shared filesystem) are reported ``"r"`` when a lookup's answer from
+  the store shows them (:mod:`kvtier.storage.stale_remote`), not when they
+  happen: a consumer must treat a remote tier's state as a hint (a lookup there
+  is confirmed by the store) and resync with a snapshot.
   A rewrite of a chunk the remote store already held is reported ``"s"`` again
   (harmless to a set). Two lower tiers of one kind share one label.
 

@@ -163,6 +163,18 @@ class LowerTier(ABC):
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Existence of each key (one round trip where the store allows). Failure: all False."""
 
+    def contains_many_known(self, keys: Sequence[bytes]) -> tuple[list[bool], list[bool]]:
+        """:meth:`contains_many`, plus per key whether the store itself answered.
+
+        Returns ``(found, answered)``: ``answered[i]`` False means ``found[i]`` False is a
+        failure (timeout, store down), not the store saying "absent". The storage
+        manager forgets a chunk it reported stored only on an answered absence (see
+        :mod:`kvtier.storage.stale_remote`). Default: nothing counts as answered, so a
+        tier that does not override this never has chunks forgotten.
+        """
+        found = self.contains_many(keys)
+        return found, [False] * len(found)
+
     @abstractmethod
     def put_many(self, items: Sequence[ChunkWrite]) -> list[bool]:
         """Store each chunk; True where stored. Failed writes are dropped and counted.

@@ -201,28 +201,36 @@ class FsTier(LowerTier):
 
     # -- queries --------------------------------------------------------------------
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.contains_many_known(keys)[0]
+
+    def contains_many_known(self, keys: Sequence[bytes]) -> tuple[list[bool], list[bool]]:
+        """``stat`` per key; answered where the file system said present, absent or expired
+        (another error, e.g. a dead NFS mount's EIO, leaves the key unanswered)."""
         for k in keys:
             check_key(k)
         out = [False] * len(keys)
+        answered = [False] * len(keys)
         if self._closed:
             self.counters.add(skipped_calls=1)
-            return out
+            return out, answered
         for i, key in enumerate(keys):
             path = self.path_of(key)
             try:
                 st = os.stat(path)
             except FileNotFoundError:
+                answered[i] = True
                 continue
             except OSError as exc:
                 self.counters.add(errors=1)
                 log.debug("kvtier fs tier: stat %s failed: %s", path, exc)
                 continue
+            answered[i] = True
             if self._expired_ns(st.st_mtime_ns):
                 self._remove(path)
                 continue
             out[i] = True
         self.counters.add(contains_keys=len(keys), contains_hits=sum(out))
-        return out
+        return out, answered
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
         """Refresh a hit chain's expiry, head first (ancestors of ``keys[0]`` included).

@@ -23,7 +23,7 @@ from kvtier.tiers.resp import RespError, Wire
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "GetTally", "Handler", "batches", "count_into", "exists_into", "ignore_reply", "ok_into", "on_reply",
+    "GetTally", "Handler", "batches", "count_into", "exists_known_into", "ignore_reply", "ok_into", "on_reply",
     "pipeline", "value_into",
 ]
 
@@ -81,11 +81,13 @@ def ignore_reply(nodes: RedisNodes) -> Handler:
     return on_reply(nodes, _drop)
 
 
-def exists_into(nodes: RedisNodes, out: list[bool], i: int) -> Handler:
-    """``EXISTS`` reply -> ``out[i] = reply == 1``."""
+def exists_known_into(nodes: RedisNodes, out: list[bool], answered: list[bool], i: int) -> Handler:
+    """``EXISTS`` reply -> ``out[i] = reply == 1`` and ``answered[i] = True`` (an error reply
+    or no reply leaves ``answered[i]`` False)."""
 
     def use(reply: Any) -> None:
         out[i] = reply == 1
+        answered[i] = True
 
     return on_reply(nodes, use)
 

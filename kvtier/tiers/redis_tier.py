@@ -67,7 +67,7 @@ from kvtier.serde.registry import decoders_with, make_codec
 from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, check_key, writable_view
 from kvtier.tiers.redis_checks import store_problems
 from kvtier.tiers.redis_nodes import NodeSettings, RedisNodes
-from kvtier.tiers.redis_pipeline import GetTally, Handler, count_into, exists_into, ignore_reply, pipeline, value_into
+from kvtier.tiers.redis_pipeline import GetTally, Handler, count_into, exists_known_into, ignore_reply, pipeline, value_into
 from kvtier.tiers.redis_scan import scan_pages, unlink_on
 from kvtier.tiers.redis_url import TIER_QUERY_OPTIONS, RedisTierOptions, parse_target, split_query_options
 from kvtier.tiers.redis_writes import encode_writes, write_commands
@@ -200,18 +200,24 @@ class RedisTier(LowerTier):
 
     # -- operations ----------------------------------------------------------------
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.contains_many_known(keys)[0]
+
+    def contains_many_known(self, keys: Sequence[bytes]) -> tuple[list[bool], list[bool]]:
+        """``EXISTS`` per key in one pipelined round trip per node; ``answered[i]`` is True
+        where the node replied (a key on a node that timed out or is down is unanswered)."""
         for k in keys:
             check_key(k)
         out = [False] * len(keys)
+        answered = [False] * len(keys)
         if self._unavailable(len(keys)):
-            return out
+            return out, answered
         rkeys = [self._rkey(k) for k in keys]
         commands = [[b"EXISTS", rk] for rk in rkeys]
-        handlers = [exists_into(self.nodes, out, i) for i in range(len(keys))]
+        handlers = [exists_known_into(self.nodes, out, answered, i) for i in range(len(keys))]
         if not self._run(rkeys, commands, handlers, self._deadline()):
             self.counters.add(skipped_calls=1)
         self.counters.add(contains_keys=len(keys), contains_hits=sum(out))
-        return out
+        return out, answered
 
     def put_many(self, items: Sequence[ChunkWrite]) -> list[bool]:
         return self._put_many(items, self.codec)

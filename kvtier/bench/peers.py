@@ -19,8 +19,9 @@ every write completed / ``batched_get_blocking`` vs kvtier ``put_many`` /
 Per figure the report gives each side's GB/s (median of the round medians), the
 ratio kvtier / LMCache (median and min-max over rounds) and each side's ratio to
 the physical baseline of that round: memcpy for CPU, ``io_threads`` threads of
-plain ``pwrite``/``preadv`` files (buffered or O_DIRECT) for disk, redis-py
-pipelined ``SET``/``GET`` for Redis.
+plain ``pwrite``/``preadv`` files (buffered: the faster of one call per file and
+1 MiB writes / 256 KiB reads, see :mod:`.peers_baseline`; or O_DIRECT) for disk,
+redis-py pipelined ``SET``/``GET`` for Redis.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """Local disk tier (a :class:`~kvtier.tiers.base.LowerTier`): one chunk record per file.
 
-- :mod:`.tier`: :class:`DiskTier` (reads, writes, eviction, faults).
+- :mod:`.tier`: :class:`DiskTier` (opening, queries, removal, closing), assembled from
+  :mod:`.core` (fields, introspection, shared helpers), :mod:`.writes` (the write path)
+  and :mod:`.reads` (the read path).
+- :mod:`.record_io`: reading and writing one record file (checksummed as it goes).
+- :mod:`.parallel`: the bounded pool of I/O threads of one batch.
 - :mod:`.index`: the in-memory index and its prefix-closure invariant.
 - :mod:`.scan`: the ownership lock and the index rebuild at open.
 - :mod:`.fileops`: the file-system seam (:class:`FileOps`) and O_DIRECT helpers.

@@ -24,10 +24,17 @@ from kvtier.tiers.disk.scan import TMP_SUFFIX
 
 log = logging.getLogger("kvtier.tiers.disk")
 
-#: Payload bytes per ``preadv`` of a read (the first one also carries the header). Large: fewer
-#: syscalls, and a chunk's checksum runs while the other I/O threads read the next chunks (a
-#: whole chunk per step measured ~25% faster here than 2 MiB steps hashed as they land, page cache).
-READ_STEP_BYTES = 8 * 1024 * 1024
+#: Payload bytes per ``preadv`` of a buffered read (the first one also carries the header), each
+#: hashed right after it lands, while it is still in the CPU's L2 cache (xxh3: ~50 GB/s in cache,
+#: ~25 GB/s from memory). Reading page-cache files that are cold in the CPU caches (the usual
+#: case: a chunk read long after it was written), read + xxh3 of 8 x 5.9 MB chunks on 4 threads
+#: measured 6.1 GB/s with 256 KiB steps vs 4.7 GB/s with whole-chunk steps (plain read 6.7);
+#: ``kvtier bench peers``' own disk child (reads right after the writes) was not conclusive
+#: (whole-chunk steps ahead in 2 of 3 tries); see benchmarks/README.md.
+READ_STEP_BYTES = 256 * 1024
+#: Payload bytes per ``preadv`` of an O_DIRECT read: the device DMAs around the CPU caches, so
+#: the hash reads memory whatever the step; large steps mean fewer, larger device I/Os.
+DIRECT_READ_STEP_BYTES = 8 * 1024 * 1024
 #: Payload bytes per ``pwritev`` of a buffered write, each hashed right after the kernel copied it.
 WRITE_STEP_BYTES = 2 * 1024 * 1024
 
@@ -170,10 +177,11 @@ class RecordIO:
     def read(self, path: str, key: bytes, dst: memoryview, direct: bool) -> None:
         """Validate and read one record into ``dst``, checksumming each piece as it lands.
 
-        The header and the payload (up to ``READ_STEP_BYTES``) come in one ``preadv``;
-        each step is hashed right after it lands, while the batch's other I/O threads
-        read the next chunks (verification overlaps the reads; no separate pass over
-        the batch). On a miss ``dst`` may hold part of the record.
+        The header and the first payload step (``READ_STEP_BYTES``, O_DIRECT:
+        ``DIRECT_READ_STEP_BYTES``) come in one ``preadv``; each step is hashed right
+        after it lands, while still in the CPU cache, as the batch's other I/O threads
+        read their chunks (verification overlaps the reads; no second pass over the
+        record). On a miss ``dst`` may hold part of the record.
 
         Raises:
             RecordError: the record is unusable (delete it).
@@ -188,7 +196,8 @@ class RecordIO:
             hbuf = s[:HEADER_BYTES]
             # Bytes of dst that may be read straight into it (O_DIRECT: aligned address and length).
             straight = n if not direct else (n - n % ALIGN if address(dst) % ALIGN == 0 else 0)
-            first = dst[: min(straight, READ_STEP_BYTES)]
+            step = DIRECT_READ_STEP_BYTES if direct else READ_STEP_BYTES
+            first = dst[: min(straight, step)]
             got = self._pread(fd, [hbuf, first] if len(first) else [hbuf], 0, direct)
             hdr = decode_header(hbuf[: min(got, HEADER_BYTES)])  # copies what it keeps
             hdr.expect(key, self.namespace)
@@ -202,10 +211,13 @@ class RecordIO:
             if pos < len(first):
                 raise RecordError("payload shorter than its header says")
             h.update(first)
+            preadv = self.fs.preadv  # the loop's one call per step (tens per chunk): no extra Python layers
             while pos < n:
                 if pos < straight:
-                    piece = dst[pos : min(straight, pos + READ_STEP_BYTES)]
-                    got = self._pread(fd, [piece], HEADER_BYTES + pos, direct)
+                    piece = dst[pos : min(straight, pos + step)]
+                    got = preadv(fd, [piece], HEADER_BYTES + pos)
+                    if 0 < got < len(piece) and not direct:  # a short read before the end: go on
+                        got += self._pread(fd, [piece[got:]], HEADER_BYTES + pos + got, direct)
                 else:  # O_DIRECT into an unaligned destination: staged through the scratch buffer
                     m = min(len(s), n - pos)
                     got = min(m, self._pread(fd, [s[: align_up(m)]], HEADER_BYTES + pos, direct))

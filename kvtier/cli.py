@@ -454,6 +454,21 @@ def pd_proxy(
     server.serve_forever()
 
 
+@app.command("demo-pd")
+def demo_pd(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the per-request rows and summary here (- for stdout)."),
+    p2p_channel: str = typer.Option("shm", help="P2P transfer channel: shm (same machine) or tcp (loopback)."),
+) -> None:
+    """Transfer mode on two vLLM instances: PD disaggregation and P2P pulls, TTFT vs local hits."""
+    from kvtier.demo.pd_demo import run_pd_demo
+
+    if p2p_channel not in ("shm", "tcp"):
+        typer.echo("kvtier demo-pd: --p2p-channel must be shm or tcp", err=True)
+        raise typer.Exit(2)
+    with _json_target(json_path) as out:
+        _finish("demo-pd", lambda: run_pd_demo(json_path=out, p2p_channel=p2p_channel))
+
+
 def main() -> None:
     app()
 

@@ -387,3 +387,47 @@ def test_failed_sync_load_does_not_store_chunks_computed_over_the_gap(connectors
     eng.serve(prompt)  # ... chunk 1 is computed and stored again by the next request
     eng.serve(prompt)  # this one hits chunks 0-3: chunks 2-3 must hold right KV (FakeEngine checks)
     assert_quiescent(pair)
+
+
+@pytest.mark.parametrize("wait_s", [0.0, None], ids=["no-wait", "default"])
+def test_idle_step_waits_for_the_async_load_it_is_waiting_on(connectors, tmp_path: Path, monkeypatch, wait_s) -> None:
+    """A request waiting for an async (disk) load is the engine's only work: the idle step blocks
+    (bounded) until the load ends and reports it in that same step, instead of spinning steps
+    that hold the GIL the loader needs (PD decode and P2P TTFT: issue 11). Without the wait, the
+    first idle step reports nothing."""
+    pair = connectors(extra_config(cpu_chunks=4, disk_dir=tmp_path / "disk", disk_chunks=8))
+    w = pair.worker.worker
+    if wait_s is not None:
+        monkeypatch.setattr(w, "IDLE_WAIT_S", wait_s)
+    m = pair.worker.manager
+    eng = FakeEngine(pair, GEOM, [], seed=1, knobs=SCRIPTED)
+    prompt = tokens_of(8, 3 * CHUNK + 3)
+    eng.serve(prompt)
+    assert m.flush(10)
+    m.cpu.clear()  # only the disk tier holds the chunks: the load is asynchronous
+    real_open = w.store.open_read_many
+
+    def slow_open(*a: Any, **kw: Any) -> Any:
+        time.sleep(0.01)  # a load that takes 10 ms, well inside the 25 ms idle wait
+        return real_open(*a, **kw)
+
+    monkeypatch.setattr(w.store, "open_read_many", slow_open)
+    b = eng.submit(prompt, max_tokens=1)
+    steps = 0  # steps from the one that planned the async load to the one that saw it end
+    deadline = time.monotonic() + 30
+    while not eng.stats.async_loads and time.monotonic() < deadline:
+        eng.step()
+    while b.request_id not in eng.finished_recving and not any(
+            rec.req_id == b.request_id for rec in eng.load_log) and time.monotonic() < deadline:
+        eng.step()
+        steps += 1
+    while b.request_id in eng.requests and time.monotonic() < deadline:
+        eng.step()
+    assert b.request_id not in eng.requests
+    rec = the_load(eng, b.request_id)
+    assert rec.is_async and rec.reported == set()
+    if wait_s == 0.0:
+        assert steps >= 3, steps
+    else:
+        assert steps <= 1, steps
+    assert_quiescent(pair)

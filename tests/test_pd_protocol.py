@@ -191,6 +191,8 @@ def test_decoder_gets_the_whole_prompt_and_prefiller_frees_on_confirm(cluster, l
     d = req("d-1", prompt, params)
     ext, errors = decode(dec, d)
     assert ext == length and not errors  # vLLM then recomputes only the last prompt token
+    rec = dec.sched.scheduler.ledger.get("d-1")
+    assert rec is not None and rec.kvtier_hit_tokens == length  # a partial last block counts its tokens only
     assert np.array_equal(dec.kv(d, 0, length), expected_kv(prompt, None, GEOM)), "decoder KV differs"
     assert pre.worker.worker.pd.held, "blocks are held until the confirm"
     wait_sending(pre, "p-1")

@@ -238,15 +238,20 @@ class KVTierScheduler:
         assert tr.lease_held and tr.lookup is not None, f"{tr.req_id}: load sent without a lease"
         tr.lease_held = False
         first = tr.keys.index(spec.chunks[0].key) if spec.chunks else 0  # chunks are consecutive
+        hit = tr.lookup.num_tokens
         for ci, ch in enumerate(spec.chunks, start=first):
             assert tr.keys[ci] == ch.key
             tr.loaded_blocks.update((b, ci) for b in ch.block_ids)
-            self.ledger.on_load_planned(tr.req_id, tr.lookup.tiers[ci], len(ch.block_ids) * self.block_size)
+            # Tokens this chunk's blocks load: a PD hit may end mid-block (the prompt's
+            # last partial chunk), which must not count as a whole block of hits.
+            at = (ci * self.blocks_per_chunk + ch.offset) * self.block_size
+            n = min(at + len(ch.block_ids) * self.block_size, hit) - at
+            self.ledger.on_load_planned(tr.req_id, tr.lookup.tiers[ci], max(0, n))
         if spec.is_async:
             tr.async_inflight = True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVTierMetadata:
-        meta = KVTierMetadata()
+        meta = KVTierMetadata(idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         if not self.config.enabled:
             return meta
         for spec in self._async_to_send:

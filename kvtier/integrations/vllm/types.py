@@ -44,6 +44,7 @@ class KVTierMetadata(KVConnectorMetadata):
     saves: list[TransferSpec] = field(default_factory=list)
     pd_holds: list["PDHold"] = field(default_factory=list)  # PD prefill: hold these after they finish
     pd_releases: list[str] = field(default_factory=list)  # PD prefill: end these holds (aborted)
+    idle: bool = False  # the step schedules no tokens: the engine only waits for async loads
 
 
 @dataclass

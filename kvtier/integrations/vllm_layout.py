@@ -77,8 +77,9 @@ def _attention_backend(vllm_config: Any, dtype: Any, block_size: int, head_dim: 
         except Exception as exc:  # pragma: no cover - depends on vLLM internals
             log.warning("kvtier: cannot determine the CPU attention ISA (%s); keys use 'unknown'", exc)
         return f"CPU_ATTN/{isa}", "LBHNC"
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    return f"{current_platform.device_name}/{backend or 'auto'}", "vllm-default"
+    from kvtier.integrations.vllm.gpu.layout import gpu_backend_and_layout
+
+    return gpu_backend_and_layout(vllm_config)  # vLLM's backend choice and resolved layout
 
 
 def namespace_from_vllm(vllm_config: Any, chunk_size: int, model_id: str | None = None) -> KeyNamespace:

@@ -16,6 +16,7 @@ Invariant: ``charged == (slots in use + spares) * slot_bytes``.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import TYPE_CHECKING, Callable
 
@@ -51,10 +52,14 @@ class ChunkPool:
             chunks), else asks the pools above their fair share for room.
         release_pages: with ``budget``: ``release_pages(slot)`` returns the
             slot's pages to the OS before the slot is uncharged.
+        pin_memory: allocate the private buffer page-locked (CUDA pinned, via
+            torch) so GPU copies are DMA; default: when torch is loaded in this
+            process and ``torch.cuda.is_available()``. Ignored with ``buffer``.
 
     Raises:
         ValueError: non-positive sizes, or ``buffer`` too small or read-only.
         MemoryError: the buffer cannot be allocated.
+        RuntimeError: ``pin_memory=True`` without CUDA.
     """
 
     def __init__(
@@ -64,16 +69,18 @@ class ChunkPool:
         buffer: object | None = None,
         budget: "BudgetShare | None" = None,
         release_pages: Callable[[int], None] | None = None,
+        pin_memory: bool | None = None,
     ):
         if slot_bytes <= 0 or num_slots <= 0:
             raise ValueError(f"slot_bytes and num_slots must be positive, got {slot_bytes}, {num_slots}")
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
+        self._pinned: object | None = None  # the torch tensor owning pinned memory
         if buffer is None:
             # Page-aligned (O_DIRECT reads/writes go straight into slots whose size is a
             # multiple of 4096) and pre-touched: fill() writes every page, whereas
             # np.empty/zeros would map them lazily.
-            raw = np.empty(slot_bytes * num_slots + PAGE_BYTES, dtype=np.uint8)
+            raw = self._alloc_raw(slot_bytes * num_slots + PAGE_BYTES, pin_memory)
             offset = (-raw.ctypes.data) % PAGE_BYTES
             self._buf = raw[offset : offset + slot_bytes * num_slots].reshape(num_slots, slot_bytes)
             self._buf.fill(1)
@@ -90,6 +97,26 @@ class ChunkPool:
         self._budget = budget
         self._release_pages = release_pages
         self._spare: list[int] = []  # free slots still charged to the budget (pages backed)
+
+    def _alloc_raw(self, nbytes: int, pin_memory: bool | None) -> np.ndarray:
+        """``nbytes`` of host memory, page-locked (CUDA pinned) when asked or, by default,
+        when torch is loaded in this process and reports CUDA (no-op on CPU-only hosts)."""
+        torch = sys.modules.get("torch")
+        if pin_memory is None:
+            pin_memory = bool(torch is not None and torch.cuda.is_available())
+        if not pin_memory:
+            return np.empty(nbytes, dtype=np.uint8)
+        import torch as _torch
+
+        if not _torch.cuda.is_available():
+            raise RuntimeError("pin_memory=True needs a CUDA device (torch.cuda.is_available() is False)")
+        self._pinned = _torch.empty(nbytes, dtype=_torch.uint8, pin_memory=True)
+        return self._pinned.numpy()  # type: ignore[attr-defined]
+
+    @property
+    def pinned(self) -> bool:
+        """True if the slots are page-locked host memory (CUDA copies run as DMA)."""
+        return self._pinned is not None
 
     @property
     def capacity_bytes(self) -> int:

@@ -44,7 +44,7 @@ flush               timeout_s                                            done
 stats               -                                                    stats {name: number}
 clear               -                                                    removed {tier: chunks}
 health              -                                                    status, uptime_s, clients
-cuda_register       handle, size, dtype, device (see service.cuda_ipc)   -
+cuda_register       handle, size, dtype, device (+ optional IPC refs)    -
 ==================  ===================================================  =====================================
 
 ``skip`` values are :class:`kvtier.storage.types.WriteSkip` (1 PRESENT,
@@ -327,13 +327,31 @@ class CudaRegister(Request):
     size: int
     dtype: str
     device: int
+    # The rest of torch's ``UntypedStorage._share_cuda_()`` tuple (optional on the wire, v1 clients omit them):
+    offset: int = 0  # bytes from the allocation's start to the storage
+    ref_counter_handle: bytes = b""  # torch's shared-memory reference counter (file name)
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""  # cudaIpcEventHandle_t of the producer's last write ("" if none)
+    event_sync_required: bool = False
 
     @classmethod
     def from_fields(cls, o: dict[str, Any]) -> "CudaRegister":
         h = o.get("handle")
         if not isinstance(h, bytes) or not 0 < len(h) <= 256:
             raise ProtocolError(_BAD, "handle must be a binary of <= 256 bytes")
-        return cls(h, get_int(o, "size", 1), get_str(o, "dtype", max_chars=32), get_int(o, "device", 0, 1024))
+        extra: dict[str, Any] = {}
+        for name in ("ref_counter_handle", "event_handle"):
+            v = o.get(name, b"")
+            if not isinstance(v, bytes) or len(v) > 256:
+                raise ProtocolError(_BAD, f"{name} must be a binary of <= 256 bytes")
+            extra[name] = v
+        for name in ("offset", "ref_counter_offset"):
+            extra[name] = get_int(o, name) if name in o else 0
+        sync = o.get("event_sync_required", False)
+        if not isinstance(sync, bool):
+            raise ProtocolError(_BAD, "event_sync_required must be a boolean")
+        return cls(h, get_int(o, "size", 1), get_str(o, "dtype", max_chars=32), get_int(o, "device", 0, 1024),
+                   event_sync_required=sync, **extra)
 
 
 REQUESTS: dict[str, type[Request]] = {

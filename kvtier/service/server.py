@@ -311,7 +311,18 @@ class CacheServer:
         # Guarded path (see kvtier.service.cuda_ipc): only machines with CUDA get past here.
         if not cuda_available():
             raise ProtocolError(ErrorCode.CUDA_UNAVAILABLE, "this server has no CUDA device; use the shared-memory path")
-        raise ProtocolError(ErrorCode.UNSUPPORTED, "CUDA IPC copies are designed but not implemented in protocol v1")
+        from kvtier.service.cuda_ipc import import_handle
+
+        try:
+            mapped = import_handle(r)  # opened and checked, then unmapped (no copy path uses it yet)
+            nbytes = mapped.untyped_storage().nbytes()
+            del mapped
+        except Exception as exc:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"cannot open the CUDA IPC handle: {exc}") from None
+        if nbytes != r.size:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"CUDA IPC handle maps {nbytes} B, request says {r.size}")
+        raise ProtocolError(ErrorCode.UNSUPPORTED, "CUDA IPC handle accepted, but copies by block id are not "
+                            "implemented yet; use the shared-memory path")
 
     # -- prefetch ------------------------------------------------------------------------------
     def _prefetch_loop(self) -> None:

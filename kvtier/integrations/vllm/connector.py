@@ -192,11 +192,21 @@ class KVTierConnector(KVConnectorBase_V1):
         if meta is not None:
             self.worker.start_load_kv(meta)  # type: ignore[union-attr]
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True: CUDA KV is loaded and saved layer by layer (``wait_for_layer_load`` /
+        ``save_kv_layer``), which full CUDA graph replay would skip (vLLM then uses PIECEWISE)."""
+        return True
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the first layer runs
+        # CPU KV: loads complete in start_load_kv. CUDA KV: waits for this layer's copies only.
+        if self.worker is not None and self.worker.layerwise:
+            self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
-        return  # whole chunks are saved after the forward pass, in wait_for_save
+        # CPU KV: whole chunks are saved in wait_for_save. CUDA KV: this layer's copies start now.
+        if self.worker is not None and self.worker.layerwise:
+            self.worker.save_kv_layer(self._step_meta(), layer_name)
 
     def wait_for_save(self) -> None:
         meta = self._step_meta()
@@ -206,7 +216,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker is None:
             return None, None
-        return self.worker.get_finished(finished_req_ids)
+        meta = self._step_meta()
+        return self.worker.get_finished(finished_req_ids, idle=meta is not None and meta.idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()

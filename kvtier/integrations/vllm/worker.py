@@ -56,6 +56,9 @@ class KVTierWorker:
     With a shared ``kvtier server`` the server does both itself.
     """
 
+    #: Longest wait of an idle step for an async load to end (seconds); see :meth:`get_finished`.
+    IDLE_WAIT_S = 0.025
+
     def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str, kv_events: bool = False,
                  pd: PDSettings | None = None):
         self.config = config
@@ -73,12 +76,15 @@ class KVTierWorker:
         self._kv: np.ndarray | list[np.ndarray] = []  # stacked view if possible, else _layers
         self._load_errors: set[int] = set()
         self._lock = threading.Lock()  # guards the async-load sets and _load_errors
+        self._load_ended = threading.Condition(self._lock)  # notified when an async load ends
         self._loader: ThreadPoolExecutor | None = None
         self._async_active: set[str] = set()  # submitted, completion not yet reported
         self._async_done: set[str] = set()  # finished, to report in get_finished
         self._finished_while_loading: set[str] = set()  # vLLM finished them mid-load
         self._failed_sync_loads: set[str] = set()  # requests whose load failed in this step
         self._pd_orphans: set[str] = set()  # PD holds with no PD worker: reported once finished
+        self._torch: Any = None  # gpu.steps.TorchSteps: torch copies, layer by layer (CUDA engines)
+        self._torch_saving = False  # this step's saves were handed to _torch
         self.pd: Any = None  # pd_worker.PDWorker of a prefiller (PD holds and the confirm socket)
         if pd is not None and pd.prefills and self.store is not None:
             from kvtier.integrations.vllm.pd_worker import PDWorker
@@ -115,11 +121,21 @@ class KVTierWorker:
         """This step's tier changes for the scheduler side (None if none or not enabled)."""
         return self.tier_feed.take() if self.tier_feed is not None else None
 
-    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
-        """Map the engine's paged KV tensors (per layer) as numpy views; disable kvtier on a mismatch."""
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"], torch_path: bool | None = None) -> None:
+        """Map the engine's paged KV tensors (per layer) as numpy views; disable kvtier on a mismatch.
+
+        KV on a non-CPU device (or ``torch_path=True``) takes the torch path instead
+        (:mod:`kvtier.integrations.vllm.gpu`: layout read from vLLM, layer-wise copies on a copy stream).
+        """
         if self.store is None:
             return
         try:
+            if torch_path if torch_path is not None else any(t.device.type != "cpu" for t in kv_caches.values()):
+                from kvtier.integrations.vllm.gpu.steps import torch_steps_for
+
+                self._torch = torch_steps_for(kv_caches, self.namespace, self.store, self._report_load_errors)
+                self._layers, self._kv = [], []  # numpy views are not used on this path
+                return
             self._layers = paged_views(kv_caches, self.namespace.layout)
             stacked = stacked_view(kv_caches, self.namespace.layout)
             self._kv = stacked if stacked is not None else self._layers
@@ -137,6 +153,8 @@ class KVTierWorker:
         if self.store is None:
             return
         self._failed_sync_loads.clear()
+        if self._torch is not None:  # sync loads: issued layer by layer, finished by wait_for_save
+            self._failed_sync_loads |= self._torch.begin_loads([s for s in meta.loads if not s.is_async])
         for spec in meta.loads:
             if spec.is_async:
                 if self._loader is None:
@@ -144,6 +162,8 @@ class KVTierWorker:
                 with self._lock:
                     self._async_active.add(spec.req_id)
                 self._loader.submit(self._load_async, spec)
+                continue
+            if self._torch is not None:
                 continue
             try:
                 if not self._load_request(spec):
@@ -161,12 +181,20 @@ class KVTierWorker:
                 self.store.release(spec.req_id)
             with self._lock:
                 self._async_done.add(spec.req_id)
+                self._load_ended.notify_all()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str] | None, set[str] | None]:
         """Async loads that ended: ``(freed-after-finish ids, loaded ids)``.
 
         A request vLLM finished while its load ran is reported as "sending" (its
         blocks may be freed now); the others as "recving" (ready to schedule).
+
+        ``idle``: this step scheduled no tokens (the engine is only waiting for loads).
+        Then, while a load runs and none has ended, this call blocks up to
+        ``IDLE_WAIT_S`` seconds for one to end: the engine has nothing else to do, and
+        its idle loop would otherwise hold the GIL (and, with one pinned core, the CPU)
+        that the loader thread needs, stretching a 10 ms load to 100+ ms and adding
+        a step's latency before vLLM hears of it. A step with work never waits.
         """
         if self._async_active:
             # vLLM polls here in a tight loop while a request waits for its load; give
@@ -174,6 +202,8 @@ class KVTierWorker:
             # (file reads, checksums, copies) waits out the 5 ms switch interval.
             time.sleep(0)
         with self._lock:
+            if idle and self._async_active and not self._async_done:
+                self._load_ended.wait(self.IDLE_WAIT_S)
             self._finished_while_loading |= finished_req_ids & self._async_active
             done, self._async_done = self._async_done, set()
             self._async_active -= done
@@ -206,7 +236,10 @@ class KVTierWorker:
                     failed_at = i
                     break
                 try:
-                    load_blocks(self._chunk_view(handle.buffer), self._kv, ch.block_ids, ch.offset)
+                    if self._torch is not None:
+                        self._torch.copy_chunk_in(handle.buffer, tuple(ch.block_ids), ch.offset)
+                    else:
+                        load_blocks(self._chunk_view(handle.buffer), self._kv, ch.block_ids, ch.offset)
                 except Exception:
                     log.exception("kvtier: loading chunk %s failed", ch.key.hex()[:16])
                     failed_at = i
@@ -230,6 +263,29 @@ class KVTierWorker:
         )
         return False
 
+    def _report_load_errors(self, block_ids: Any) -> None:
+        with self._lock:
+            self._load_errors.update(block_ids)
+
+    @property
+    def layerwise(self) -> bool:
+        """True when the KV is copied layer by layer (the torch/CUDA path)."""
+        return self._torch is not None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Torch path: order the layer's attention after its load copies (else a no-op)."""
+        if self._torch is not None:
+            self._torch.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, meta: KVTierMetadata | None, layer_name: str) -> None:
+        """Torch path: copy this layer's blocks of this step's saves (else a no-op; saves run in wait_for_save)."""
+        if self._torch is None or meta is None:
+            return
+        if not self._torch_saving:
+            self._torch_saving = True
+            self._torch.set_saves([s for s in meta.saves if s.req_id not in self._failed_sync_loads])
+        self._torch.save_layer(layer_name)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
@@ -242,7 +298,13 @@ class KVTierWorker:
             self._pd_orphans.update(h.req_id for h in meta.pd_holds)
         if self.store is None:
             return
-        for spec in meta.saves:
+        if self._torch is not None:
+            self._torch.end_loads()
+            if not self._torch_saving:
+                self._torch.set_saves([s for s in meta.saves if s.req_id not in self._failed_sync_loads])
+            self._torch_saving = False
+            self._torch.end_saves()
+        for spec in meta.saves if self._torch is None else ():
             if spec.req_id in self._failed_sync_loads:
                 # This step's forward ran over unfilled blocks: what it computed
                 # past them is wrong, so it is not stored (vLLM recomputes it).
@@ -297,6 +359,8 @@ class KVTierWorker:
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
+        if self._torch is not None and self.store is not None:
+            self._torch.close()
         if self.store is not None:
             store, self.store = self.store, None
             close_worker_store(store, self._lookup_server)

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# GPU check for kvtier's vLLM GPU path (issue 12). Installs nothing: it needs a Python that
+# already has a CUDA build of torch (and, for the TTFT demo, of vLLM) plus kvtier's deps.
+#   PYTHON=/path/to/python  (default: .venv/bin/python if present, else python3)
+#   KVTIER_GPU_MODEL=/path/to/hf-model-folder  (default: kvtier's prepared SmolLM2 folder, if any)
+# Steps (each bounded; < 10 minutes in all):
+#   1. environment report (torch/vLLM versions, CUDA device)
+#   2. pytest -m cuda on the GPU-path tests (they skip with a reason without CUDA)
+#   3. the device-agnostic GPU-path tests (same files, CPU tensors)
+#   4. a TTFT demo on GPU vLLM: cold prefill vs kvtier hit, figures printed as JSON
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-/tmp/kvtier-gpu-check}"
+mkdir -p "$OUT"
+rc=0
+TESTS="tests/test_gpu_path.py tests/test_cuda_ipc.py"
+
+echo "== 1. environment"
+timeout 30 "$PY" - <<'EOF' || { echo "torch is not importable with $PY"; exit 2; }
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0))
+try:
+    import vllm
+    print("vllm", vllm.__version__)
+except Exception as exc:
+    print("vllm not importable:", exc)
+EOF
+
+echo "== 2. CUDA-marked tests"
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs $TESTS --junitxml="$OUT/cuda-tests.xml" || rc=1
+
+echo "== 3. device-agnostic GPU-path tests"
+timeout 90 "$PY" -m pytest -q -p no:cacheprovider -m "not cuda" $TESTS tests/test_gpu_worker.py || rc=1
+
+echo "== 4. TTFT demo on GPU vLLM"
+MODEL="${KVTIER_GPU_MODEL:-}"
+if [ -z "$MODEL" ]; then
+  MODEL="$(timeout 30 "$PY" -c 'from kvtier.demo.model import prepare_model; print(prepare_model().path)' 2>/dev/null || true)"
+fi
+if [ -z "$MODEL" ] || [ ! -d "$MODEL" ]; then
+  echo "SKIPPED: no model folder (set KVTIER_GPU_MODEL)"; rc=1
+elif ! timeout 30 "$PY" -c 'import torch, vllm, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "SKIPPED: vLLM with CUDA is not importable with $PY"; rc=1
+else
+  timeout 240 "$PY" -m kvtier.integrations.vllm.gpu.ttft_demo --model "$MODEL" --prefix-tokens 4096 --rounds 4 \
+    --json "$OUT/ttft.json" 2>"$OUT/ttft.log" || { echo "TTFT demo failed (log: $OUT/ttft.log)"; tail -20 "$OUT/ttft.log"; rc=1; }
+fi
+echo "== done (rc=$rc); outputs in $OUT"
+exit $rc

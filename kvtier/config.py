@@ -65,6 +65,7 @@ NON_SETTING_ENV = frozenset({
     "KVTIER_DASHBOARD_TOKENIZER",  # the dashboard's hot-prefix text (kvtier.dashboard.source)
     "KVTIER_PEER_FREE_BYTES",  # bench peers: memory its child frees before a put
     "KVTIER_TEST_ARTIFACTS", "KVTIER_UPDATE_DOCS",  # browser tests' screenshots
+    "KVTIER_GPU_MODEL",  # scripts/gpu-check.sh: the model folder of its TTFT demo
 })
 #: Log levels ``log_level`` accepts.
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -480,9 +480,16 @@ def test_every_kvtier_environment_name_in_the_code_is_a_setting_or_declared_tool
     found: dict[str, str] = {}
     files = [*root.joinpath("kvtier").rglob("*.py"), *root.joinpath("tests").rglob("*.py"),
              *root.joinpath("scripts").glob("*.sh"), *root.joinpath(".ci").glob("*")]
+    # Shell scripts and the README also set and expand them: `KVTIER_X=... cmd`, `${KVTIER_X:-}`.
+    shell = re.compile(r"""(?:\$\{?|(?<![A-Za-z0-9_])(?=KVTIER_[A-Z0-9_]+=))(KVTIER_[A-Z0-9_]+)""")
+    files.append(root / "README.md")
     for f in files:
         if f.is_file():
-            for name in read.findall(f.read_text(errors="replace")):
+            text = f.read_text(errors="replace")
+            names = read.findall(text)
+            if f.suffix in (".sh", ".md", "") or f.parent.name == ".ci":
+                names += shell.findall(text)
+            for name in names:
                 found.setdefault(name, str(f.relative_to(root)))
     assert "KVTIER_DASHBOARD_TOKENIZER" in found  # the scan sees constants and environ reads
     unknown = {n: where for n, where in found.items()

@@ -142,6 +142,35 @@ def test_shm_payload_in_shared_segment_is_not_staged(pool):
     a.close(), b.close(), seg.close()
 
 
+def test_shm_verifies_staged_payloads_inline_and_shared_ones_overlapped(pool, monkeypatch):
+    """Payloads the sender stages (P2P: a CPU tier is no shared segment) are hashed inline by the
+    receiver; only payloads in a shared segment get the helper thread (a third thread on two
+    cores slowed the staged path from 0.74x to 0.53x memcpy). Both are verified."""
+    from kvtier.transfer import verify
+
+    calls: list[bool] = []
+    real = verify.Verifier.copy
+
+    def spy(self, index, slot, src, dst, expected, overlap=True):
+        calls.append(overlap)
+        return real(self, index, slot, src, dst, expected, overlap=overlap)
+
+    monkeypatch.setattr(verify.Verifier, "copy", spy)
+    a, b = _connect("shm", pool, staging_bytes=8 << 20)
+    seg = SharedSegment.create(2 << 20)
+    seg.array[:] = 7
+    a.share_segment(seg)
+    staged = _chunks(2, 2 << 20, seed=5)
+    shared = [(_key(50), seg.array)]
+    for chunks, want in ((staged, [False, False]), (shared, [True])):
+        calls.clear()
+        dests = [(k, np.zeros(len(p), np.uint8)) for k, p in chunks]
+        assert _transfer(pool, a, b, chunks, dests)[1] == [True] * len(chunks)
+        assert all(np.array_equal(d, p) for (_, d), (_, p) in zip(dests, chunks))
+        assert calls == want
+    a.close(), b.close(), seg.close()
+
+
 def test_missing_unexpected_and_wrong_size_chunks_are_misses(link, pool):
     a, b = link
     chunks = _chunks(3, 5000)

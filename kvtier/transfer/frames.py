@@ -43,6 +43,9 @@ class Segment(msgspec.Struct, tag=True, frozen=True):
 
     segment_id: int
     nbytes: int
+    #: the sender's staging ring (it copies payloads in while this end copies them out):
+    #: the receiver verifies those inline rather than on a third thread (2-core machines).
+    staging: bool = False
 
 
 class Batch(msgspec.Struct, tag=True, frozen=True):

@@ -90,7 +90,27 @@ class PeerServer:
                 self._threads.append(t)
             t.start()
 
+    @property
+    def connections(self) -> int:
+        """Peers connected now (a peer that left or died is dropped once its channel failed)."""
+        with self._lock:
+            return len(self._channels)
+
     def _serve(self, chan: TransferChannel) -> None:
+        try:
+            self._serve_loop(chan)
+        except Exception:  # a bug or a local failure must not leave the peer waiting for a reply
+            log.exception("kvtier peer server: dropping a peer after an unexpected error")
+        finally:
+            chan.close()
+            with self._lock:  # forget the finished connection (a long-lived server sees many)
+                if chan in self._channels:
+                    self._channels.remove(chan)
+                me = threading.current_thread()
+                if me in self._threads:
+                    self._threads.remove(me)
+
+    def _serve_loop(self, chan: TransferChannel) -> None:
         decoder = msgspec.msgpack.Decoder(PeerRequest)
         while not self._stop.is_set():
             try:

@@ -1,12 +1,11 @@
 """The shared-memory transfer channel (same machine): payloads never go through the socket.
 
-Both ends share :class:`kvtier.service.shm.SharedSegment` mappings (the segments of
-``kvtier server``'s CPU pool are the same kind): a segment's file descriptor travels
-once over the channel's Unix socket (``SCM_RIGHTS``, a
-:class:`~kvtier.transfer.frames.Segment` frame) and the peer maps it. Afterwards only
-small :class:`~kvtier.transfer.frames.Chunk` frames (key, size, xxh3-64 checksum, segment
-and offset) cross the socket, and the receiver copies each payload once, from the
-mapping straight into the caller's destination, hashing each piece while it is in cache.
+Both ends share :class:`kvtier.service.shm.SharedSegment` mappings (like ``kvtier server``'s
+CPU pool): a segment's file descriptor travels once over the channel's Unix socket
+(``SCM_RIGHTS``, a :class:`~kvtier.transfer.frames.Segment` frame) and the peer maps it.
+Then only small :class:`~kvtier.transfer.frames.Chunk` frames (key, size, xxh3-64, segment,
+offset) cross the socket; the receiver copies each payload once, from the mapping into
+the caller's destination, and verifies what it wrote (:mod:`kvtier.transfer.verify`).
 
 Where the payload comes from:
 
@@ -24,13 +23,15 @@ while mapped); its chunks in flight end with :class:`PeerGone`.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import socket
+import time
 from collections import deque
 from typing import Sequence
 
 import numpy as np
-import xxhash
 
 from kvtier.service.shm import SharedSegment
 from kvtier.transfer.channel import (
@@ -46,23 +47,12 @@ from kvtier.transfer.channel import (
 from kvtier.transfer.errors import ProtocolError, TransferError
 from kvtier.transfer.frames import Batch, Chunk, ChunkAck, Segment, encode_frame
 from kvtier.transfer.stream import StreamChannel
+from kvtier.transfer.verify import Check, Verifier, copy_and_hash
 
 #: Default bytes of the staging ring (sparse).
 DEFAULT_STAGING_BYTES = 256 << 20
-#: Copy-and-hash granularity (fits in L2, so the hash reads cached bytes).
-_PIECE = 512 << 10
 #: Most segments one peer may share.
 MAX_PEER_SEGMENTS = 64
-
-
-def copy_and_hash(src: np.ndarray, dst: np.ndarray) -> bytes:
-    """Copy ``src`` into ``dst`` (equal-size uint8 arrays) piecewise; xxh3-64 of the bytes copied."""
-    h = xxhash.xxh3_64()
-    for pos in range(0, len(src), _PIECE):
-        piece = dst[pos : pos + _PIECE]
-        np.copyto(piece, src[pos : pos + _PIECE])
-        h.update(piece)
-    return h.digest()
 
 
 class ShmChannel(StreamChannel):
@@ -87,6 +77,8 @@ class ShmChannel(StreamChannel):
         self._staging: SharedSegment | None = None
         self._staging_id = -1
         self._theirs: dict[int, SharedSegment] = {}
+        self._verifier = Verifier()
+        self._their_staging: set[int] = set()  # the peer's staging-ring segment ids
 
     @classmethod
     def connect(cls, path: str, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -140,6 +132,8 @@ class ShmChannel(StreamChannel):
             raise ProtocolError(f"segment {msg.segment_id} shared twice or too many segments")
         try:
             self._theirs[msg.segment_id] = SharedSegment.attach_fd(fd, msg.nbytes)  # closes fd
+            if msg.staging:
+                self._their_staging.add(msg.segment_id)
         except (OSError, ValueError) as exc:
             raise ProtocolError(f"cannot map the peer's segment {msg.segment_id}: {exc}") from None
 
@@ -203,7 +197,7 @@ class ShmChannel(StreamChannel):
         if self._staging is None:
             seg = SharedSegment.create(self.staging_bytes, name="kvtier-transfer", sparse=True)
             self._staging = seg
-            self._send_views([encode_frame(Segment(segment_id=len(self._mine), nbytes=seg.size))], deadline,
+            self._send_views([encode_frame(Segment(segment_id=len(self._mine), nbytes=seg.size, staging=True))], deadline,
                              fds=[seg.fd] if seg.fd is not None else [])
             self._staging_id = len(self._mine)
             self._mine[self._staging_id] = (int(seg.array.ctypes.data), seg.size)
@@ -231,19 +225,65 @@ class ShmChannel(StreamChannel):
 
     # -- receive ---------------------------------------------------------------------
     def recv_into(self, dests: Sequence[InSlot], timeout_s: float | None = None) -> list[bool]:
-        """See :meth:`TransferChannel.recv_into`; one copy from the peer's mapping per chunk."""
+        """See :meth:`TransferChannel.recv_into`; one copy from the peer's mapping per chunk.
+
+        A large chunk's hash runs on a helper thread while the next chunk is copied
+        (:mod:`kvtier.transfer.verify`); its ack (and its True) waits for that hash. Before
+        blocking for the next frame every earlier chunk is settled and acknowledged, so a
+        sender waiting for ring space never waits on this end.
+        """
         views, index = check_in_slots(dests)
         deadline = self._deadline(timeout_s)
         result = [False] * len(views)
+        pending: Check | None = None
         try:
             batch = self._recv_batch(deadline)
+            batch_id = batch.batch_id
             for expect in range(batch.count):
+                if pending is not None and not self._frame_ready():
+                    pending = self._settle(pending, batch_id, result, deadline)
                 chunk = self._recv_chunk(batch, expect, deadline)
-                ok = self._take(chunk, views, index, result)
-                self._send_views([encode_frame(ChunkAck(batch_id=batch.batch_id, index=expect, ok=ok))], deadline)
+                src = self._source(chunk)
+                i = self._slot_for(chunk.key, chunk.nbytes, views, index)
+                if i is None or (pending is not None and pending.slot == i):  # never overlap on one slot
+                    pending = self._settle(pending, batch_id, result, deadline)
+                if i is None:
+                    self._ack(batch_id, expect, False, deadline)
+                    continue
+                check = self._verifier.copy(expect, i, src, np.frombuffer(views[i], dtype=np.uint8), chunk.checksum,
+                                            overlap=chunk.segment_id not in self._their_staging)
+                pending = self._settle(pending, batch_id, result, deadline)
+                pending = self._settle(check, batch_id, result, deadline) if check.done else check
+            pending = self._settle(pending, batch_id, result, deadline)
         except (OSError, TransferError) as exc:
+            if pending is not None and not pending.recorded:  # copied before the failure: counts once verified
+                with contextlib.suppress(TransferError):
+                    self._record(pending, result, pending.wait(deadline.at - time.monotonic() + 1.0))
             raise self._fail(exc, received=result) from None
         return result
+
+    def _frame_ready(self) -> bool:
+        """Whether bytes of the next frame are already waiting on the socket (no blocking)."""
+        return bool(select.select([self._live()], [], [], 0)[0])
+
+    def _record(self, check: Check, result: list[bool], ok: bool) -> None:
+        result[check.slot] = ok
+        self._count_received(ok, check.nbytes)
+
+    def _settle(self, check: Check | None, batch_id: int, result: list[bool], deadline: Deadline) -> Check | None:
+        """Wait for ``check``'s hash (if any), record it, acknowledge its chunk; None (nothing pending now).
+
+        ``check`` counts as recorded once its hash is known, even if the ack then fails.
+        """
+        if check is not None:
+            ok = check.wait(deadline.remaining())
+            self._record(check, result, ok)
+            check.recorded = True
+            self._ack(batch_id, check.index, ok, deadline)
+        return None
+
+    def _ack(self, batch_id: int, index: int, ok: bool, deadline: Deadline) -> None:
+        self._send_views([encode_frame(ChunkAck(batch_id=batch_id, index=index, ok=ok))], deadline)
 
     def _source(self, chunk: Chunk) -> np.ndarray:
         if chunk.nbytes == 0:
@@ -255,18 +295,9 @@ class ShmChannel(StreamChannel):
             raise ProtocolError(f"chunk frame [{chunk.offset}, +{chunk.nbytes}) outside segment of {seg.size} bytes")
         return seg.array[chunk.offset : chunk.offset + chunk.nbytes]
 
-    def _take(self, chunk: Chunk, views: list[memoryview], index: dict[bytes, int], result: list[bool]) -> bool:
-        src = self._source(chunk)
-        i = self._slot_for(chunk.key, chunk.nbytes, views, index)
-        if i is None:
-            return False
-        ok = copy_and_hash(src, np.frombuffer(views[i], dtype=np.uint8)) == chunk.checksum
-        result[i] = ok
-        self._count_received(ok, chunk.nbytes)
-        return ok
-
     def close(self) -> None:
         super().close()
+        self._verifier.close()
         theirs, self._theirs = self._theirs, {}
         for seg in theirs.values():
             seg.close()

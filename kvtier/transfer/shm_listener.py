@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import stat
 import tempfile
 
 from kvtier.transfer.channel import DEFAULT_TIMEOUT_S
@@ -27,8 +29,13 @@ class ShmListener:
         self.timeout_s = timeout_s
         self.staging_bytes = staging_bytes
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(self.path)
-        self._sock.listen(16)
+        try:
+            _remove_stale_socket(self.path)
+            self._sock.bind(self.path)
+            self._sock.listen(16)
+        except OSError:
+            self._sock.close()
+            raise
 
     def accept(self, timeout_s: float | None = None) -> ShmChannel:
         """The next peer, hellos exchanged.
@@ -55,3 +62,33 @@ class ShmListener:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Unlink ``path`` if it is a Unix socket nobody listens on (left by a peer that was killed),
+    so a restarted peer can listen at the same address.
+
+    Raises:
+        OSError (EADDRINUSE): a live listener answers at ``path``, or ``path`` is not a socket.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(errno.EADDRINUSE, f"{path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        try:
+            os.unlink(path)  # stale: its listener is gone
+        except FileNotFoundError:
+            pass
+        return
+    except OSError:
+        raise OSError(errno.EADDRINUSE, f"shm transfer address {path} is in use") from None
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"shm transfer address {path} is in use")

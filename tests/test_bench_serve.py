@@ -383,3 +383,52 @@ def test_no_reference_means_answers_not_judged(serving: Any, tmp_path: Any) -> N
     data = json.loads((tmp_path / "s.json").read_text())
     assert data["answers_identical"] is None  # no vllm@fits reference: not judged, never "passed"
     assert data["concurrent_answer_agreement"]["kvtier-cpu"]["equal"] < data["concurrent_answer_agreement"]["kvtier-cpu"]["of"]
+
+
+# -- phase 4 interleaved (fits_ab.py) ---------------------------------------------------------
+def test_fits_turns_are_abba_on_fresh_users() -> None:
+    from kvtier.bench.serve.fits_ab import abba_order, rep_spec
+
+    assert abba_order(["a", "b"], 4) == [["a", "b"], ["b", "a"], ["a", "b"], ["b", "a"]]
+    with pytest.raises(ValueError):
+        abba_order(["a", "b"], 0)
+    spec = WorkloadSpec(users=3, rounds=2, system_tokens=20, context_tokens=(30, 40))
+    assert [rep_spec(spec, k).user_offset for k in range(3)] == [0, 3, 6]
+    tok = WordTokenizer()
+    users = [{s.user for s in build_sessions(rep_spec(spec, k), tok)} for k in range(2)]
+    assert users == [{0, 1, 2}, {3, 4, 5}]  # no rep reuses another's users (nothing of its own cached)
+
+
+def test_merge_phases_sums_wall_and_metrics() -> None:
+    from kvtier.bench.serve.fits_ab import merge_phases
+
+    a = Phase("x", [RequestRecord("u0-r0", ok=True)], 2.0, [{"hits": 1.0}], 10, {"working_set_blocks_measured": 5})
+    b = Phase("x", [RequestRecord("u1-r0", ok=True), RequestRecord("u1-r1")], 3.0, [{"hits": 2.0, "q": 1.0}], 10,
+              {"working_set_blocks_measured": 7, "prompt_tokens_local_vs_server_mismatches": 1})
+    m = merge_phases("x", [a, b])
+    assert [r.request_id for r in m.records] == ["u0-r0", "u1-r0", "u1-r1"]
+    assert m.wall_s == 5.0 and m.metrics == [{"hits": 3.0, "q": 1.0}]
+    assert m.extra == {"working_set_blocks_measured": 7, "prompt_tokens_local_vs_server_mismatches": 1}
+    assert m.summary()["request_throughput"] == pytest.approx(2 / 5.0)
+
+
+def test_fits_phase_interleaved_against_fakes(serving: Any, tmp_path: Any) -> None:
+    fits_a, fits_b = serving(fake_app()), serving(fake_app(gap_s=0.002))
+    targets = {"vllm@fits": Target(fits_a.url), "kvtier-cpu@fits": Target(fits_b.url)}
+    opts = ServeBenchOptions(users=2, rounds=2, concurrency=1, system_tokens=20, context_tokens=(30, 40),
+                             max_tokens=3, vllm_bench=False, fits_reps=3)
+    run_bench_serve(json_path=tmp_path / "s.json", targets=targets, tokenizer=WordTokenizer(), options=opts)
+    data = json.loads((tmp_path / "s.json").read_text())
+    info = data["fits_interleaved"]
+    assert info["order"] == [["vllm@fits", "kvtier-cpu@fits"], ["kvtier-cpu@fits", "vllm@fits"],
+                             ["vllm@fits", "kvtier-cpu@fits"]]
+    assert len(info["pair_ratios"]) == 3 and info["min"] <= info["median"] <= info["max"]
+    cfg = data["configs"]
+    for label in ("vllm@fits", "kvtier-cpu@fits"):
+        ids = [r["request_id"] for r in cfg[label]["records"]]
+        assert sorted(ids) == sorted(f"u{u}-r{r}" for u in range(6) for r in range(2))  # 3 reps x 2 fresh users
+        assert cfg[label]["wall_s"] > 0
+    rates = info["rep_throughput"]
+    pooled = cfg["kvtier-cpu@fits"]["request_throughput"] / cfg["vllm@fits"]["request_throughput"]
+    assert data["fits_throughput_ratio"] == pytest.approx(pooled)
+    assert info["pair_ratios"] == pytest.approx([k / v for k, v in zip(rates["kvtier-cpu@fits"], rates["vllm@fits"])])

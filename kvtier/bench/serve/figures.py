@@ -36,6 +36,7 @@ def summarize(phases: dict[str, Phase], opts: ServeBenchOptions, ws: Any, engine
         return v
 
     kv = "kvtier-cpu" if "kvtier-cpu" in s else "kvtier-cpu-disk"
+    fits_kv = "kvtier-cpu@fits" if "kvtier-cpu@fits" in s else f"{kv}@fits"
     router_oracle = get("router-2x", "oracle", "hit_rate")
     nr = s.get("router-2x@noreuse")
     share = None
@@ -53,7 +54,7 @@ def summarize(phases: dict[str, Phase], opts: ServeBenchOptions, ws: Any, engine
         "ttft_mean_ratio_vs_vllm_later_rounds": _ratio(get("vllm", "ttft_later_rounds_s", "mean"),
                                                        get(kv, "ttft_later_rounds_s", "mean")),
         "throughput_ratio_vs_vllm": _ratio(get(kv, "request_throughput"), get("vllm", "request_throughput")),
-        "fits_throughput_ratio": _ratio(get(f"{kv}@fits", "request_throughput"), get("vllm@fits", "request_throughput")),
+        "fits_throughput_ratio": _ratio(get(fits_kv, "request_throughput"), get("vllm@fits", "request_throughput")),
         "router_hit_rate_ratio_vs_round_robin": _ratio(get("router-2x", "hit_rate"), get("rr-2x", "hit_rate")),
         "router_hit_rate_vs_oracle": _ratio(get("router-2x", "hit_rate"), router_oracle),
         "max_request_share_ratio_no_reuse": share,

@@ -61,6 +61,8 @@ class ServeBenchOptions:
     no_reuse_tokens: int = 384
     vllm_bench: bool = True
     quick: bool = False
+    #: reps per configuration of phase 4 (``X@fits``), both servers up, turns in ABBA order (:mod:`.fits_ab`)
+    fits_reps: int = 2
 
     @staticmethod
     def quick_defaults() -> ServeBenchOptions:

@@ -14,7 +14,8 @@ Phases, all in one run (each configuration on freshly started servers, see
 3. **vLLM's benchmark client** (``prefix_repetition`` and ``random`` datasets) against
    ``vllm`` and ``kvtier-cpu`` (``kvtier-cpu`` only with ``quick``), results as it reports them.
 4. **Fits**: ``vllm`` and ``kvtier-cpu`` again, engine KV holding the whole working set
-   (``fits_throughput_ratio``).
+   (``fits_throughput_ratio``): both servers up, ``fits_reps`` reps each on fresh users,
+   turns in ABBA order (:mod:`.fits_ab`; per-rep ratios under ``fits_interleaved``).
 5. **Answer check**, one request at a time on ``vllm@fits``, ``kvtier-cpu``,
    ``kvtier-cpu-disk`` and ``kvtier-cpu@fits`` (see :mod:`.answer_check`).
 
@@ -30,7 +31,8 @@ Top-level JSON figures (None when a configuration they need was not run):
   every request, first rounds included); ``ttft_mean_ratio_vs_vllm_later_rounds``: the
   same over rounds 2.. only (a user's first round is a miss everywhere);
 - ``throughput_ratio_vs_vllm``: request throughput of ``kvtier-cpu`` / ``vllm`` (phase 1);
-- ``fits_throughput_ratio``: the same ratio in phase 4;
+- ``fits_throughput_ratio``: the same ratio in phase 4, pooled over its reps (each rep's
+  ratio, the turn order and the spread under ``fits_interleaved``);
 - ``router_hit_rate_ratio_vs_round_robin``: prefix hit rate of ``router-2x`` / ``rr-2x``;
 - ``router_hit_rate_vs_oracle``: hit rate of ``router-2x`` / the oracle's on its requests;
 - ``max_request_share_ratio_no_reuse``: phase 2 (None if an instance got no request);
@@ -63,6 +65,7 @@ from kvtier.bench.serve.answer_check import CHECKED, check_sessions, run_check
 from kvtier.bench.serve.client import RequestRecord
 from kvtier.bench.serve.configs import CONFIGS, ConfigSpec, parse_configs
 from kvtier.bench.serve.figures import checks_of, summarize
+from kvtier.bench.serve.fits_ab import fits_working_set, run_fits_interleaved
 from kvtier.bench.serve.measure import measure_no_reuse, measure_sessions
 from kvtier.bench.serve.options import (
     DEFAULT_CONFIGS,
@@ -163,8 +166,11 @@ def run_bench_serve(
         if targets is None:
             raise BenchUsageError(str(exc)) from None
         engine_blocks = max(1, int(ws.blocks // opts.ratio))  # given servers: their bound is not ours
-    per_req = math.ceil((ws.max_prompt_tokens + opts.max_tokens) / BLOCK_SIZE)
-    fits_blocks = ws.blocks + opts.concurrency * per_req + 8
+    # Phase 4 runs ``fits_reps`` workloads on other users each (fits_ab.py): size on the largest.
+    fits_ws, fits_longest = fits_working_set(spec, tokenizer, opts.fits_reps, BLOCK_SIZE)
+    per_req = math.ceil((max(ws.max_prompt_tokens, fits_longest) + opts.max_tokens) / BLOCK_SIZE)
+    fits_blocks = max(ws.blocks, fits_ws) + opts.concurrency * per_req + 8
+    fits_model_len = max(max_model_len, per_req * BLOCK_SIZE + 128)
     # Tier capacities on the stored footprint (full chunks; chunk = engine block here): kvtier
     # never stores a prompt's partial last block, so sizing on ``ws.blocks`` gave each
     # instance of the pair ~0.9 of what it stores instead of fleet_cpu_fraction.
@@ -179,7 +185,8 @@ def run_bench_serve(
     n_requests = len(sessions) * spec.rounds
     check_users = check_sessions(spec, tokenizer, opts.users)
     n_checked = sum(1 for n in [*names, *(f + "@fits" for f in fits_names)] if n in CHECKED)
-    total = (n_requests * (len(names) + len(fits_names)) + (opts.no_reuse_requests if "router-2x" in names else 0)
+    interleave = {"vllm", "kvtier-cpu"} <= set(fits_names)  # phase 4 as ABBA turns (fits_ab.py)
+    total = (n_requests * (len(names) + len(fits_names) * (opts.fits_reps if interleave else 1)) + (opts.no_reuse_requests if "router-2x" in names else 0)
              + n_checked * 2 * len(check_users))
 
     from rich.console import Console
@@ -202,6 +209,7 @@ def run_bench_serve(
     check_runs: dict[str, list[RequestRecord]] = {}
     vllm_bench_results: dict[str, Any] = {}
     errors: dict[str, str] = {}
+    fits_info: dict[str, Any] | None = None
 
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -212,7 +220,7 @@ def run_bench_serve(
                 progress.advance(task)
 
             plan: list[tuple[str, ConfigSpec, int | None]] = [(c.name, c, engine_blocks) for c in cfgs]
-            plan += [(f"{n}@fits", CONFIGS[n], fits_blocks) for n in fits_names]
+            plan += [(f"{n}@fits", CONFIGS[n], fits_blocks) for n in fits_names if not interleave]
             if targets is not None:
                 plan = [(label, cfg, b) for label, cfg, b in plan if label in targets]
             for label, cfg, blocks in plan:
@@ -253,6 +261,10 @@ def run_bench_serve(
                         raise
                     errors[label] = str(exc)[-2000:]
                     console.print(f"[red]{label}: {str(exc)[:500]}[/red]")
+            if interleave:
+                fits_info = run_fits_interleaved(targets, model_path, fits_blocks, fits_model_len, kvtier_cpu_bytes, workdir,
+                                              spec, tokenizer, opts, on_done, check_users, phases, check_runs, errors,
+                                              progress, task, console)
     finally:
         shutil.rmtree(workdir / "disk", ignore_errors=True)
         for p in workdir.glob("disk-*"):
@@ -262,6 +274,7 @@ def run_bench_serve(
     result["kvtier_cpu_bytes"] = {"single_instance": kvtier_cpu_bytes, "per_instance_of_two": fleet_cpu_bytes}
     result["vllm_bench_serve"] = vllm_bench_results
     result["config_errors"] = errors
+    result["fits_interleaved"] = fits_info
     result["server_logs"] = str(workdir)
     print_table(phases, console)
     checks = checks_of(result)

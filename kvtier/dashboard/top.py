@@ -109,6 +109,8 @@ def render(snap: dict[str, Any], url: str) -> Group:
         pinned = "-" if h["pinned_tokens"] < 0 else ("yes" if h["pinned_tokens"] else "no")
         hot.add_row(label.replace("\n", " ")[:60], _num(h["count"]), _num(h["hit_tokens"]),
                     ", ".join(f"{k} {n}" for k, n in h["tiers"].items()), pinned)
+    if not snap.get("hot"):
+        hot.add_row("none yet (no prefix reused since start)", "", "", "", "")
     parts.append(hot)
     if snap.get("instances"):
         inst = Table(title="instances", title_justify="left", expand=True)

@@ -14,6 +14,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console, Group
@@ -135,17 +136,19 @@ def _default_console() -> Console:
     return Console(width=BATCH_WIDTH)
 
 
-def _run_batch(url: str, interval_s: float, count: int | None, token: str | None, console: Console) -> int:
-    """Batch mode of :func:`run_top`: one printed frame per interval."""
+def _frames(url: str, interval_s: float, count: int | None, token: str | None,
+            show: Callable[[Any], None]) -> int:
+    """Fetch and ``show`` one frame per interval, ``count`` times (None: until Ctrl-C); the exit
+    code of :func:`run_top`."""
     answered, n = False, 0
     try:
         while count is None or n < count:
             try:
-                console.print(render(fetch(url, token), url))
+                show(render(fetch(url, token), url))
                 answered = True
             except TopError as exc:
                 last = count is not None and n + 1 >= count
-                console.print(Text(f"kvtier top: {exc}" + ("" if last else f" (retrying every {interval_s:g} s)"), style="red"))
+                show(Text(f"kvtier top: {exc}" + ("" if last else f" (retrying every {interval_s:g} s)"), style="red"))
             n += 1
             if count is None or n < count:
                 time.sleep(interval_s)
@@ -171,21 +174,10 @@ def run_top(url: str = DEFAULT_URL, interval_s: float = 1.0, count: int | None =
     if not interval_s > 0 or (count is not None and count < 1):
         raise ValueError(f"interval must be > 0 and count >= 1, got {interval_s}, {count}")
     console = console or _default_console()
-    if not console.is_terminal:
-        return _run_batch(url, interval_s, count, token, console)
-    answered, n = False, 0
+    if not console.is_terminal:  # batch mode: every frame printed
+        return _frames(url, interval_s, count, token, console.print)
     try:
         with Live(Text("connecting…"), console=console, refresh_per_second=4, screen=False) as live:
-            while count is None or n < count:
-                try:
-                    live.update(render(fetch(url, token), url))
-                    answered = True
-                except TopError as exc:
-                    last = count is not None and n + 1 >= count
-                    live.update(Text(f"kvtier top: {exc}" + ("" if last else f" (retrying every {interval_s:g} s)"), style="red"))
-                n += 1
-                if count is None or n < count:
-                    time.sleep(interval_s)
+            return _frames(url, interval_s, count, token, live.update)
     except KeyboardInterrupt:
         return 0
-    return 0 if answered or count is None else 2

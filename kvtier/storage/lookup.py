@@ -12,7 +12,7 @@ answers misses (never raises). With ``on_absent``, the keys a non-local tier
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.storage.types import LOCAL_TIER_KINDS
 from kvtier.tiers.base import LowerTier

@@ -300,6 +300,20 @@ def writable_view(out: Buffer) -> memoryview:
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
+def destination_views(items: Sequence[tuple[bytes, Buffer]]) -> list[memoryview]:
+    """The argument check of ``get_many_into``: each key valid, each destination a flat writable
+    uint8 view (no copy), in order.
+
+    Raises:
+        TypeError/ValueError: a bad key, or a destination read-only or not C-contiguous.
+    """
+    views = []
+    for key, buf in items:
+        check_key(key)
+        views.append(writable_view(buf))
+    return views
+
+
 def as_chunk_write(item: "ChunkWrite | tuple[bytes, Buffer]") -> ChunkWrite:
     """``item`` as a checked :class:`ChunkWrite` (a ``(key, payload)`` pair has no parent).
 

@@ -63,7 +63,7 @@ from kvtier.serde.record import (
     record_relpath,
 )
 from kvtier.serde.registry import decoders_with, make_codec
-from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, as_chunk_write, check_key, writable_view
+from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, as_chunk_write, check_key, destination_views
 
 log = logging.getLogger(__name__)
 
@@ -361,10 +361,7 @@ class FsTier(LowerTier):
 
     # -- reads ------------------------------------------------------------------------
     def get_many_into(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
-        views = []
-        for k, buf in items:
-            check_key(k)
-            views.append(writable_view(buf))
+        views = destination_views(items)
         out = [False] * len(items)
         if self._closed:
             self.counters.add(skipped_calls=1, gets=len(items), get_misses=len(items))

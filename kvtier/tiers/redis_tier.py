@@ -64,7 +64,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from kvtier.serde.base import Buffer, Codec
 from kvtier.serde.registry import decoders_with, make_codec
-from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, check_key, writable_view
+from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, check_key, destination_views
 from kvtier.tiers.redis_checks import store_problems
 from kvtier.tiers.redis_nodes import NodeSettings, RedisNodes
 from kvtier.tiers.redis_pipeline import GetTally, Handler, count_into, exists_known_into, ignore_reply, pipeline, value_into
@@ -266,10 +266,7 @@ class RedisTier(LowerTier):
             self.counters.add(skipped_calls=1)
 
     def get_many_into(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
-        views = []
-        for k, buf in items:
-            check_key(k)
-            views.append(writable_view(buf))
+        views = destination_views(items)
         out = [False] * len(items)
         if self._unavailable(len(items)):
             self.counters.add(gets=len(items), get_misses=len(items))

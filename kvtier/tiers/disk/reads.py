@@ -8,7 +8,7 @@ from typing import Sequence
 
 from kvtier.serde.base import Buffer
 from kvtier.serde.record import KeepRecord, RecordError, record_relpath
-from kvtier.tiers.base import check_key, writable_view
+from kvtier.tiers.base import destination_views
 from kvtier.tiers.disk.core import DiskCore
 
 log = logging.getLogger("kvtier.tiers.disk")
@@ -33,10 +33,7 @@ class DiskReads(DiskCore):
         Raises:
             TypeError/ValueError: a bad key, or ``out`` read-only or not contiguous.
         """
-        views = []
-        for k, buf in items:
-            check_key(k)
-            views.append(writable_view(buf))
+        views = destination_views(items)
         out = [False] * len(items)
         if self._closed:
             self.counters.add(skipped_calls=1, gets=len(items), get_misses=len(items))

@@ -10,11 +10,13 @@ from typing import Callable, NoReturn, Optional
 import typer
 
 from kvtier.cli_bench import bench_app
-from kvtier.cli_common import STDOUT  # noqa: F401
+from kvtier.cli_common import HELP_MARKUP, STDOUT  # noqa: F401
 from kvtier.cli_common import finish as _finish
 from kvtier.cli_common import json_target as _json_target
 
-app = typer.Typer(help="kvtier: tiered KV-cache storage for LLM inference engines.", no_args_is_help=True)
+app = typer.Typer(
+    help="kvtier: tiered KV-cache storage for LLM inference engines.", no_args_is_help=True, rich_markup_mode=HELP_MARKUP
+)
 app.add_typer(bench_app, name="bench")
 
 
@@ -202,6 +204,7 @@ ctl_app = typer.Typer(
     help="Talk to a running `kvtier controller` over HTTP. Exit codes: 0 done, 1 the operation failed, "
     "2 usage error or controller unreachable/refusing.",
     no_args_is_help=True,
+    rich_markup_mode=HELP_MARKUP,
 )
 app.add_typer(ctl_app, name="ctl")
 

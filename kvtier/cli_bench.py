@@ -9,12 +9,14 @@ from typing import Optional
 import typer
 
 from kvtier.cli_common import finish as _finish
+from kvtier.cli_common import HELP_MARKUP
 from kvtier.cli_common import json_target as _json_target
 
 bench_app = typer.Typer(
     help="Benchmarks that print ratios measured side by side in one run. "
     "Exit codes: 0 every target met, 1 a target missed, 2 usage error (bad flag, unreachable target).",
     no_args_is_help=True,
+    rich_markup_mode=HELP_MARKUP,
 )
 
 

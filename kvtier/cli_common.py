@@ -14,6 +14,11 @@ import typer
 #: ``--json -`` writes the JSON to stdout (the tables then go to stderr).
 STDOUT = "-"
 
+#: Help is click's plain layout, not typer's rich panels: the panels cut long option names
+#: (``--max-namespaces-per-client``) at 80 columns or in a pipe and tag every flag ``<bool>``;
+#: the plain layout wraps the text beside the option instead and reads the same everywhere.
+HELP_MARKUP = None
+
 
 @contextlib.contextmanager
 def json_target(json_path: Optional[Path]) -> Iterator[Optional[Path]]:

@@ -70,18 +70,3 @@ def test_peers_are_the_last_lower_tiers_in_order(tmp_path):
     finally:
         for t in tiers:
             t.close()
-
-
-def test_kvtier_server_refuses_peer_settings_clearly(tmp_path) -> None:
-    """kvtier server hosts one manager per namespace; a per-namespace peer_listen would bind
-    the same port several times, so the server refuses peer settings at start (exit 2)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "KVTIER_PEERS": "tcp://127.0.0.1:7700"}
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "server", "--socket", str(tmp_path / "s.sock"),
-                        "--no-metrics"], env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2
-    assert "peer_listen / peers are not supported by kvtier server" in r.stderr
-    assert not (tmp_path / "s.sock").exists()

@@ -114,11 +114,6 @@ def run_server(
         return 2
     logging.getLogger("kvtier").setLevel(config.log_level)
     problem = check_tcp_host(tcp_host, allow_remote)
-    if not problem and (config.peer_listen or config.peers):
-        # One peer server per namespace would bind peer_listen once per hosted model; until the
-        # server shares one across namespaces, P2P belongs to the engines' embedded connectors.
-        problem = ("peer_listen / peers are not supported by kvtier server yet: set them in the engines' "
-                   "kv_connector_extra_config (embedded connector), or share chunks through the server itself")
     if problem:
         log.error("%s", problem)
         return 2

@@ -79,6 +79,7 @@ class NamespaceHost:
                 cpu_capacity=num_slots * cb,
                 disk_path=disk_path,
                 disk_capacity=disk_bytes,
+                peer_listen=None,  # the server runs one peer server for every namespace (peer_host.py)
             )
         )
         self.sums = ChunkSums(num_slots, self._resident)
@@ -88,7 +89,7 @@ class NamespaceHost:
         self.stray_page_trims = 0  # times free slots' pages were backed without a charge and released
         self._warn = RateLimitedLog(log, 60.0)
         lower = None
-        if cfg.disk_path is not None or cfg.remote_url is not None:
+        if cfg.disk_path is not None or cfg.remote_url is not None or cfg.peers:
 
             def lower(is_pinned: Callable[[bytes], bool]) -> list[Any]:
                 tiers = open_lower_tiers(cfg, namespace, is_pinned)

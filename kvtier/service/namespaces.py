@@ -164,6 +164,7 @@ class _Entry:
     creator: str
     idle_since: float | None  # monotonic time the last session left; None while used
     attaching: int = 0  # registrations between _attach and the session's registered state
+    reading: int = 0  # peer reads holding this namespace's chunks (kvtier.service.peer_host)
 
 
 class NamespaceTable:
@@ -206,6 +207,35 @@ class NamespaceTable:
     def hosts(self) -> list[NamespaceHost]:
         with self._lock:
             return [e.host for e in self._entries.values()]
+
+    def hold_all(self) -> list[tuple[bytes, NamespaceHost, Callable[[], None]]]:
+        """Every hosted namespace with a release callable; none is released until its callable runs.
+
+        Used by peer reads (:mod:`kvtier.service.peer_host`): a held namespace's segment stays mapped.
+        """
+        with self._lock:
+            return [(d, e.host, self._holder(e)) for d, e in self._entries.items()]
+
+    def hold_again(self, digest: bytes) -> Callable[[], None]:
+        """One more hold on namespace ``digest``, which the caller holds already (see :meth:`hold_all`)."""
+        with self._lock:
+            e = self._entries[digest]
+            assert e.reading > 0, "hold_again on a namespace the caller does not hold"
+            return self._holder(e)
+
+    def _holder(self, e: _Entry) -> Callable[[], None]:
+        e.reading += 1
+        done = threading.Event()
+
+        def release() -> None:
+            with self._lock:
+                if done.is_set():
+                    return
+                done.set()
+                e.reading -= 1
+                assert e.reading >= 0, "namespace read holds went negative"
+
+        return release
 
     def close(self) -> None:
         with self._lock:
@@ -371,7 +401,7 @@ class NamespaceTable:
         now = self._clock()
         used = {id(s.registered.host) for s in self.sessions.snapshot() if s.registered is not None}
         for digest, e in list(self._entries.items()):
-            if e.attaching or id(e.host) in used or e.host.manager.leases.pinned_keys:
+            if e.attaching or e.reading or id(e.host) in used or e.host.manager.leases.pinned_keys:
                 e.idle_since = None
                 continue
             if e.idle_since is None:

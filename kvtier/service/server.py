@@ -41,9 +41,11 @@ from kvtier.service.listener import LISTEN_BACKLOG, ConnLimits, FrameServer, Pha
 from kvtier.service.metrics import ServerMetrics
 from kvtier.service.namespace_host import NamespaceHost
 from kvtier.service.namespaces import NamespaceTable, maintenance_loop
+from kvtier.service.peer_host import HostedChunks
 from kvtier.service.options import HANDSHAKE_FRAME_BYTES, ServerOptions  # noqa: F401 (ServerOptions re-exported)
 from kvtier.service.session import Session, SessionTable
 from kvtier.tiers.disk.fileops import FileOps
+from kvtier.tiers.registry import start_peer_server
 from kvtier.tiers.disk.scan import DiskTierLocked, take_ownership
 
 log = logging.getLogger(__name__)
@@ -123,6 +125,8 @@ class CacheServer:
         self.tcp_address: tuple[str, int] | None = None
         self.protocol_errors = 0
         self.fleet: Any = None  # kvtier.fleet.service_link.ServiceLink when a controller or KV events are set
+        #: Serves every hosted namespace's chunks to peers on ``peer_listen`` (kvtier.service.peer_host); or None.
+        self.peer_server: Any = None
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> "CacheServer":
@@ -139,6 +143,11 @@ class CacheServer:
                 raise OSError(exc.errno, f"--tcp-host/--tcp-port {o.tcp_host}:{o.tcp_port}: {exc.strerror}") from None
             self.tcp_address = tcp.getsockname()[:2]
             self._frames.listen(tcp)
+        if self.config.peer_listen:
+            try:
+                self.peer_server = start_peer_server(self.config, HostedChunks(self._namespaces))
+            except (OSError, ValueError) as exc:
+                raise OSError(getattr(exc, "errno", None), f"peer_listen {self.config.peer_listen}: {exc}") from None
         self._frames.spawn(self._prefetch_loop, "kvtier-prefetch")
         self._frames.spawn(lambda: maintenance_loop(self._namespaces, lambda: self._frames.stopping), "kvtier-maintain")
         if o.metrics_port is not None:
@@ -191,6 +200,8 @@ class CacheServer:
             time.sleep(0.01)  # connection threads release their holds
         if self._http is not None:
             self._http.close()
+        if self.peer_server is not None:
+            self.peer_server.stop()  # before the namespaces: no peer read outlives their segments
         self._namespaces.close()
         if self._started:
             unlink_socket(self.options.socket_path)

@@ -5,7 +5,8 @@
 #   KVTIER_GPU_MODEL=/path/to/hf-model-folder  (default: kvtier's prepared SmolLM2 folder, if any)
 # Steps (each bounded; < 10 minutes in all):
 #   1. environment report (torch/vLLM versions, CUDA device)
-#   2. pytest -m cuda on the GPU-path tests (they skip with a reason without CUDA)
+#   2. pytest -m cuda on the GPU-path tests (they skip with a reason without CUDA), including the
+#      cache service's CUDA IPC copies by block id (a real `kvtier server` process)
 #   3. the device-agnostic GPU-path tests (same files, CPU tensors)
 #   4. a TTFT demo on GPU vLLM: cold prefill vs kvtier hit, figures printed as JSON
 # Exit status: 0 every step passed on a CUDA device; 1 a step failed; 2 torch is missing;
@@ -20,7 +21,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-/tmp/kvtier-gpu-check}"
 mkdir -p "$OUT"
 rc=0
-TESTS="tests/test_gpu_path.py tests/test_cuda_ipc.py"
+TESTS="tests/test_gpu_path.py tests/test_cuda_ipc.py tests/test_service_block_copy.py"
 
 echo "== 1. environment"
 timeout 30 "$PY" - <<'EOF' || { echo "torch is not importable with $PY"; exit 2; }

@@ -44,7 +44,12 @@ flush               timeout_s                                            done
 stats               -                                                    stats {name: number}
 clear               -                                                    removed {tier: chunks}
 health              -                                                    status, uptime_s, clients
-cuda_register       handle, size, dtype, device (+ optional IPC refs)    -
+cuda_register       handle, size, dtype, device (+ optional IPC refs)    - (always an error: use kv_register)
+kv_register         kind, buffers, shape [B,H,N,C], layers               num_layers, num_blocks, page_bytes,
+                                                                         device, pinned
+store_blocks        keys, blocks [[block id]], parents?                  skips [0|WriteSkip]
+load_blocks         keys, parents, blocks [[block id]], offsets          sources [tier|nil]
+kv_release          -                                                    released
 ==================  ===================================================  =====================================
 
 ``skip`` values are :class:`kvtier.storage.types.WriteSkip` (1 PRESENT,
@@ -354,11 +359,163 @@ class CudaRegister(Request):
                    event_sync_required=sync, **extra)
 
 
+#: Bounds of a ``kv_register`` request and of the block ids in one block-copy request.
+MAX_KV_BUFFERS = 1024
+MAX_KV_LAYERS = 1024
+MAX_BLOCK_IDS = 1 << 18
+#: ``kv_register`` kinds: a CUDA IPC export per buffer, or (tests only) a named CPU shared-memory file.
+KV_KINDS = ("cuda", "shm")
+
+
+@dataclass(frozen=True)
+class ShmBuffer:
+    """A CPU stand-in for a CUDA IPC export (tests only): ``/dev/shm/<name>``, ``size`` bytes.
+
+    Only tests use it, so that CI drives the server's copies by block id through the
+    same code as CUDA; real vLLM CPU engines keep the shared-memory slot copies.
+    """
+
+    name: str
+    size: int
+
+    def fields_to_wire(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size}
+
+    @classmethod
+    def from_fields(cls, o: dict[str, Any]) -> "ShmBuffer":
+        return cls(get_str(o, "name", max_chars=128), get_int(o, "size", 1))
+
+
+@dataclass(frozen=True)
+class KVRegister(Request):
+    """Share an engine's paged KV with the server so stores and loads can name engine block ids.
+
+    ``buffers``: one :class:`CudaRegister` (``kind="cuda"``) or :class:`ShmBuffer`
+    (``kind="shm"``, tests only) per allocation. ``shape``: ``[B, H, N, C]`` of every
+    layer (blocks, head slots, tokens per block, content bytes). ``layers``: one
+    ``(buffer index, byte offset, stride_B, stride_H, stride_N)`` per layer, in layer
+    order (strides in bytes; C is contiguous). Valid for this connection only.
+    """
+
+    OP: ClassVar[str] = "kv_register"
+    kind: str
+    buffers: list[Any]
+    shape: tuple[int, int, int, int]
+    layers: list[tuple[int, int, int, int, int]]
+
+    def fields_to_wire(self) -> dict[str, Any]:
+        return {"kind": self.kind, "buffers": [b.fields_to_wire() for b in self.buffers],
+                "shape": list(self.shape), "layers": [list(x) for x in self.layers]}
+
+    @classmethod
+    def from_fields(cls, o: dict[str, Any]) -> "KVRegister":
+        kind = o.get("kind")
+        if kind not in KV_KINDS:
+            raise ProtocolError(_BAD, f"kind must be one of {list(KV_KINDS)}")
+        raw = o.get("buffers")
+        if not isinstance(raw, list) or not 0 < len(raw) <= MAX_KV_BUFFERS or not all(isinstance(b, dict) for b in raw):
+            raise ProtocolError(_BAD, f"buffers must be a list of 1 to {MAX_KV_BUFFERS} maps")
+        parse = CudaRegister.from_fields if kind == "cuda" else ShmBuffer.from_fields
+        buffers = [parse(b) for b in raw]
+        shape = _int_list(o.get("shape"), 4, "shape", lo=1)
+        layers = o.get("layers")
+        if not isinstance(layers, list) or not 0 < len(layers) <= MAX_KV_LAYERS:
+            raise ProtocolError(_BAD, f"layers must be a list of 1 to {MAX_KV_LAYERS} entries")
+        views = [tuple(_int_list(x, 5, "each layer")) for x in layers]
+        if any(v[0] >= len(buffers) for v in views):
+            raise ProtocolError(_BAD, "a layer names a buffer index outside buffers")
+        return cls(kind, buffers, tuple(shape), views)  # type: ignore[arg-type]
+
+
+def _int_list(v: Any, n: int, what: str, lo: int = 0) -> list[int]:
+    if not isinstance(v, list) or len(v) != n or any(type(x) is not int or not lo <= x <= INT64_MAX for x in v):
+        raise ProtocolError(_BAD, f"{what} must be a list of {n} integers >= {lo}")
+    return v
+
+
+def _get_block_ids(o: dict[str, Any], n: int) -> list[list[int]]:
+    """The ``blocks`` field: one non-empty list of engine block ids per key (bounded in total)."""
+    v = o.get("blocks")
+    if not isinstance(v, list) or len(v) != n or not all(isinstance(x, list) and x for x in v):
+        raise ProtocolError(_BAD, "blocks must hold one non-empty list of block ids per key")
+    if sum(len(x) for x in v) > MAX_BLOCK_IDS:
+        raise ProtocolError(_BAD, f"at most {MAX_BLOCK_IDS} block ids per request")
+    if any(type(b) is not int or not 0 <= b <= INT64_MAX for x in v for b in x):
+        raise ProtocolError(_BAD, "block ids must be non-negative integers")
+    return v
+
+
+@dataclass(frozen=True)
+class StoreBlocks(Request):
+    """Store chunks copied by the server from the engine's blocks (needs ``kv_register`` first).
+
+    ``blocks[i]``: chunk ``i``'s engine block ids (``blocks_per_chunk`` of them, token
+    order). The engine's writes to them must be complete (stream synchronized) before
+    sending. Reply ``skips``: per key 0 (stored) or a ``WriteSkip``.
+    """
+
+    OP: ClassVar[str] = "store_blocks"
+    keys: list[bytes]
+    blocks: list[list[int]]
+    parents: list[bytes | None] | None = None
+
+    def fields_to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"keys": join_keys(self.keys), "blocks": self.blocks}
+        if self.parents is not None:
+            out["parents"] = list(self.parents)
+        return out
+
+    @classmethod
+    def from_fields(cls, o: dict[str, Any]) -> "StoreBlocks":
+        keys = get_keys(o, "keys")
+        if len(set(keys)) != len(keys):
+            raise ProtocolError(_BAD, "keys must be distinct")
+        parents = None if o.get("parents") is None else _get_parents(o, keys)
+        return cls(keys, _get_block_ids(o, len(keys)), parents)
+
+
+@dataclass(frozen=True)
+class LoadBlocks(Request):
+    """Load chunks into the engine's blocks, copied by the server (needs ``kv_register`` first).
+
+    ``blocks[i]`` receive chunk ``i``'s blocks ``offsets[i] ..`` (a partly loaded
+    chunk starts past 0). Reply ``sources``: the tier per loaded chunk, nil from the
+    first miss on (later chunks are not loaded: a prefix is what the engine can use).
+    """
+
+    OP: ClassVar[str] = "load_blocks"
+    keys: list[bytes]
+    parents: list[bytes | None]
+    blocks: list[list[int]]
+    offsets: list[int]
+
+    def fields_to_wire(self) -> dict[str, Any]:
+        return {"keys": join_keys(self.keys), "parents": list(self.parents), "blocks": self.blocks,
+                "offsets": list(self.offsets)}
+
+    @classmethod
+    def from_fields(cls, o: dict[str, Any]) -> "LoadBlocks":
+        keys = get_keys(o, "keys")
+        offsets = o.get("offsets")
+        if not isinstance(offsets, list) or len(offsets) != len(keys) or any(
+            type(x) is not int or not 0 <= x < 1 << 20 for x in offsets
+        ):
+            raise ProtocolError(_BAD, "offsets must hold one block offset (>= 0) per key")
+        return cls(keys, _get_parents(o, keys), _get_block_ids(o, len(keys)), offsets)
+
+
+@dataclass(frozen=True)
+class KVRelease(Request):
+    """Forget this connection's ``kv_register`` (closing the connection does the same)."""
+
+    OP: ClassVar[str] = "kv_release"
+
+
 REQUESTS: dict[str, type[Request]] = {
     cls.OP: cls
     for cls in (
         Register, Lookup, Prefetch, Contains, ReleaseLease, Reserve, ReserveMany, Commit, Abort, Load, LoadMany,
-        Unload, Flush, Stats, Clear, Health, CudaRegister,
+        Unload, Flush, Stats, Clear, Health, CudaRegister, KVRegister, StoreBlocks, LoadBlocks, KVRelease,
     )
 }
 

@@ -28,6 +28,7 @@ import numpy as np
 from kvtier import protocol as P
 from kvtier.index.keys import KeyNamespace
 from kvtier.protocol import Backoff, parse_address
+from kvtier.protocol.messages import KVRegister, KVRelease, LoadBlocks, StoreBlocks
 from kvtier.service.connection import ClientCounters, ServiceConnection
 from kvtier.storage.types import LookupResult, WriteSkip
 
@@ -129,6 +130,8 @@ class ServiceClient:
         self.counters = ClientCounters()
         self._writes: dict[bytes, int] = {}  # key -> generation of the connection that reserved it
         self._writes_lock = threading.Lock()
+        self._kv_req: KVRegister | None = None  # the engine KV shared with register_kv (re-sent on a reconnect)
+        self._kv_gen = -1  # generation of the connection it was accepted on
         reg = P.Register(self.client_id, os.getpid(), namespace, namespace.digest(), self.chunk_bytes, token)
         self._link = ServiceConnection(
             family, addr, reg, timeout_s, connect_timeout_s, Backoff(backoff_min_s, backoff_max_s), self.counters
@@ -281,6 +284,82 @@ class ServiceClient:
         reply, _ = self._link.call(P.Prefetch(list(keys[: P.MAX_KEYS])))
         q = reply.get("queued") if reply else 0
         return q if type(q) is int else 0
+
+    # -- copies by engine block id (kvtier.service.kv_ops) -----------------------------------------------
+    def register_kv(self, request: KVRegister, timeout_s: float = 30.0) -> dict[str, Any] | None:
+        """Share the engine's paged KV (:func:`kvtier.service.kv_export.kv_register_request`) with the server.
+
+        Returns the server's reply (``num_layers``, ``num_blocks``, ``page_bytes``,
+        ``device``, ``pinned``), or None when refused or unreachable: keep using the
+        slot copies. Once accepted, :meth:`store_blocks` / :meth:`load_blocks` re-send it
+        on a new connection. The tensors must stay alive until :meth:`release_kv`.
+        """
+        self._kv_req, self._kv_gen = request, -1
+        reply, conn = self._link.call(request, timeout_s=timeout_s)
+        if reply is None or conn is None:
+            self._kv_req = None
+            return None
+        self._kv_gen = conn.gen
+        return reply
+
+    def release_kv(self) -> bool:
+        """Stop sharing the engine KV (the server forgets it; closing the client does too)."""
+        had, self._kv_req = self._kv_req is not None, None
+        if not had:
+            return False
+        reply, _ = self._link.call(KVRelease(), gen=self._kv_gen)
+        return bool(reply and reply.get("released"))
+
+    def _kv_gen_now(self) -> int | None:
+        """The generation on which the engine KV is registered (re-registering after a reconnect), or None."""
+        req, conn = self._kv_req, self._link.conn
+        if req is None or conn is None:
+            return None
+        if conn.gen != self._kv_gen:
+            reply, c = self._link.call(req, timeout_s=max(self.timeout_s, 30.0))
+            if reply is None or c is None:
+                return None
+            self._kv_gen = c.gen
+        return self._kv_gen
+
+    def store_blocks(self, keys: Sequence[bytes], blocks: Sequence[Sequence[int]],
+                     parents: Sequence[bytes | None] | None = None, timeout_s: float = 30.0) -> list[WriteSkip | None]:
+        """Store chunks the server copies from engine blocks (after :meth:`register_kv`).
+
+        ``blocks[i]``: chunk ``i``'s ``blocks_per_chunk`` engine block ids, whose writes
+        the engine has completed (stream synchronized). Returns per key None (stored)
+        or a :class:`WriteSkip`; every key ``NO_ROOM`` on any failure (nothing stored,
+        or no registration: use the slot copies).
+        """
+        gen = self._kv_gen_now()
+        fail: list[WriteSkip | None] = [WriteSkip.NO_ROOM] * len(keys)
+        if gen is None or not keys:
+            return fail
+        req = StoreBlocks(list(keys), [list(map(int, b)) for b in blocks], None if parents is None else list(parents))
+        reply, _ = self._link.call(req, gen=gen, timeout_s=timeout_s)
+        skips = reply.get("skips") if reply else None
+        if not isinstance(skips, list) or len(skips) != len(keys):
+            return fail
+        return [None if v == 0 else _skip(v) for v in skips]
+
+    def load_blocks(self, keys: Sequence[bytes], parents: Sequence[bytes | None], blocks: Sequence[Sequence[int]],
+                    offsets: Sequence[int] | None = None, timeout_s: float = 30.0) -> list[str | None]:
+        """Load chunks the server copies into engine blocks (after :meth:`register_kv`).
+
+        ``blocks[i]`` receive chunk ``i``'s blocks from ``offsets[i]`` (default 0) on.
+        Returns per key the tier it came from, None from the first miss on; all None
+        on any failure (then the blocks' contents are undefined: recompute them).
+        """
+        gen = self._kv_gen_now()
+        if gen is None or not keys:
+            return [None] * len(keys)
+        offs = [0] * len(keys) if offsets is None else list(offsets)
+        req = LoadBlocks(list(keys), list(parents), [list(map(int, b)) for b in blocks], offs)
+        reply, _ = self._link.call(req, gen=gen, timeout_s=timeout_s)
+        got = reply.get("sources") if reply else None
+        if not isinstance(got, list) or len(got) != len(keys):
+            return [None] * len(keys)
+        return [v if isinstance(v, str) else None for v in got]
 
     # -- KVStore: admin ---------------------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:

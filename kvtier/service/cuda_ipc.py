@@ -1,32 +1,35 @@
-"""The CUDA IPC path of the cache service: handle export/import implemented, copies by block id not yet.
+"""The CUDA IPC path of the cache service: handle export/import, used by ``kv_register`` (kind ``cuda``).
 
-Implemented (never run on a GPU so far; tests marked ``cuda``): :func:`export_handle`
-(engine side), :func:`import_handle` (server side), :func:`register_host_memory`,
-and the full ``cuda_register`` message. Not implemented: steps 2-3's copies by
-engine block id; the server opens and checks the handle, then answers
-``unsupported`` so clients keep using the shared-memory path.
+Implemented:
 
-On machines with CUDA, copying KV from GPU memory into a client's mapping of
-the shared segment and then having the server read it costs two trips over
-PCIe-side host memory per chunk. The design for such machines:
+- :func:`export_handle` (engine side) and :func:`import_handle` (server side): one
+  CUDA allocation shared with torch's ``UntypedStorage._share_cuda_`` /
+  ``_new_shared_cuda`` (``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle``).
+- Copies addressed by engine block id (:mod:`kvtier.service.kv_ops`): an engine sends
+  ``kv_register`` (:func:`kvtier.service.kv_export.kv_register_request`: one export per
+  allocation plus each layer's strided ``[B, H, N, C]`` view); the server opens the
+  handles once per connection (:mod:`kvtier.service.kv_buffers`), then ``store_blocks`` /
+  ``load_blocks`` gather/scatter between the engine's blocks and its slots with
+  ``index_select`` / ``index_copy_`` on a dedicated CUDA stream and reply when the copy's
+  event has completed (:class:`kvtier.service.block_copy.CopyRunner`). The engine never
+  touches the host copy. Releasing (``kv_release``) or disconnecting unmaps everything.
+- The namespace's shared segment is page-locked (``cudaHostRegister``) while a CUDA
+  registration uses it, unregistered after the last one and at shutdown
+  (:mod:`kvtier.service.pinning`).
+- The bare ``cuda_register`` op (one handle, no geometry) is still parsed and its handle
+  checked, then answered ``unsupported``: it cannot name blocks.
 
-1. At start, each engine exports its paged KV cache allocation with CUDA IPC
-   (``cudaIpcGetMemHandle`` via ``torch.UntypedStorage._share_cuda_``) and sends
-   the handle in a ``cuda_register`` request (:class:`kvtier.protocol.CudaRegister`:
-   handle bytes, size in bytes, dtype name, device index).
-2. The server opens the handle once (``cudaIpcOpenMemHandle``), giving it a
-   device pointer to the engine's KV cache, and registers its shared segment as
-   pinned host memory (``cudaHostRegister``) so DMA can reach it.
-3. Stores and loads then name engine block ids instead of slot copies: the
-   server issues ``cudaMemcpyAsync`` between the engine's blocks and the pinned
-   slot on its own stream and replies when the copy's event completes, so the
-   engine never touches the host copy itself.
+Never run on a GPU so far: everything CUDA-specific above (the IPC open in the server
+process, the copy stream and event, ``cudaHostRegister`` of the segment). CI runs the
+same server code on CPU: ``kv_register`` kind ``shm`` (tests only) shares a CPU file in
+``/dev/shm`` instead of an IPC handle, so only the "open the buffer" step differs; pinning
+is tested with a fake ``cudart``. The CUDA variants are the ``cuda``-marked tests in
+``tests/test_cuda_ipc.py`` and ``tests/test_service_block_copy.py`` (``scripts/gpu-check.sh``).
 
 Only :func:`cuda_available` is called on the request path; every CUDA-specific
-branch is taken only when it returns True. The server answers ``cuda_register``
-with ``cuda_unavailable`` (no CUDA), ``bad_message`` (a handle it cannot open),
-or ``unsupported`` (opened and checked, copies not implemented); clients fall
-back to the shared-memory copies, which work everywhere.
+branch is taken only when it returns True. Without CUDA the server answers a ``cuda``
+registration with ``cuda_unavailable``; a handle it cannot open gets ``bad_message``;
+clients then keep the shared-memory slot copies, which work everywhere.
 """
 
 from __future__ import annotations

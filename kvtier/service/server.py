@@ -14,7 +14,8 @@ each holds, with their invariants (:mod:`.session`), the op handlers
 (:mod:`.handlers`, leases in :mod:`.lease_ops`), namespace hosts
 (:mod:`.namespace_host`), registration, the namespace table and client quotas
 (:mod:`.namespaces`, :mod:`.quotas`), the shared-memory checksums
-(:mod:`.integrity`), the options (:mod:`.options`). This module ties them together: the prefetch and
+(:mod:`.integrity`), the options (:mod:`.options`), copies addressed by engine block id for
+engines that share their KV (:mod:`.kv_ops`). This module ties them together: the prefetch and
 maintenance threads, metrics and health.
 """
 
@@ -37,12 +38,14 @@ from kvtier.service.cuda_ipc import cuda_available
 from kvtier.service.handlers import DataHandlers, prefetch_one
 from kvtier.service.auth import AuthThrottle
 from kvtier.service.http import MetricsHTTPServer
+from kvtier.service.kv_ops import KV_OPS, KVOps
 from kvtier.service.listener import LISTEN_BACKLOG, ConnLimits, FrameServer, Phase, bind_unix, unlink_socket
 from kvtier.service.metrics import ServerMetrics
 from kvtier.service.namespace_host import NamespaceHost
 from kvtier.service.namespaces import NamespaceTable, maintenance_loop
 from kvtier.service.peer_host import HostedChunks
 from kvtier.service.options import HANDSHAKE_FRAME_BYTES, ServerOptions  # noqa: F401 (ServerOptions re-exported)
+from kvtier.service.pinning import SegmentPins
 from kvtier.service.session import Session, SessionTable
 from kvtier.tiers.disk.fileops import FileOps
 from kvtier.tiers.registry import start_peer_server
@@ -120,6 +123,7 @@ class CacheServer:
         self._closing_lock = threading.Lock()
         self._prefetch_q: queue.Queue[tuple[NamespaceHost, bytes]] = queue.Queue(maxsize=options.prefetch_queue)
         self._handlers = DataHandlers(self.metrics, self._prefetch_q, self._server_stats)
+        self._kv = KVOps(self._handlers, SegmentPins())  # copies by engine block id (kvtier.service.kv_ops)
         self._http: MetricsHTTPServer | None = None
         self._started = False
         self.tcp_address: tuple[str, int] | None = None
@@ -202,6 +206,7 @@ class CacheServer:
             self._http.close()
         if self.peer_server is not None:
             self.peer_server.stop()  # before the namespaces: no peer read outlives their segments
+        self._kv.close()  # engine KV registrations and segment pins, before the segments are unmapped
         self._namespaces.close()
         if self._started:
             unlink_socket(self.options.socket_path)
@@ -264,6 +269,8 @@ class CacheServer:
                 out = self._health_state()[1]
             elif s.registered is None:
                 raise ProtocolError(ErrorCode.NOT_REGISTERED, "register first")
+            elif op in KV_OPS:
+                out = self._kv.table[op](s, req)
             elif isinstance(req, P.CudaRegister):
                 out = self._cuda_register(req)
             else:
@@ -285,6 +292,7 @@ class CacheServer:
         hold is already released.
         """
         try:
+            self._kv.release(s.sid)  # the engine KV it registered (kv_register), if any
             reg = s.registered
             if reg is not None:
                 writes, reads, owners = s.holds.release_all(reg.host.manager)
@@ -356,8 +364,8 @@ class CacheServer:
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"cannot open the CUDA IPC handle: {exc}") from None
         if nbytes != r.size:
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"CUDA IPC handle maps {nbytes} B, request says {r.size}")
-        raise ProtocolError(ErrorCode.UNSUPPORTED, "CUDA IPC handle accepted, but copies by block id are not "
-                            "implemented yet; use the shared-memory path")
+        raise ProtocolError(ErrorCode.UNSUPPORTED, "CUDA IPC handle accepted, but cuda_register carries no KV "
+                            "geometry: send kv_register (kind 'cuda') to copy by block id, or use the slot copies")
 
     # -- prefetch ------------------------------------------------------------------------------
     def _prefetch_loop(self) -> None:

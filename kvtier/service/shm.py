@@ -44,6 +44,9 @@ class SharedSegment:
     def __init__(self, fd: int | None, mm: mmap.mmap, size: int):
         self.fd = fd  # kept open by the server (passed to clients); None on clients
         self.size = size
+        #: True while the segment is registered with CUDA as pinned memory (kvtier.service.pinning):
+        #: :meth:`release` then keeps the pages, since the GPU's DMA mapping points at them.
+        self.keep_pages = False
         self._mm: mmap.mmap | None = mm
         self.array = np.frombuffer(mm, dtype=np.uint8, count=size)
 
@@ -100,11 +103,11 @@ class SharedSegment:
         Their contents become zeros in every mapping. Pages shared with the
         bytes around the range stay (a slot smaller than a page, or not
         page-aligned, keeps up to two partly used pages backed). A no-op where
-        ``MADV_REMOVE`` is missing.
+        ``MADV_REMOVE`` is missing, or while :attr:`keep_pages` (pinned for CUDA).
         """
         mm = self._mm
         advice = getattr(mmap, "MADV_REMOVE", None)
-        if mm is None or advice is None:
+        if mm is None or advice is None or self.keep_pages:
             return
         start = -(-offset // _PAGE) * _PAGE
         end = (offset + length) // _PAGE * _PAGE

@@ -9,12 +9,20 @@ engine's strided ``uint8 [B, H, N, C]`` layer views (see :mod:`.layout`) and a c
 slot ``uint8 [L, blocks_per_chunk, page_bytes]`` with one ``index_select`` /
 ``index_copy_`` per layer (or one for all layers with a stacked view) on whatever
 device the KV lives; host<->device moves are ``Tensor.copy_(non_blocking=True)``.
+
+The gather/scatter functions themselves live in :mod:`kvtier.service.block_copy`
+(a lower layer, so the cache service's copies by block id lay slots out the
+same way); they are re-exported here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
+
+from kvtier.service.block_copy import check_ids, gather, gather_layer, scatter, scatter_layer
+
+__all__ = ["ChunkGather", "check_ids", "gather", "gather_layer", "plan_chunks", "scatter", "scatter_layer"]
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -68,49 +76,3 @@ def plan_chunks(block_ids: Sequence[int], chunk_tokens: int, block_size: int, nu
         lo = max(c * bpc, first_token // block_size)
         out.append(ChunkGather(c, tuple(int(b) for b in block_ids[lo : (c + 1) * bpc]), lo - c * bpc))
     return out
-
-
-def check_ids(ids: "torch.Tensor", num_blocks: int) -> None:
-    """Raise IndexError for an id outside ``[0, num_blocks)``, ValueError for duplicates (CPU check)."""
-    values = ids.tolist()
-    bad = [b for b in values if not 0 <= b < num_blocks]
-    if bad:
-        raise IndexError(f"block ids {bad[:4]} outside the KV cache [0, {num_blocks})")
-    if len(set(values)) != len(values):
-        raise ValueError("duplicate block ids (a scatter would be order dependent)")
-
-
-def gather_layer(layer: "torch.Tensor", ids: "torch.Tensor", out: "torch.Tensor") -> None:
-    """Copy blocks ``ids`` of one layer ``uint8 [B, H, N, C]`` into ``out`` ``uint8 [k, page_bytes]``.
-
-    ``out`` may be on another device (e.g. pinned host memory): the copy is
-    ``non_blocking``, so the caller synchronizes its stream before reading ``out``.
-    """
-    out.copy_(layer.index_select(0, ids).reshape(ids.numel(), -1), non_blocking=True)
-
-
-def scatter_layer(src: "torch.Tensor", layer: "torch.Tensor", ids: "torch.Tensor") -> None:
-    """Copy ``src`` ``uint8 [k, page_bytes]`` (any device) into blocks ``ids`` of one layer ``[B, H, N, C]``."""
-    staged = src.to(layer.device, non_blocking=True).reshape(ids.numel(), *layer.shape[1:])
-    layer.index_copy_(0, ids, staged)
-
-
-def gather(layers: Sequence["torch.Tensor"], stacked: "torch.Tensor | None", ids: "torch.Tensor",
-           out: "torch.Tensor") -> None:
-    """Blocks ``ids`` of every layer into ``out`` ``uint8 [L, k, page_bytes]`` (stacked: one op)."""
-    if stacked is not None:
-        out.copy_(stacked.index_select(1, ids).reshape(out.shape), non_blocking=True)
-        return
-    for i, layer in enumerate(layers):
-        gather_layer(layer, ids, out[i])
-
-
-def scatter(src: "torch.Tensor", layers: Sequence["torch.Tensor"], stacked: "torch.Tensor | None",
-            ids: "torch.Tensor") -> None:
-    """``src`` ``uint8 [L, k, page_bytes]`` into blocks ``ids`` of every layer (stacked: one op)."""
-    if stacked is not None:
-        staged = src.to(stacked.device, non_blocking=True).reshape(stacked.shape[0], ids.numel(), *stacked.shape[2:])
-        stacked.index_copy_(1, ids, staged)
-        return
-    for i, layer in enumerate(layers):
-        scatter_layer(src[i], layer, ids)

@@ -16,6 +16,11 @@ Per step: :meth:`begin_loads` (``start_load_kv``), :meth:`wait_for_layer_load`,
 (``save_kv_layer``, which reserves the step's slots on its first call),
 :meth:`end_saves` (``wait_for_save``). :meth:`copy_chunk_in` is the whole-chunk
 path for asynchronous loads (their own stream, synchronous for the caller).
+
+With a ``server`` (:class:`~.server_copies.ServerCopies`: the store is a ``kvtier server``
+that accepted the engine's KV over CUDA IPC), sync loads and saves are the server's
+copies by block id instead (whole request at ``begin_loads`` / ``end_saves``; same
+invariants); asynchronous loads keep :meth:`copy_chunk_in`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import numpy as np
 from kvtier.integrations.vllm.gpu.gather import check_ids, scatter
 from kvtier.integrations.vllm.gpu.layerwise import ChunkJob, LayerwiseLoader, LayerwiseSaver
 from kvtier.integrations.vllm.gpu.layout import RegisteredKV
+from kvtier.integrations.vllm.gpu.server_copies import ServerCopies
 from kvtier.integrations.vllm.gpu.streams import CopyStream, stream_for
 from kvtier.integrations.vllm.types import ChunkCopy, TransferSpec
 from kvtier.storage.types import WriteSkip
@@ -59,12 +65,16 @@ class TorchSteps:
         blocks_per_chunk: engine blocks per kvtier chunk.
         report_errors: called with block ids whose load failed (vLLM recomputes them).
         stream, async_stream: copy streams; default :func:`~.streams.stream_for` the KV's device.
+        server: when set, sync loads and saves are copied by ``kvtier server`` by block id
+            (:mod:`.server_copies`) instead of through the slots here.
     """
 
     def __init__(self, store: Any, kv: RegisteredKV, blocks_per_chunk: int,
                  report_errors: Callable[[Iterable[int]], None],
-                 stream: CopyStream | None = None, async_stream: CopyStream | None = None):
+                 stream: CopyStream | None = None, async_stream: CopyStream | None = None,
+                 server: "ServerCopies | None" = None):
         self.store = store
+        self.server = server
         self.kv = kv
         self.bpc = blocks_per_chunk
         self.report_errors = report_errors
@@ -87,6 +97,8 @@ class TorchSteps:
     def begin_loads(self, specs: list[TransferSpec]) -> set[str]:
         """Open the chunks of this step's sync loads and issue their copies; returns failed req ids."""
         self.end_loads()
+        if self.server is not None:
+            return self.server.load(specs, self.report_errors)
         failed: set[str] = set()
         jobs: list[ChunkJob] = []
         for spec in specs:
@@ -185,8 +197,8 @@ class TorchSteps:
 
     def save_layer(self, layer_name: str) -> None:
         """Issue ``layer_name``'s save copies; never raises (a failure drops this step's saves)."""
-        if self._save_failed:
-            return
+        if self._save_failed or self.server is not None:
+            return  # (server copies: the whole step's saves run at end_saves)
         try:
             if self._save_specs is not None:
                 self._reserve()
@@ -197,6 +209,10 @@ class TorchSteps:
 
     def end_saves(self) -> None:
         """Finish this step's save copies; commit the chunks (abort all on a copy error)."""
+        if self.server is not None:
+            specs, self._save_specs = self._save_specs, None
+            self.server.save(specs or [])
+            return
         ok = not self._save_failed
         self._save_failed = False
         try:
@@ -225,6 +241,9 @@ class TorchSteps:
         reserved, self._reserved = self._reserved, []
         for r in reserved:
             self.store.abort(r.chunk.key)
+        server, self.server = self.server, None
+        if server is not None:
+            server.close()
 
 
 def _ids(block_ids: tuple[int, ...]) -> "torch.Tensor":
@@ -238,7 +257,9 @@ def torch_steps_for(kv_caches: dict[str, "torch.Tensor"], namespace: Any, store:
     """Register ``kv_caches`` for ``namespace`` (layout, backend and block bytes checked) and build the steps.
 
     The backend is read from vLLM's forward context when one is current (the layers'
-    own ``attn_backend``), else taken from the namespace.
+    own ``attn_backend``), else taken from the namespace. On CUDA with a ``kvtier server``
+    store that accepts the KV (``kv_register``), loads and saves are server-side copies by
+    block id (:mod:`.server_copies`); otherwise the layer-wise slot copies.
 
     Raises:
         UnsupportedKVLayout: the KV does not match the namespace's layout, backend,
@@ -261,4 +282,5 @@ def torch_steps_for(kv_caches: dict[str, "torch.Tensor"], namespace: Any, store:
             f"engine KV has {kv.layout.num_layers} layers of {kv.layout.tokens}-token blocks, "
             f"the namespace {lay.num_layers} of {lay.block_size}"
         )
-    return TorchSteps(store, kv, namespace.blocks_per_chunk, report_errors)
+    server = ServerCopies.try_register(store, kv) if kv.device.type == "cuda" else None
+    return TorchSteps(store, kv, namespace.blocks_per_chunk, report_errors, server=server)

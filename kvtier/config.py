@@ -76,7 +76,7 @@ SERVER_KEYS = frozenset(
         "disk_direct_io", "disk_write_queue", "disk_io_threads", "remote_url", "remote_codec", "remote_ttl_s",
         "remote_timeout_s", "remote_write_queue", "lease_ttl_s", "log_level", "config_file", "lmcache_config_file",
         "controller", "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint",
-        "peer_listen", "peers", "peer_timeout_s", "peer_retry_s",
+        "peer_listen", "peers", "peer_timeout_s", "peer_retry_s", "peer_discovery",
     }
 )
 
@@ -200,6 +200,12 @@ class KVTierConfig(BaseModel):
         description="Peer instances' peer_listen URLs (a list, or one comma-separated string); each is one more "
         "read-only lower tier, last in order: a local miss is pulled from the first peer holding it.",
     )
+    peer_discovery: str | None = Field(
+        None,
+        description="HTTP URL of a `kvtier controller` (http://HOST:PORT) to ask, on a local miss, which live "
+        "instance holds the prefix; it is pulled from that instance's peer_listen (one more read-only lower tier, "
+        "after peers). The instances register with `controller`; unset: no controller-directed P2P.",
+    )
     peer_timeout_s: float = Field(
         1.0, gt=0, description="Bound on one peer call (connect, lookup or pull); a timeout is a miss."
     )
@@ -219,7 +225,7 @@ class KVTierConfig(BaseModel):
     @field_validator(
         "disk_path", "config_file", "lmcache_config_file", "model_id", "remote_url", "remote_ttl_s", "server", "server_token", "controller",
         "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint", "peer_listen",
-        mode="before",
+        "peer_discovery", mode="before",
     )
     @classmethod
     def _empty_is_unset(cls, v: Any) -> Any:
@@ -299,6 +305,18 @@ class KVTierConfig(BaseModel):
     @classmethod
     def _peer_listen_url(cls, v: str | None) -> str | None:
         return v if v is None else _check_transfer_url("peer_listen", v, listen=True)
+
+    @field_validator("peer_discovery")
+    @classmethod
+    def _peer_discovery_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        scheme, sep, rest = v.partition("://")
+        host, colon, port = rest.rstrip("/").rpartition(":")
+        if scheme not in ("http", "https") or not sep or not colon or not host or "/" in host or not port.isdigit() \
+                or not 0 < int(port) < 65536:
+            raise ValueError(f"peer_discovery {v!r} must be the controller's HTTP API, http://HOST:PORT (port 1-65535)")
+        return v
 
     @field_validator("peers", mode="before")
     @classmethod

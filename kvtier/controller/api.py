@@ -1,6 +1,6 @@
 """The controller's HTTP API (FastAPI; the OpenAPI schema is served at ``/openapi.json``).
 
-Endpoints (JSON): ``POST /lookup`` (synchronous, from the index), ``POST /clear``, ``/pin``,
+Endpoints (JSON): ``POST /lookup`` and ``POST /locate`` (synchronous, from the index), ``POST /clear``, ``/pin``,
 ``/unpin``, ``/move``, ``/compress``, ``/decompress`` (asynchronous: they answer the
 operation record with its ``event_id``; ``"wait": true`` waits for the terminal state),
 ``GET /health``, ``/instances``, ``/check_finish/{event_id}``, ``/metrics`` (Prometheus
@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from kvtier.controller.operations import BadRequest, UnknownInstance
+from kvtier.protocol.fleet import MAX_LOCATE_KEYS
 from kvtier.storage.types import TIER_KINDS
 
 if TYPE_CHECKING:
@@ -62,6 +63,20 @@ class LookupRequest(_Model):
         if (self.tokens is None) == (self.keys is None):
             raise ValueError("tokens/keys: give exactly one of tokens or keys")
         return self
+
+
+class LocateRequest(_Model):
+    """Which live instances serve these chunk keys to peers (``POST /locate``).
+
+    ``keys``: hex chunk keys in prompt order; ``namespace``: the hex namespace digest;
+    ``exclude_instance`` / ``exclude_host`` + ``exclude_pid``: the asker (never answered).
+    """
+
+    keys: Annotated[list[HexKey], Field(min_length=1, max_length=MAX_LOCATE_KEYS)]
+    namespace: HexKey
+    exclude_instance: Optional[InstanceId] = None
+    exclude_host: Optional[Annotated[str, Field(min_length=1, max_length=255)]] = None
+    exclude_pid: Optional[Annotated[StrictInt, Field(ge=0, lt=2**32)]] = None
 
 
 class _Async(_Model):
@@ -295,6 +310,14 @@ def create_app(controller: "Controller") -> FastAPI:
         out = ops.lookup(tokens=tokens, keys=keys, cache_salt=salt, instance=inst)
         dash.observe_lookup(tokens, salt, out)
         lookup_seconds.observe(time.perf_counter() - t0)
+        return Response(_JSON.encode(out), media_type="application/json")
+
+    @app.post("/locate", dependencies=deps, summary="Live peer-serving instances holding a run of chunk keys")
+    async def locate(req: LocateRequest) -> Response:
+        """Every live instance with a peer URL in ``namespace`` (the asker excluded) and the leading
+        ``keys`` its CPU/disk tiers hold, longest first (:func:`kvtier.controller.ops_locate.locate`)."""
+        out = ops.locate([bytes.fromhex(k) for k in req.keys], bytes.fromhex(req.namespace), req.exclude_instance,
+                         req.exclude_host, req.exclude_pid)
         return Response(_JSON.encode(out), media_type="application/json")
 
     @app.post("/clear", dependencies=deps, summary="Clear an instance/tier/salt scope (async)")

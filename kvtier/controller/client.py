@@ -112,6 +112,11 @@ class ControllerClient:
     def instances(self) -> dict[str, Any]:
         return self._req("GET", "/instances")
 
+    def locate(self, keys: Sequence[str], namespace: str, exclude_instance: Optional[str] = None) -> dict[str, Any]:
+        """``POST /locate``: hex chunk keys and hex namespace digest -> live peer-serving instances, longest run first."""
+        return self._req("POST", "/locate", _drop_none({"keys": list(keys), "namespace": namespace,
+                                                        "exclude_instance": exclude_instance}))
+
     def check_finish(self, event_id: str) -> dict[str, Any]:
         return self._req("GET", f"/check_finish/{event_id}")
 

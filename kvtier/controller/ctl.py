@@ -76,12 +76,13 @@ def _lookup_table(out: dict[str, Any]) -> Table:
 
 def _instances_table(out: dict[str, Any]) -> Table:
     table = Table(title="instances")
-    for col in ("instance", "role", "host", "pid", "tiers", "namespaces", "last seen (s ago)"):
+    for col in ("instance", "role", "host", "pid", "peer", "tiers", "namespaces", "last seen (s ago)"):
         table.add_column(col, no_wrap=col == "instance")
     for i in out.get("instances", []):
         tiers = ", ".join(f"{t['kind']}:{t['chunks']} chunks" + (" (shared)" if t["shared"] else "") for t in i["tiers"])
         nss = ", ".join(f"{n['model']} C={n['chunk_size']} r{n['rank']}/{n['world_size']}" for n in i["namespaces"])
-        table.add_row(i["instance"], i["role"], i["host"], str(i["pid"]), tiers, nss, f"{i['last_seen_age_s']:.2f}")
+        table.add_row(i["instance"], i["role"], i["host"], str(i["pid"]), i.get("peer_url") or "-", tiers, nss,
+                      f"{i['last_seen_age_s']:.2f}")
     return table
 
 

@@ -344,6 +344,21 @@ class FleetIndex:
                 pinned = i + 1
         return PrefixMatch(per_tier, longest, pinned)
 
+    def local_run(self, instance: str, ns: bytes, keys: list[bytes], labels: tuple[str, ...] = ("cpu", "disk")) -> int:
+        """Leading chunks of ``keys`` that ``instance``'s own tiers named in ``labels`` hold (a chunk may be in
+        any of them; shared tiers are skipped: a peer server serves only its local chunks). 0 if unknown."""
+        tiers = self._tiers.get(instance)
+        if tiers is None or ns not in self._namespaces.get(instance, ()):
+            return 0
+        tables = [self._tables.get(self._table_id(instance, ns, label)) or {}
+                  for label, info in tiers.items() if label in labels and not info.shared]
+        n = 0
+        for k in keys:
+            if not any(k in t for t in tables):
+                break
+            n += 1
+        return n
+
     def tier_chunks(self, instance: str, ns: bytes, label: str) -> int:
         """Chunks indexed for one (instance, namespace, tier)."""
         if label not in self._tiers.get(instance, {}) or ns not in self._namespaces.get(instance, ()):

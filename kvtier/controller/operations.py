@@ -1,6 +1,6 @@
 """Fleet operations composed from instance operations: the :class:`FleetOps` facade.
 
-``lookup``, ``instances`` and ``health`` answer from the controller's own state. Every
+``lookup``, ``locate``, ``instances`` and ``health`` answer from the controller's own state. Every
 other operation (clear, pin, unpin, move, compress, decompress) is asynchronous: it is
 validated synchronously (bad input raises :class:`BadRequest` / :class:`UnknownInstance`
 before anything is sent), gets an ``event_id`` and runs on a worker thread; its record
@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from kvtier.controller import ops_cache, ops_lookup, ops_move
+from kvtier.controller import ops_cache, ops_locate, ops_lookup, ops_move
 from kvtier.controller.errors import BadRequest, UnknownInstance
 from kvtier.controller.op_context import DEFAULT_OP_DEADLINE_S, OpContext
 from kvtier.controller.ops_lookup import REPORTED_TIERS
 from kvtier.controller.tracker import DEFAULT_HISTORY, TERMINAL, OpRecord, OpTracker
+from kvtier.protocol.fleet import LocateReply
 
 __all__ = [
     "DEFAULT_HISTORY", "DEFAULT_OP_DEADLINE_S", "REPORTED_TIERS", "TERMINAL",
@@ -54,6 +55,15 @@ class FleetOps(OpContext):
             UnknownInstance, BadRequest.
         """
         return ops_lookup.lookup(self, tokens, keys, cache_salt, instance)
+
+    def locate(self, keys: list[bytes], namespace: bytes, exclude_instance: str | None = None,
+               exclude_host: str | None = None, exclude_pid: int | None = None) -> LocateReply:
+        """Live peer-serving instances and the leading ``keys`` each holds (:func:`.ops_locate.locate`).
+
+        Raises:
+            BadRequest.
+        """
+        return ops_locate.locate(self, keys, namespace, exclude_instance, exclude_host, exclude_pid)
 
     def instances(self) -> list[dict[str, Any]]:
         """Registered instances (:func:`.ops_lookup.instances`)."""

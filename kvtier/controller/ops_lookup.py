@@ -69,7 +69,7 @@ def lookup(ctx: OpContext, tokens: Sequence[int] | None = None, keys: list[bytes
 
 
 def instances(ctx: OpContext) -> list[dict[str, Any]]:
-    """Registered instances: ids, roles, tiers (with indexed chunks/bytes), namespaces, heartbeat age."""
+    """Registered instances: ids, roles, peer URLs, tiers (with indexed chunks/bytes), namespaces, heartbeat age."""
     now = time.monotonic()
     out = []
     with ctx.state.lock:
@@ -83,6 +83,7 @@ def instances(ctx: OpContext) -> list[dict[str, Any]]:
                               "shared": info.shared, "chunks": chunks, "bytes": nbytes})
             out.append({
                 "instance": r.instance, "epoch": r.epoch, "role": r.role, "host": r.host, "pid": r.pid,
+                "peer_url": r.peer_url,
                 "registered_at": r.registered_at, "last_heartbeat": r.last_heartbeat,
                 "last_seen_age_s": round(now - r.last_seen, 4), "tiers": tiers,
                 "namespaces": [{"digest": d.hex(), "model": e.namespace.model, "chunk_size": e.info.chunk_size,

@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.index.keys import KEY_SCHEME_VERSION, ChunkHasher, KeyNamespace, LayoutSignature
-from kvtier.protocol.fleet import DEFAULT_EXPIRY_S, FLEET_PROTOCOL_VERSION, NamespaceInfo, Register, TierInfo
+from kvtier.protocol.fleet import (
+    DEFAULT_EXPIRY_S,
+    FLEET_PROTOCOL_VERSION,
+    MAX_PEER_URL,
+    PEER_URL_SCHEMES,
+    NamespaceInfo,
+    Register,
+    TierInfo,
+)
 from kvtier.storage.types import TIER_KINDS
 
 
@@ -47,6 +55,21 @@ def namespace_from_spec(spec: bytes) -> KeyNamespace:
         raise ValueError(f"namespace spec has wrong fields: {exc}") from None
 
 
+def check_peer_url(instance: str, url: str) -> None:
+    """Refuse a ``Register.peer_url`` that is not "" or ``SCHEME://REST`` with a known scheme, printable, short.
+
+    Raises:
+        RegistrationError: naming the instance and the problem.
+    """
+    if not url:
+        return
+    scheme, sep, rest = url.partition("://")
+    if len(url) > MAX_PEER_URL or not url.isprintable() or scheme not in PEER_URL_SCHEMES or not sep or not rest:
+        raise RegistrationError(
+            f"instance {instance!r}: peer_url {url[:64]!r} must be {' or '.join(s + '://...' for s in PEER_URL_SCHEMES)}"
+            f" (at most {MAX_PEER_URL} printable characters)")
+
+
 @dataclass
 class NamespaceEntry:
     """A registered namespace: its wire info, the rebuilt namespace and a hasher for it."""
@@ -74,6 +97,7 @@ class InstanceRecord:
         last_seen: ``time.monotonic()`` of the last message.
         last_heartbeat: wall-clock time of the last heartbeat (0: none yet).
         health: the last heartbeat's health map.
+        peer_url: the URL its peer server listens on ("" when it serves no peers).
     """
 
     instance: str
@@ -87,6 +111,7 @@ class InstanceRecord:
     last_seen: float
     last_heartbeat: float = 0.0
     health: dict[str, Any] = field(default_factory=dict)
+    peer_url: str = ""
 
     def tier_label(self, tier: str) -> str | None:
         """The label (kind) of a tier named by kind or by ``TierInfo.name``; None if unknown."""
@@ -142,6 +167,7 @@ class InstanceRegistry:
             raise RegistrationError(f"instance {msg.instance!r} presented a wrong token")
         if not msg.instance:
             raise RegistrationError("empty instance id")
+        check_peer_url(msg.instance, msg.peer_url)
         tiers: dict[str, TierInfo] = {}
         for info in msg.tiers:
             if info.kind not in TIER_KINDS:
@@ -162,7 +188,7 @@ class InstanceRegistry:
         replaced = old is not None and old.epoch != msg.epoch
         rec = InstanceRecord(
             instance=msg.instance, epoch=msg.epoch, role=msg.role, host=msg.host, pid=msg.pid,
-            namespaces=namespaces, tiers=tiers, registered_at=time.time(), last_seen=now_m,
+            namespaces=namespaces, tiers=tiers, registered_at=time.time(), last_seen=now_m, peer_url=msg.peer_url,
         )
         self._instances[msg.instance] = rec
         return rec, replaced

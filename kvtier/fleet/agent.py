@@ -48,9 +48,11 @@ import zmq
 
 from kvtier.fleet.changes import ChangeQueue
 from kvtier.fleet.identity import (
+    advertised_peer_url,
     default_instance_id,
     namespace_info,
     parse_controller,
+    peer_url_of,
     tier_infos,
 )
 from kvtier.fleet.namespaces import NamespaceSet
@@ -98,6 +100,9 @@ class FleetAgent:
         drop_fraction: fault injection: this fraction of ``Changes`` messages is dropped
             instead of sent (tests; 0 in production).
         port: the instance's port, for the default id.
+        peer_url: the URL this instance's peer server listens on, sent in ``Register.peer_url`` (the
+            controller then directs other instances' P2P pulls here). "" (default): the peer server of
+            a reported namespace's storage manager (``manager.peer_server.url``), if any.
 
     Raises:
         ValueError: a bad controller address, role or fraction.
@@ -118,6 +123,7 @@ class FleetAgent:
         drop_fraction: float = 0.0,
         port: int | str | None = None,
         seed: int | None = None,
+        peer_url: str = "",
     ):
         self.endpoint = parse_controller(controller_url)
         if role not in ("embedded", "server"):
@@ -130,6 +136,7 @@ class FleetAgent:
         self.role = role
         self.tiers = list(tiers)
         self.token = token or ""
+        self.peer_url = peer_url
         self.heartbeat_s = heartbeat_s
         self.expiry_s = expiry_s
         self.drop_fraction = drop_fraction
@@ -267,6 +274,7 @@ class FleetAgent:
         msg = F.Register(
             self.instance_id, self.epoch, F.FLEET_PROTOCOL_VERSION, self.role, socket.gethostname(), os.getpid(),
             infos, list(self.tiers), self.token,
+            advertised_peer_url(self.peer_url) if self.peer_url else peer_url_of(self.namespaces()),
         )
         self._last_register = now
         self._register_due = False

@@ -2,8 +2,8 @@
 
 - :func:`default_instance_id`: its id (unique per process).
 - :func:`parse_controller`: the controller address it connects to, checked.
-- :func:`namespace_info` / :func:`tier_infos`: the ``Register`` descriptions of its
-  namespaces and tiers (:mod:`kvtier.protocol.fleet`).
+- :func:`namespace_info` / :func:`tier_infos` / :func:`peer_url_of`: the ``Register``
+  descriptions of its namespaces, tiers and peer server (:mod:`kvtier.protocol.fleet`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,33 @@ def parse_controller(url: str) -> str:
 def manager_of(ops: Any) -> Any:
     """The storage manager behind an InstanceOps (its ``m``; ``manager`` for look-alikes), or None."""
     return getattr(ops, "m", None) or getattr(ops, "manager", None)
+
+
+#: Listen hosts that name every interface: other machines cannot dial them as they are.
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+
+
+def advertised_peer_url(url: str) -> str:
+    """``url`` as other instances dial it: a wildcard listen host (``tcp://0.0.0.0:7700``) becomes this
+    machine's host name (``tcp://HOSTNAME:7700``); other URLs (``shm://``, a named host) are unchanged."""
+    scheme, sep, rest = url.partition("://")
+    if scheme not in ("tcp", "nixl") or not sep:
+        return url
+    host, colon, port = rest.rpartition(":")
+    if colon and host in WILDCARD_HOSTS:
+        return f"{scheme}://{socket.gethostname()}:{port}"
+    return url
+
+
+def peer_url_of(namespaces: dict[bytes, tuple[F.NamespaceInfo, Any]]) -> str:
+    """The URL peers dial for this instance: the first reported namespace's storage manager's
+    ``peer_server.url`` (``peer_listen`` with the real port, see :func:`advertised_peer_url`), or ""
+    when none serves peers."""
+    for _, ops in namespaces.values():
+        url = getattr(getattr(manager_of(ops), "peer_server", None), "url", "")
+        if isinstance(url, str) and url:
+            return advertised_peer_url(url)
+    return ""
 
 
 def namespace_info(namespace: Any) -> F.NamespaceInfo:

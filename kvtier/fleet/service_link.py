@@ -66,7 +66,7 @@ class ServiceLink:
             port = server.tcp_address[1] if server.tcp_address else "server"
             self.agent = FleetAgent(
                 o.controller, o.instance_id or default_instance_id(port), "server", token=o.controller_token,
-                tiers=server_tiers(server.config),
+                tiers=server_tiers(server.config), peer_url=getattr(server.peer_server, "url", "") or "",
             )
 
     def start(self) -> "ServiceLink":

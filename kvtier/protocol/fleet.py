@@ -12,9 +12,10 @@ controller computes the same keys from tokens with the instance's registered
 Agent -> controller
 -------------------
 ``Register``   on start and whenever the controller does not know it (``Ack.known``
-               false): who it is, its namespaces and tiers. A new ``epoch`` (random per
-               process start) tells the controller the instance restarted: its old
-               index is dropped.
+               false): who it is, its namespaces and tiers, and (``peer_url``, optional)
+               the URL its peer server listens on (``peer_listen`` with the real port).
+               A new ``epoch`` (random per process start) tells the controller the
+               instance restarted: its old index is dropped.
 ``Snapshot``   the full index of one (namespace, tier), in parts; the controller swaps
                it in when the part with ``last=True`` arrives (``resync_id`` ties parts).
 ``Changes``    admitted/removed/cleared chunks since the last ``Changes``, numbered by
@@ -96,6 +97,9 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     namespaces: list[NamespaceInfo]
     tiers: list[TierInfo]
     token: str = ""
+    #: The instance's peer server URL (``tcp://HOST:PORT``, ``shm:///PATH``, ``nixl://HOST:PORT``); "" when
+    #: it serves no peers. Added compatibly: older agents omit it, older controllers ignore it.
+    peer_url: str = ""
 
 
 class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
@@ -164,6 +168,36 @@ class OpRequest(msgspec.Struct, tag="op", frozen=True):
     args: dict[str, Any] = {}
     #: The agent answers ``ok=False, error="deadline"`` past this wall-clock time (time.time()).
     deadline: float = 0.0
+
+
+class PeerLocation(msgspec.Struct, frozen=True):
+    """One live instance that serves peers, in a ``POST /locate`` reply (JSON).
+
+    Attributes:
+        instance: its id at the controller.
+        peer_url: the URL its peer server listens on.
+        chunks: leading asked keys its local tiers (CPU, disk) hold, per the controller's index.
+    """
+
+    instance: str
+    peer_url: str
+    chunks: int
+
+
+class LocateReply(msgspec.Struct, frozen=True):
+    """The controller's ``POST /locate`` answer: every live instance with a peer URL in the asked
+    namespace (the asker excluded), longest run first; ``chunks`` may be 0."""
+
+    namespace: str
+    instances: list[PeerLocation]
+
+
+#: Most keys one ``POST /locate`` may ask about.
+MAX_LOCATE_KEYS = 4096
+#: Longest ``Register.peer_url`` the controller accepts (characters).
+MAX_PEER_URL = 1024
+#: Schemes a ``Register.peer_url`` may use (:mod:`kvtier.transfer.urls`).
+PEER_URL_SCHEMES = ("tcp", "shm", "nixl")
 
 
 AgentMessage = Union[Register, Snapshot, Changes, Heartbeat, OpResult]

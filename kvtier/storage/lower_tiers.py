@@ -19,7 +19,7 @@ from kvtier.index.keys import KeyNamespace
 from kvtier.serde.base import DTYPE_ITEMSIZE, ValueSpec
 from kvtier.tiers.base import LowerTier
 from kvtier.tiers.policies import make_policy
-from kvtier.tiers.registry import load_tier_class, open_peer_tier
+from kvtier.tiers.registry import load_tier_class, open_directed_peer_tier, open_peer_tier
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,8 @@ def _accepts(cls: type, name: str) -> bool:
 def open_lower_tiers(
     config: KVTierConfig, namespace: KeyNamespace, is_pinned: Callable[[bytes], bool]
 ) -> list[LowerTier]:
-    """The lower tiers ``config`` names, fastest first: disk (if ``disk_path``), remote, then one per ``peers`` entry.
+    """The lower tiers ``config`` names, fastest first: disk (if ``disk_path``), remote, one per ``peers``
+    entry, then the controller-directed peer tier (if ``peer_discovery``).
 
     ``is_pinned`` tells the disk tier which keys leases hold (never evicted).
 
@@ -83,6 +84,8 @@ def open_lower_tiers(
             tiers.append(remote)
         for url in config.peers:  # one read-only tier per peer instance, slowest: last
             tiers.append(open_peer_tier(url, config.peer_timeout_s, config.peer_retry_s))
+        if config.peer_discovery is not None:  # the peer the controller names, after the static ones
+            tiers.append(open_directed_peer_tier(config, namespace.digest()))
     except BaseException:
         for t in tiers:
             t.close()

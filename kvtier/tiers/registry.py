@@ -13,9 +13,9 @@ rediss+cluster, fs) and, for source checkouts where no package metadata is
 installed, also found through the fallback table below. An installed entry
 point of the same name takes precedence over the fallback.
 
-Peer sharing (``peers`` / ``peer_listen`` settings) lives above the storage layer, in
-:mod:`kvtier.transfer.peer_open`; :func:`open_peer_tier` and :func:`start_peer_server`
-reach it by name (:data:`PEER_TARGETS`), like a plug-in, so no lower layer imports it.
+Peer sharing (``peers`` / ``peer_listen`` / ``peer_discovery`` settings) lives above the storage
+layer, in :mod:`kvtier.transfer.peer_open` and :mod:`kvtier.transfer.directed_peer`;
+:func:`open_peer_tier`, :func:`open_directed_peer_tier` and :func:`start_peer_server` reach it by name (:data:`PEER_TARGETS`), like a plug-in, so no lower layer imports it.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ PEER_TARGETS: Mapping[str, str] = MappingProxyType(
     {
         "tier": "kvtier.transfer.peer_open:open_peer_tier",
         "server": "kvtier.transfer.peer_open:start_peer_server",
+        "directed": "kvtier.transfer.directed_peer:open_directed_peer_tier",
     }
 )
 
@@ -71,6 +72,20 @@ def open_peer_tier(url: str, timeout_s: float, retry_s: float) -> LowerTier:
     tier = _load_target(PEER_TARGETS["tier"])(url, timeout_s, retry_s)
     if not isinstance(tier, LowerTier):  # pragma: no cover - a broken build
         raise ValueError(f"{PEER_TARGETS['tier']} returned {type(tier).__name__}, not a LowerTier")
+    return tier
+
+
+def open_directed_peer_tier(config: Any, namespace: bytes) -> LowerTier:
+    """The controller-directed peer tier for ``config.peer_discovery`` (the controller's HTTP URL):
+    a local miss asks the controller which live peer holds the prefix and pulls it from that peer
+    (:mod:`kvtier.transfer.directed_peer`). ``namespace`` is the 32-byte namespace digest. Contacts nothing here.
+
+    Raises:
+        ValueError: a malformed URL or digest.
+    """
+    tier = _load_target(PEER_TARGETS["directed"])(config, namespace)
+    if not isinstance(tier, LowerTier):  # pragma: no cover - a broken build
+        raise ValueError(f"{PEER_TARGETS['directed']} returned {type(tier).__name__}, not a LowerTier")
     return tier
 
 

@@ -159,12 +159,29 @@ def wait_sending(side: Side, rid: str, timeout_s: float = 20.0) -> None:
     raise AssertionError(f"{rid} never reported in finished_sending")
 
 
-def decode(side: Side, r: FakeRequest, timeout_s: float = 20.0) -> tuple[int, set[int]]:
-    """Decoder lookup + async load: (tokens promised, blocks reported as load errors)."""
+def decode(side: Side, r: FakeRequest, timeout_s: float = 20.0, sync: bool = False) -> tuple[int, set[int]]:
+    """Decoder lookup + load as vLLM drives it: (tokens promised, blocks reported as load errors).
+
+    ``sync``: the load is expected synchronous (the step that schedules the request runs
+    it, then computes the last prompt token); else asynchronous (WAITING_FOR_REMOTE_KVS).
+    """
     ext, is_async = side.sched.get_num_new_matched_tokens(r, 0)
     if not ext:
         return 0, set()
-    assert is_async, "a PD decode leg loads asynchronously (WAITING_FOR_REMOTE_KVS)"
+    assert is_async is not sync, f"expected a {'sync' if sync else 'async'} load"
+    n = len(r.prompt_token_ids)
+    if sync:
+        assert ext == n - 1, "a sync PD load leaves the last prompt token to the engine"
+        blocks = side.alloc(r.request_id, n)
+        side.sched.update_state_after_alloc(r, FakeKVCacheBlocks(blocks), ext)
+        tracker = side.sched.scheduler._trackers[r.request_id]
+        so = FakeSchedulerOutput([NewRequestData(r.request_id, r.prompt_token_ids, (blocks,), ext)],
+                                 CachedRequestData(), {r.request_id: 1}, 1, set(), set(), False)
+        _, _, errors = side.step(so, forward=(r, n - 1, n))
+        assert not tracker.pd_confirmed, "confirmed before the step's output"
+        side.sched.update_connector_output(KVConnectorOutput(invalid_block_ids=errors))
+        assert tracker.pd_confirmed, "the step that loaded a PD leg confirms it with its output"
+        return ext, errors
     blocks = side.alloc(r.request_id, ext)
     side.sched.update_state_after_alloc(r, FakeKVCacheBlocks(blocks), ext)
     errors: set[int] = set()
@@ -180,19 +197,25 @@ def decode(side: Side, r: FakeRequest, timeout_s: float = 20.0) -> tuple[int, se
     raise AssertionError("async load never finished")
 
 
-@pytest.mark.parametrize("length", [5 * CHUNK + 21, 4 * CHUNK, 13])
-def test_decoder_gets_the_whole_prompt_and_prefiller_frees_on_confirm(cluster, length: int) -> None:
-    pre, dec = cluster("prefill", free_port()), cluster("decode")
+#: Decoder ``pd_sync_load_bytes``: 0 = always async; None = the default (these small loads are sync).
+MODES = {"async": {"pd_sync_load_bytes": 0}, "sync": {}}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("length", [5 * CHUNK + 21, 4 * CHUNK, 13, CHUNK + 1])
+def test_decoder_gets_the_whole_prompt_and_prefiller_frees_on_confirm(cluster, length: int, mode: str) -> None:
+    pre, dec = cluster("prefill", free_port()), cluster("decode", **MODES[mode])
     prompt = tokens_of(length, length)
     held, params = pre.prefill(req("p-1", prompt, {"do_remote_decode": True}))
     assert held and params is not None and params["do_remote_prefill"]
     assert params["remote_request_id"] == "p-1" and params["remote_block_ids"] == pre.blocks["p-1"]
     assert RemotePrefill.parse(params) is not None
     d = req("d-1", prompt, params)
-    ext, errors = decode(dec, d)
-    assert ext == length and not errors  # vLLM then recomputes only the last prompt token
+    ext, errors = decode(dec, d, sync=mode == "sync")
+    loaded = length - 1 if mode == "sync" else length  # either way vLLM computes only the last prompt token
+    assert ext == loaded and not errors
     rec = dec.sched.scheduler.ledger.get("d-1")
-    assert rec is not None and rec.kvtier_hit_tokens == length  # a partial last block counts its tokens only
+    assert rec is not None and rec.kvtier_hit_tokens == loaded  # a partial last block counts its tokens only
     assert np.array_equal(dec.kv(d, 0, length), expected_kv(prompt, None, GEOM)), "decoder KV differs"
     assert pre.worker.worker.pd.held, "blocks are held until the confirm"
     wait_sending(pre, "p-1")
@@ -214,6 +237,31 @@ def test_lease_expiry_frees_without_confirm(cluster) -> None:
     assert "p-1" in pre.step()[0]
     assert pre.worker.worker.pd.expired == 1 and not pre.worker.worker.pd.held
     assert "p-1" not in pre.step()[0], "reported twice"
+
+
+def test_idle_prefiller_waits_for_a_confirm_instead_of_spinning(cluster) -> None:
+    """An idle step of a prefiller holding a finished request blocks (bounded) on its confirm socket;
+    a step with work, or with no finished hold, never waits; the wait ends when a confirm arrives."""
+    pre = cluster("prefill", free_port())
+    pd = pre.worker.worker.pd
+    waits: list[float] = []
+    real_wait = pd.wait_for_confirm
+    pd.wait_for_confirm = lambda t: (waits.append(t), real_wait(t))[1]
+    _, params = pre.prefill(req("p-1", tokens_of(9, 2 * CHUNK + 3), {"do_remote_decode": True}))
+    assert not waits, "the prefill's own step has work"
+    pre.step(finished={"p-1"})  # vLLM reports it finished: this step records it, waits for nothing yet
+    assert not waits
+    pre.step()
+    assert waits == [pre.worker.worker.IDLE_WAIT_S], "an idle step with a finished hold waits for its confirm"
+    dec = cluster("decode")
+    dec.sched.scheduler.pd.sender.send(RemotePrefill.parse(params))
+    t0 = time.monotonic()
+    real_wait(60.0)  # returns once the confirm is readable, long before its bound
+    assert time.monotonic() - t0 < 30.0
+    waits.clear()
+    assert "p-1" in pre.step()[0] and not pd.held  # (its wait returned at once: the confirm was there)
+    pre.step()
+    assert len(waits) == 1, "no hold left: the next idle step does not wait"
 
 
 def test_prefill_aborted_after_compute_frees_at_next_step(cluster) -> None:
@@ -241,7 +289,7 @@ def test_prefill_aborted_after_compute_frees_at_next_step(cluster) -> None:
 
 
 def test_decoder_abort_mid_load_confirms(cluster) -> None:
-    pre, dec = cluster("prefill", free_port()), cluster("decode")
+    pre, dec = cluster("prefill", free_port()), cluster("decode", **MODES["async"])
     prompt = tokens_of(5, 3 * CHUNK + 9)
     _, params = pre.prefill(req("p-1", prompt, {"do_remote_decode": True}))
     d = req("d-1", prompt, params)
@@ -264,8 +312,9 @@ def test_decoder_with_missing_kv_computes_and_confirms(cluster) -> None:
     wait_sending(pre, "p-1")
 
 
-def test_decoder_reports_unreadable_chunks_for_recompute(cluster) -> None:
-    pre, dec = cluster("prefill", free_port()), cluster("decode")
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_decoder_reports_unreadable_chunks_for_recompute(cluster, mode: str) -> None:
+    pre, dec = cluster("prefill", free_port()), cluster("decode", **MODES[mode])
     prompt = tokens_of(7, 4 * CHUNK + 9)
     _, params = pre.prefill(req("p-1", prompt, {"do_remote_decode": True}))
     store = dec.worker.worker.store
@@ -280,9 +329,9 @@ def test_decoder_reports_unreadable_chunks_for_recompute(cluster) -> None:
 
     store.open_read_many = lose_from_chunk_2
     d = req("d-1", prompt, params)
-    ext, errors = decode(dec, d)
+    ext, errors = decode(dec, d, sync=mode == "sync")
     blocks = dec.blocks["d-1"]
-    assert ext == len(prompt) and errors == set(blocks[4:])  # vLLM recomputes from token 2 * CHUNK
+    assert ext == len(prompt) - (mode == "sync") and errors == set(blocks[4:])  # recomputed from token 2 * CHUNK
     assert np.array_equal(dec.kv(d, 0, 2 * CHUNK), expected_kv(prompt, None, GEOM)[: 2 * CHUNK])
     wait_sending(pre, "p-1")
 
@@ -295,10 +344,50 @@ def test_unreachable_prefiller_confirm_does_not_block(cluster) -> None:
     assert ext == 0  # nothing stored: the decoder computes the prompt
 
 
+def test_sync_loads_stay_within_the_step_budget(cluster) -> None:
+    """PD loads of one step beyond ``pd_sync_load_bytes`` go async; the budget is per step."""
+    pre, dec = cluster("prefill", free_port()), cluster("decode", pd_sync_load_bytes=3 * CHUNK_BYTES)
+    prompts = {i: tokens_of(40 + i, 2 * CHUNK + 5) for i in range(4)}  # 3 chunks to load each
+    params = {i: pre.prefill(req(f"p-{i}", p, {"do_remote_decode": True}))[1] for i, p in prompts.items()}
+    looked = [dec.sched.get_num_new_matched_tokens(req(f"d-{i}", prompts[i], params[i]), 0) for i in (0, 1)]
+    assert looked == [(2 * CHUNK + 4, False), (2 * CHUNK + 5, True)], "the second load of the step is async"
+    dec.step()  # a new step: the budget is free again (the async load runs meanwhile)
+    assert dec.sched.get_num_new_matched_tokens(req("d-2", prompts[2], params[2]), 0) == (2 * CHUNK + 4, False)
+    long_prompt = tokens_of(50, 3 * CHUNK + 5)
+    _, lp = pre.prefill(req("p-long", long_prompt, {"do_remote_decode": True}))
+    dec.step()  # a load of 4 chunks never fits the budget
+    assert dec.sched.get_num_new_matched_tokens(req("d-long", long_prompt, lp), 0) == (3 * CHUNK + 5, True)
+
+
+def test_sync_decision_needs_every_chunk_in_memory() -> None:
+    """``PDScheduler.decode_hit``: sync only when each chunk past the engine's hit is in the CPU tier."""
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.pd_scheduler import PDScheduler
+    from kvtier.storage.types import LookupResult
+
+    hasher = SimpleNamespace(chunk_size=CHUNK)
+    pd = PDScheduler(PDSettings("decode"), "e", hasher, 2, CHUNK_BYTES)  # type: ignore[arg-type]
+    tr = SimpleNamespace(tokens=list(range(3 * CHUNK + 7)))
+    keys = [bytes([i]) * 32 for i in range(4)]
+    hit = 4 * CHUNK
+    assert pd.decode_hit(tr, LookupResult(hit, keys, ["cpu"] * 4), 0) == (LookupResult(3 * CHUNK + 6, keys, ["cpu"] * 4), True)
+    tiers = ["cpu", "disk", "cpu", "cpu"]
+    assert pd.decode_hit(tr, LookupResult(hit, keys, tiers), 0) == (LookupResult(3 * CHUNK + 7, keys, tiers), False)
+    # the engine already holds chunks 0-1: only chunks 2-3 are loaded, both in memory
+    assert pd.decode_hit(tr, LookupResult(hit, keys, tiers), 2 * CHUNK)[1] is True
+    off = PDScheduler(PDSettings("decode", sync_load_bytes=0), "e", hasher, 2, CHUNK_BYTES)  # type: ignore[arg-type]
+    assert off.decode_hit(tr, LookupResult(hit, keys, ["cpu"] * 4), 0)[1] is False
+
+
 def test_settings_and_keys() -> None:
-    extra = {"pd_role": "prefill", "pd_port": 5601, "pd_lease_s": 2, "chunk_size": 32}
+    extra = {"pd_role": "prefill", "pd_port": 5601, "pd_lease_s": 2, "chunk_size": 32, "pd_sync_load_bytes": 1024}
     s = PDSettings.pop_from(extra)
-    assert (s.role, s.port, s.lease_s) == ("prefill", 5601, 2.0) and extra == {"chunk_size": 32}
+    assert (s.role, s.port, s.lease_s, s.sync_load_bytes) == ("prefill", 5601, 2.0, 1024)
+    assert extra == {"chunk_size": 32}
+    assert PDSettings.pop_from({}).sync_load_bytes == 128 << 20
+    with pytest.raises(ValueError):
+        PDSettings.pop_from({"pd_sync_load_bytes": -1})
     with pytest.raises(ValueError):
         PDSettings.pop_from({"pd_role": "prefill"})
     with pytest.raises(ValueError):

@@ -228,6 +228,7 @@ PD_CHILD = textwrap.dedent("""
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*a, **kw)
         worker_mod.load_blocks = load_blocks
+        cfg["pd_sync_load_bytes"] = 0  # an async load: killed on the loader thread
         side = t.Side(make_connectors(t.GEOM, cfg, engine_id="pd-decode-child"))
         t.decode(side, t.req("d-1", prompt, json.loads(sys.argv[6])))
         print("NOT KILLED", flush=True)
@@ -269,7 +270,7 @@ def test_pd_decoder_killed_mid_load_prefiller_frees_by_lease(cluster) -> None:  
     assert pd.expired == 1 and pd.confirms == 0 and not pd.held
     pre.release_blocks("p-1")
     _server_clean(cluster.server)
-    dec = cluster("decode")
+    dec = cluster("decode", pd_sync_load_bytes=0)
     d = req("d-2", prompt, params)
     ext, errors = decode(dec, d, timeout_s=HANG_S)
     assert ext == length and not errors
@@ -299,7 +300,7 @@ def test_pd_prefiller_killed_while_holding_decoder_gets_exact_kv_or_recomputes(c
     dec = cluster("decode")
     d = req("d-1", prompt, params)
     t0 = time.monotonic()
-    ext, errors = decode(dec, d, timeout_s=HANG_S)
+    ext, errors = decode(dec, d, timeout_s=HANG_S, sync=True)  # the chunks are in the server's memory
     assert time.monotonic() - t0 < HANG_S
     good = ext if not errors else min(dec.blocks["d-1"].index(b) for b in errors) * GEOM.block_size
     assert np.array_equal(dec.kv(d, 0, good), expected_kv(prompt, None, GEOM)[:good])  # never wrong KV

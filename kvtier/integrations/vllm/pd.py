@@ -10,10 +10,15 @@ Protocol (the one vLLM's own disaggregation connectors and proxy use):
    ``do_remote_prefill=True`` with ``remote_engine_id``, ``remote_request_id``,
    ``remote_block_ids``, ``remote_host``, ``remote_port`` and ``kvtier_prompt_tokens``.
 2. The proxy sends the request with those params to a *decoder*. Its scheduler side
-   keys its own prompt (so a different prompt can only miss, never load wrong KV),
-   looks up every chunk including the partial one, and loads asynchronously
-   (``WAITING_FOR_REMOTE_KVS``). vLLM then recomputes only the last prompt token.
-   Unavailable chunks are reported as load errors and recomputed.
+   keys its own prompt (so a different prompt can only miss, never load wrong KV)
+   and looks up every chunk including the partial one. When every chunk to load is
+   already in memory on this machine (the shared server's CPU tier) and the step's
+   such loads stay within ``pd_sync_load_bytes``, it loads them synchronously in the
+   step that schedules the request (vLLM computes the last prompt token in that same
+   step); otherwise it loads asynchronously (``WAITING_FOR_REMOTE_KVS``) and vLLM
+   recomputes the last prompt token after the load. Either way the decoder computes
+   exactly the last prompt token. Unavailable chunks are reported as load errors and
+   recomputed.
 3. When its load is over (or the request is aborted, or nothing was found) the decoder
    sends a :class:`PDConfirm` over ZMQ to ``remote_host:remote_port``; the prefiller's
    worker then reports the request in ``finished_sending`` (vLLM frees its blocks) and
@@ -34,7 +39,9 @@ log = logging.getLogger("kvtier.vllm")
 
 PDRole = Literal["off", "prefill", "decode", "both"]
 #: ``kv_connector_extra_config`` keys read here (removed before kvtier's own config is loaded).
-PD_KEYS = ("pd_role", "pd_lease_s", "pd_host", "pd_port")
+PD_KEYS = ("pd_role", "pd_lease_s", "pd_host", "pd_port", "pd_sync_load_bytes")
+#: Default of ``PDSettings.sync_load_bytes`` (128 MiB).
+DEFAULT_SYNC_LOAD_BYTES = 128 << 20
 _PARTIAL_DOMAIN = b"kvtier/pd-partial-chunk/v1"
 
 
@@ -49,12 +56,22 @@ class PDSettings:
             finished, waiting for the decoder's confirm.
         host: address the prefiller advertises and binds its confirm socket on.
         port: TCP port of the prefiller's confirm socket (required for prefill roles).
+        sync_load_bytes: decoder: most bytes of PD loads per engine step done
+            synchronously, in the step that schedules the request, when every chunk
+            to load is already in memory on this machine (the CPU tier of the shared
+            ``kvtier server``). A sync load saves the async hand-off (at least one
+            more engine step and a loader thread sharing the engine's core) but
+            stalls the step's other running requests for its duration (~25 ms for
+            128 MiB at the ~5 GB/s one core copies). Larger loads, and chunks that
+            must still travel (another tier, a peer), load asynchronously. 0: always
+            asynchronous.
     """
 
     role: PDRole = "off"
     lease_s: float = 30.0
     host: str = "127.0.0.1"
     port: int = 0
+    sync_load_bytes: int = DEFAULT_SYNC_LOAD_BYTES
 
     @property
     def prefills(self) -> bool:
@@ -69,7 +86,8 @@ class PDSettings:
         """Take the ``pd_*`` keys out of ``extra`` (a ``kv_connector_extra_config`` copy).
 
         Raises:
-            ValueError: an unknown role, a non-positive lease, or a prefill role without ``pd_port``.
+            ValueError: an unknown role, a non-positive lease, a prefill role without
+                ``pd_port``, or a negative ``pd_sync_load_bytes``.
         """
         role = str(extra.pop("pd_role", "off"))
         if role not in ("off", "prefill", "decode", "both"):
@@ -81,7 +99,10 @@ class PDSettings:
         port = int(extra.pop("pd_port", 0))
         if role in ("prefill", "both") and not 0 < port < 65536:
             raise ValueError("pd_role prefill/both needs pd_port (the decoder's confirm socket), 1..65535")
-        return cls(role, lease, host, port)  # type: ignore[arg-type]
+        sync_bytes = int(extra.pop("pd_sync_load_bytes", DEFAULT_SYNC_LOAD_BYTES))
+        if sync_bytes < 0:
+            raise ValueError(f"pd_sync_load_bytes must be >= 0, got {sync_bytes}")
+        return cls(role, lease, host, port, sync_bytes)  # type: ignore[arg-type]
 
 
 class PDConfirm(msgspec.Struct, frozen=True):

@@ -29,14 +29,17 @@ log = logging.getLogger("kvtier.vllm")
 class PDScheduler:
     """PD bookkeeping of one scheduler-side connector."""
 
-    def __init__(self, settings: PDSettings, engine_id: str, hasher: ChunkHasher, blocks_per_chunk: int):
+    def __init__(self, settings: PDSettings, engine_id: str, hasher: ChunkHasher, blocks_per_chunk: int,
+                 chunk_bytes: int = 0):
         self.settings = settings
         self.engine_id = engine_id
         self.hasher = hasher
         self.chunk_size = hasher.chunk_size
         self.bpc = blocks_per_chunk
+        self.chunk_bytes = chunk_bytes  # bytes of one chunk (all layers): sizes sync loads
         self.sender = ConfirmSender()
         self._releases: list[str] = []  # aborted prefill legs whose hold the worker ends at the next step
+        self._sync_bytes = 0  # bytes of sync PD loads planned in the step being scheduled
 
     def annotate(self, tr: Any, request: Any, extras: KeyExtras | None) -> None:
         """Mark ``tr`` as a prefill or decode leg from ``request.kv_transfer_params``; key its partial chunk."""
@@ -55,9 +58,31 @@ class PDScheduler:
             tr.pd_partial = n
 
     # -- decoder ---------------------------------------------------------------------------
-    def decode_hit(self, tr: Any, res: LookupResult) -> LookupResult:
-        """The lookup of every key (partial included) as a token count capped at the prompt."""
-        return LookupResult(min(res.num_tokens, len(tr.tokens)), list(res.keys), list(res.tiers))
+    def decode_hit(self, tr: Any, res: LookupResult, num_computed_tokens: int) -> tuple[LookupResult, bool]:
+        """The lookup of every key (partial included) as a token count, and whether to load it synchronously.
+
+        Sync (see ``PDSettings.sync_load_bytes``) when every chunk past the engine's own
+        ``num_computed_tokens`` is in the CPU tier (memory on this machine) and this
+        step's sync PD loads stay within the budget; the hit is then capped at the
+        prompt minus its last token (vLLM computes that token in the same step).
+        Otherwise the hit is capped at the prompt (an async load; vLLM recomputes the
+        last token once it has arrived).
+        """
+        n = len(tr.tokens)
+        hit = min(res.num_tokens, n)
+        first = num_computed_tokens // self.chunk_size
+        last = -(-min(hit, n - 1) // self.chunk_size)  # chunks [first, last) a sync load copies
+        cost = max(0, last - first) * self.chunk_bytes
+        sync = (
+            self.settings.sync_load_bytes > 0
+            and min(hit, n - 1) > num_computed_tokens
+            and all(t == "cpu" for t in res.tiers[first:last])
+            and self._sync_bytes + cost <= self.settings.sync_load_bytes
+        )
+        if sync:
+            self._sync_bytes += cost
+            hit = min(hit, n - 1)
+        return LookupResult(hit, list(res.keys), list(res.tiers)), sync
 
     def confirm(self, tr: Any) -> None:
         """Tell the prefiller its hold can end (once per request)."""
@@ -92,9 +117,11 @@ class PDScheduler:
             return None
         return prefill_params(self.settings, self.engine_id, tr.req_id, block_ids, len(tr.tokens))
 
-    def take_releases(self, meta: KVTierMetadata) -> None:
+    def end_step(self, meta: KVTierMetadata) -> None:
+        """Once per engine step (``build_connector_meta``): queue aborted holds' releases, reset the sync budget."""
         meta.pd_releases.extend(self._releases)
         self._releases = []
+        self._sync_bytes = 0
 
     def close(self) -> None:
         self.sender.close()

@@ -97,6 +97,15 @@ class PDWorker:
                 h.done = True
                 self.confirms += 1
 
+    def waiting_for_confirms(self) -> bool:
+        """True while a held request vLLM already finished waits for its decoder's confirm."""
+        return any(h.finished_at is not None and not h.done for h in self.held.values())
+
+    def wait_for_confirm(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` seconds until a confirm is readable (an idle engine step's wait)."""
+        if self._sock is not None and timeout_s > 0:
+            self._sock.poll(int(timeout_s * 1000))
+
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Held requests whose blocks vLLM may free now."""
         if not self.held:

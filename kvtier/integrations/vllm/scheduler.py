@@ -12,7 +12,10 @@ and asserted at each transition):
 - No tracker outlives ``request_finished``; nothing queued for a finished request
   is sent to the worker.
 - Loads start at the first block past the engine's (block-aligned) local prefix
-  hit: kvtier never writes into blocks vLLM already holds. Saves cover only full
+  hit: kvtier never writes into blocks vLLM already holds. A PD decode leg's hit
+  covers the prompt (async load: vLLM recomputes the last token after it) or all
+  but its last token (sync load, ``PDSettings.sync_load_bytes``); either way the
+  engine computes exactly that token. Saves cover only full
   prompt chunks computed by the engine, each once, in prompt order.
 
 Accounting (:class:`~kvtier.integrations.vllm.accounting.RequestLedger`): engine
@@ -100,12 +103,13 @@ class KVTierScheduler:
         self._hasher = ChunkHasher(namespace)
         self.pd: PDScheduler | None = None
         if pd is not None and pd.role != "off":
-            self.pd = PDScheduler(pd, engine_id, self._hasher, self.blocks_per_chunk)
+            self.pd = PDScheduler(pd, engine_id, self._hasher, self.blocks_per_chunk, namespace.chunk_bytes)
         self._adapters = AdapterFingerprints()
         self._refused: set[str] = set()  # reasons already logged
         self._index: LookupIndex | None = None
         self._trackers: dict[str, _Tracker] = {}
         self._async_to_send: list[TransferSpec] = []
+        self._pd_confirm_next: list[str] = []  # PD decode legs whose sync load left with the last metadata
         # finished requests whose load outcome is not reported yet: req -> (block -> tier, async)
         self._unsettled: dict[str, tuple[dict[int, str], bool]] = {}
         self.events: BlockEventTranslator | None = None
@@ -175,13 +179,14 @@ class KVTierScheduler:
             assert tr.pending_load is None and not tr.async_inflight, f"{tr.req_id}: looked up with a load planned"
             self.ledger.on_lookup(tr.req_id, len(tr.tokens), num_computed_tokens)
             # Never the whole prompt: the chunk holding the last token is left out
-            # (except for a PD decode leg: vLLM recomputes the last token after an async load).
+            # (except for a PD decode leg, whose last token vLLM computes after the load).
             candidates = tr.keys[: max(0, (len(tr.tokens) - 1) // self.chunk_size)]
             if tr.pd_remote is not None and self.pd is not None:
                 candidates = tr.keys
             res = index.lookup_keys(candidates, request.request_id)  # replaces an earlier lease of this id
+            pd_sync = False
             if tr.pd_remote is not None and self.pd is not None:
-                res = self.pd.decode_hit(tr, res)
+                res, pd_sync = self.pd.decode_hit(tr, res, num_computed_tokens)
             tr.lookup = res
             tr.lease_held = res.num_tokens > 0
             tr.saved_chunks = max(tr.saved_chunks, res.num_tokens // self.chunk_size)  # already stored
@@ -195,7 +200,8 @@ class KVTierScheduler:
                 return 0, False
             first = num_computed_tokens // self.chunk_size
             tr.load_async = self.config.async_load and any(t != "cpu" for t in res.tiers[first:])
-            tr.load_async = tr.load_async or tr.pd_remote is not None  # PD: WAITING_FOR_REMOTE_KVS
+            # PD: WAITING_FOR_REMOTE_KVS, unless the chunks are in memory here and small enough (pd.py)
+            tr.load_async = tr.load_async or (tr.pd_remote is not None and not pd_sync)
             return res.num_tokens - num_computed_tokens, tr.load_async
         except Exception:  # kvtier must never take the engine down: a failure is a miss
             log.exception("kvtier lookup failed; treating as a miss")
@@ -249,6 +255,8 @@ class KVTierScheduler:
             self.ledger.on_load_planned(tr.req_id, tr.lookup.tiers[ci], max(0, n))
         if spec.is_async:
             tr.async_inflight = True
+        elif tr.pd_remote is not None:
+            self._pd_confirm_next.append(tr.req_id)  # loaded in this step: confirm with its output
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVTierMetadata:
         meta = KVTierMetadata(idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
@@ -259,7 +267,7 @@ class KVTierScheduler:
             meta.loads.append(spec)
         self._async_to_send = []
         if self.pd is not None:
-            self.pd.take_releases(meta)
+            self.pd.end_step(meta)
         for preempted in scheduler_output.preempted_req_ids or ():
             tr = self._trackers.get(preempted)
             if tr is not None:  # its blocks are freed; it is looked up again on resume
@@ -320,6 +328,15 @@ class KVTierScheduler:
         if self.events is not None and isinstance(changes, TierChanges):
             self.events.update(changes.get_all_events())
         done = set(connector_output.finished_recving or ()) | set(connector_output.finished_sending or ())
+        if self._pd_confirm_next and self.pd is not None:
+            # A PD decode leg's sync load ran in the step this output reports (or, with
+            # vLLM's async scheduling, the next one): the decoder's own lease keeps the
+            # chunks in the store until the worker's load ends, so the prefiller may free.
+            for req_id in self._pd_confirm_next:
+                tr = self._trackers.get(req_id)
+                if tr is not None:
+                    self.pd.confirm(tr)
+            self._pd_confirm_next = []
         for req_id in connector_output.finished_recving or ():
             tr = self._trackers.get(req_id)
             if tr is not None:

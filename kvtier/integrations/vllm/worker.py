@@ -189,12 +189,14 @@ class KVTierWorker:
         A request vLLM finished while its load ran is reported as "sending" (its
         blocks may be freed now); the others as "recving" (ready to schedule).
 
-        ``idle``: this step scheduled no tokens (the engine is only waiting for loads).
-        Then, while a load runs and none has ended, this call blocks up to
-        ``IDLE_WAIT_S`` seconds for one to end: the engine has nothing else to do, and
-        its idle loop would otherwise hold the GIL (and, with one pinned core, the CPU)
-        that the loader thread needs, stretching a 10 ms load to 100+ ms and adding
-        a step's latency before vLLM hears of it. A step with work never waits.
+        ``idle``: this step scheduled no tokens (the engine is only waiting for loads,
+        or, on a PD prefiller, for decoders' confirms). Then, while a load runs and
+        none has ended, this call blocks up to ``IDLE_WAIT_S`` seconds for one to end:
+        the engine has nothing else to do, and its idle loop would otherwise hold the
+        GIL (and, with one pinned core, the CPU) that the loader thread needs,
+        stretching a 10 ms load to 100+ ms and adding a step's latency before vLLM
+        hears of it. Likewise a prefiller holding finished requests blocks up to
+        ``IDLE_WAIT_S`` for a confirm instead of spinning steps. A step with work never waits.
         """
         if self._async_active:
             # vLLM polls here in a tight loop while a request waits for its load; give
@@ -211,6 +213,11 @@ class KVTierWorker:
             self._finished_while_loading -= sending
             recving = done - sending
         if self.pd is not None:
+            if idle and not finished_req_ids and not self._async_active and self.pd.waiting_for_confirms():
+                # A prefiller with nothing to run but finished requests it holds for their
+                # decoders: vLLM would spin steps (1 ms sleeps) on its core until the
+                # confirms arrive; wait for one instead (bounded, as for loads above).
+                self.pd.wait_for_confirm(self.IDLE_WAIT_S)
             sending |= self.pd.finished_sending(finished_req_ids)
         if self._pd_orphans & finished_req_ids:
             sending |= self._pd_orphans & finished_req_ids

@@ -72,3 +72,16 @@ def test_lmcache_available_names_what_is_missing(tmp_path: Path) -> None:
     script = tmp_path / "s.py"
     script.write_text("")
     assert "does not exist" in lmcache_available(tmp_path / "py", script)
+
+
+def test_only_runs_the_named_figure_groups(tmp_path: Path) -> None:
+    from kvtier.bench.common import BenchUsageError
+
+    doc = run_peers_bench(lmcache_python=tmp_path / "nope", rounds=1, sizes=PeerSizes.tiny(), work_dir=tmp_path,
+                          log=lambda _: None, only=["disk"])
+    assert doc["disk_get_kvtier_gbps"] > 0 and doc["disk_get_checksummed_baseline_gbps"] > 0
+    assert "cpu_put_kvtier_gbps" not in doc and set(doc["raw_rounds"][0]["kvtier"]) == {"disk"}
+    assert set(doc["sides"]) == {"disk"} and "timing" in doc
+    with pytest.raises(BenchUsageError, match="unknown figure groups"):
+        run_peers_bench(lmcache_python=tmp_path / "nope", rounds=1, sizes=PeerSizes.tiny(), work_dir=tmp_path,
+                        only=["gpu"])

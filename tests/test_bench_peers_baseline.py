@@ -44,3 +44,32 @@ def test_stepped_plain_files_move_the_same_bytes(tmp_path: Path, step: int) -> N
     plain_files_get(paths, outs, 2, False, step=step)
     for b, o, p in zip(bufs, outs, paths):
         assert np.array_equal(b, o) and Path(p).stat().st_size == len(b)
+
+
+def test_buffered_disk_target_is_the_plain_baseline_and_the_checksummed_ratio_is_reported() -> None:
+    kv = {"bytes": GB, "put_s": [0.5], "get_s": [0.25]}
+    base = {"bytes": GB, "file_put_s": [0.4], "file_get_s": [0.2], "file_xxh3_put_s": [0.5], "file_xxh3_get_s": [0.25]}
+    doc = build_report([{"kvtier": {"disk": kv}, "lmcache": {}, "baseline": base}], ["disk"],
+                       {"disk": ("disk", "backend_direct", False)})
+    assert doc["disk_get_kvtier_vs_baseline"] == pytest.approx(0.8)  # plain read, no checksum
+    assert doc["disk_get_kvtier_vs_checksummed_baseline"] == pytest.approx(1.0)
+    assert doc["disk_get_checksummed_baseline_gbps"] == pytest.approx(4.0)
+    checks = {c["name"]: c for c in doc["checks"]}
+    judged = checks["disk_get vs file/file_steps baseline"]
+    assert not judged["passed"] and "file_xxh3 (same reads + xxh3) 1.00x" in judged["note"]
+    assert doc["min_kvtier_vs_target_baseline"] == pytest.approx(0.8) and doc["all_targets_met"] is False
+    assert "xxh3-64 verified" in doc["sides"]["disk"]["kvtier"] and "no checksum" in doc["sides"]["disk"]["lmcache"]
+    fast = dict(kv, get_s=[0.2], put_s=[0.4])  # kvtier as fast as the plain files: met
+    doc = build_report([{"kvtier": {"disk": fast}, "lmcache": {}, "baseline": base}], ["disk"],
+                       {"disk": ("disk", "backend_direct", False)})
+    assert doc["disk_get_kvtier_vs_baseline"] == pytest.approx(1.0) and doc["all_targets_met"] is True
+
+
+def test_checksummed_plain_files_move_the_same_bytes(tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    bufs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (300_001, 4096)]
+    paths = [str(tmp_path / f"f{i}") for i in range(len(bufs))]
+    plain_files_put(paths, bufs, 2, False, step=65536, verify=True)
+    outs = [np.zeros_like(b) for b in bufs]
+    plain_files_get(paths, outs, 2, False, verify=True)
+    assert all(np.array_equal(b, o) for b, o in zip(bufs, outs))

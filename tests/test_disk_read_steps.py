@@ -1,6 +1,7 @@
 """The disk tier verifies every read in steps: a fault in any step, not only the first, is a miss.
 
-Buffered reads take ``READ_STEP_BYTES`` per ``preadv`` and hash each step as it lands
+Buffered reads take ``READ_STEP_BYTES`` per ``preadv`` (by default the whole chunk: these tests
+shrink it to 256 KiB so records span several steps) and hash each step as it lands
 (O_DIRECT: ``DIRECT_READ_STEP_BYTES``); these records span several steps, and one
 payload byte flipped in the first, a middle or the last step, or a record cut short
 inside a later step, must make that chunk a miss, counted as corrupt and deleted,
@@ -26,6 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fault_helpers.direct_io import o_direct_works  # noqa: E402
 
 NS = bytes(range(1, 33))
+
+
+@pytest.fixture(autouse=True)
+def _small_read_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(record_io, "READ_STEP_BYTES", 256 * 1024)
 
 
 def _step(direct: bool) -> int:
@@ -122,5 +128,26 @@ def test_short_buffered_reads_are_resumed_not_misses(tmp_path: Path) -> None:
         for o, p in zip(outs, payloads):
             assert np.array_equal(o, p)
         assert fs.calls > 3 * 4 and tier.corrupt_reads == 0 and len(tier) == 3
+    finally:
+        tier.close()
+
+
+def test_by_default_a_chunk_is_one_preadv_of_header_and_payload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()  # the module's own step, not this file's small one
+    fs = _ShortReads(1 << 62)  # counts calls, never cuts one short
+    tier = DiskTier(tmp_path / "d", 1 << 30, NS, fs=fs, io_threads=1)
+    try:
+        rng = np.random.default_rng(8)
+        payloads = [rng.integers(0, 256, m, dtype=np.uint8) for m in (5_898_240, 1_000_001)]
+        ws = [ChunkWrite(bytes([9, i]) * 16, None, p) for i, p in enumerate(payloads)]
+        assert tier.put_many(ws) == [True, True]
+        outs = [np.zeros(len(p), np.uint8) for p in payloads]
+        fs.calls = 0
+        assert tier.get_many_into([(w.key, o) for w, o in zip(ws, outs)]) == [True, True]
+        assert fs.calls == 2 and all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+        bad = tier.file_of(ws[0].key)
+        _flip(bad, HEADER_BYTES + len(payloads[0]) - 1)  # the checksum still covers the last byte
+        assert tier.get_many_into([(ws[0].key, outs[0])]) == [False]
+        assert tier.corrupt_reads == 1 and not bad.exists()
     finally:
         tier.close()

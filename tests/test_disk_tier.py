@@ -477,6 +477,6 @@ def test_read_errors_are_misses(tier: DiskTier, make_key: KeyFn, monkeypatch: py
         raise OSError(errno.EIO, "I/O error")
 
     with monkeypatch.context() as m:
-        m.setattr("builtins.open", broken_open)
+        m.setattr(fileops_mod.os, "open", broken_open)  # the read path opens with os.open
         assert read(tier, k) is None
     assert read(tier, k) is not None  # a transient read error does not delete the chunk

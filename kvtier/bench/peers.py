@@ -21,7 +21,12 @@ ratio kvtier / LMCache (median and min-max over rounds) and each side's ratio to
 the physical baseline of that round: memcpy for CPU, ``io_threads`` threads of
 plain ``pwrite``/``preadv`` files (buffered: the faster of one call per file and
 1 MiB writes / 256 KiB reads, see :mod:`.peers_baseline`; or O_DIRECT) for disk,
-redis-py pipelined ``SET``/``GET`` for Redis.
+redis-py pipelined ``SET``/``GET`` for Redis. The buffered disk figures' target
+applies to the same plain files plus an xxh3-64 of every chunk (``file_xxh3``: the
+checksum kvtier stores and verifies, LMCache does not); the ratio to the plain
+files is reported beside it. Each side's get writes into the memory its put just
+read from (see :mod:`.peers_side`). What each side does is in the JSON (``sides``,
+``timing``) and printed under the table.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from kvtier.bench.common import BenchUsageError, write_json
 from kvtier.bench.peers_report import FIGURES, build_report, print_report
@@ -112,14 +117,21 @@ def run_peers_bench(
     lmcache_script: Path | None = None,
     work_dir: Path | None = None,
     log: Callable[[str], None] = print,
+    only: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Run every round; returns the JSON document (see the module doc and :mod:`.peers_report`).
 
+    ``only``: figure groups to run (``cpu``, ``disk``, ``disk_direct``, ``redis``; default all,
+    ``disk_direct`` with ``odirect``).
+
     Raises:
-        BenchUsageError: ``rounds`` < 1.
+        BenchUsageError: ``rounds`` < 1 or an unknown group in ``only``.
     """
     if rounds < 1:
         raise BenchUsageError(f"--rounds must be >= 1, got {rounds}")
+    unknown = sorted(set(only or ()) - set(_LMC_CHILD))
+    if unknown:
+        raise BenchUsageError(f"unknown figure groups {unknown}; known: {sorted(_LMC_CHILD)}")
     sizes = sizes or PeerSizes()
     python = Path(lmcache_python or DEFAULT_LMCACHE_PYTHON)
     script = Path(lmcache_script or DEFAULT_SCRIPT)
@@ -127,6 +139,8 @@ def run_peers_bench(
     if skip:
         log(f"LMCache skipped: {skip}; kvtier figures are still measured")
     groups = ["cpu", "disk"] + (["disk_direct"] if odirect else []) + ["redis"]
+    if only:
+        groups = [g for g in _LMC_CHILD if g in only]
     cache = Path.home() / ".cache" / "kvtier"
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-peers-", dir=work_dir or cache))  # not tmpfs: O_DIRECT works

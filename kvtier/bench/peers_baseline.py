@@ -10,6 +10,10 @@ with no cache layer at all, on the same bytes and chunking.
   allocate a 2 MiB folio, slow when free memory is fragmented, and small read steps keep the copy
   in cache; the report's buffered baseline is the faster of the two in each round (the most the
   machine gives with plain calls), so neither side beats a baseline that a better plain loop beats;
+- checksummed plain files (``file_xxh3``): xxh3-64 of each chunk, then ``STEP_PUT``-byte writes;
+  the one-call read, then xxh3-64 of the chunk, on the same thread: the least work of a store that
+  keeps a checksum of every byte and a read that checks it, as kvtier's disk tier does (LMCache's
+  does neither); the target baseline of the buffered disk figures (:mod:`.peers_report`);
 - Redis: redis-py (hiredis) pipelined ``SET``/``GET`` of the chunks on one connection.
 """
 
@@ -23,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import xxhash
 
 from kvtier.bench.peers_side import _kv, _Shape, _timed, before_put
 
@@ -41,15 +46,17 @@ def _aligned(n: int) -> np.ndarray:
 
 def plain_files_put(
     paths: Sequence[str], bufs: Sequence[Any], threads: int, direct: bool, fsync: bool = False,
-    executor: ThreadPoolExecutor | None = None, step: int = 0,
+    executor: ThreadPoolExecutor | None = None, step: int = 0, verify: bool = False,
 ) -> None:
     """The physical write baseline: one file per buffer (``open``/``pwrite``/[``fsync``]/``close``)
     on ``threads`` threads (1: inline; ``executor``: already started threads, as the tier's are);
-    one ``pwrite`` per file or ``pwrite`` calls of ``step`` bytes (0: whole files).
-    O_DIRECT needs page-aligned buffers of whole pages."""
+    one ``pwrite`` per file or ``pwrite`` calls of ``step`` bytes (0: whole files); ``verify``: first
+    xxh3-64 of the buffer (a checksum to store, not stored). O_DIRECT needs page-aligned buffers of whole pages."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
 
     def one(i: int) -> None:
+        if verify:
+            xxhash.xxh3_64_digest(bufs[i])
         fd = os.open(paths[i], flags, 0o600)
         try:
             view, off = memoryview(bufs[i]).cast("B"), 0
@@ -65,10 +72,11 @@ def plain_files_put(
 
 def plain_files_get(
     paths: Sequence[str], bufs: Sequence[Any], threads: int, direct: bool, executor: ThreadPoolExecutor | None = None,
-    step: int = 0,
+    step: int = 0, verify: bool = False,
 ) -> None:
     """The physical read baseline: ``open``/``preadv``/``close`` of each file into its buffer on ``threads``
-    threads; one ``preadv`` per file, or ``preadv`` calls of ``step`` bytes (0: whole files)."""
+    threads; one ``preadv`` per file, or ``preadv`` calls of ``step`` bytes (0: whole files); ``verify``:
+    then xxh3-64 of the whole buffer (the digest is not compared: the work, not the check, is measured)."""
     flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
 
     def one(i: int) -> None:
@@ -83,6 +91,8 @@ def plain_files_get(
                 pos += len(piece)
         finally:
             os.close(fd)
+        if verify:
+            xxhash.xxh3_64_digest(view)
 
     _each(one, len(paths), threads, executor)
 
@@ -109,6 +119,7 @@ def baselines(a: argparse.Namespace, s: _Shape) -> dict[str, Any]:
     out: dict[str, Any] = {"bytes": s.nbytes, "io_threads": a.io_threads}
     ex = ThreadPoolExecutor(a.io_threads)  # started once, like the disk tier's I/O threads
     names = ("memcpy_put", "memcpy_get", "file_put", "file_get", "file_steps_put", "file_steps_get",
+             "file_xxh3_put", "file_xxh3_get",
              "file_direct_put", "file_direct_get", "file_1t_put", "file_1t_get", "redis_put", "redis_get")
     for k in names:
         out[k + "_s"] = []
@@ -135,16 +146,18 @@ def baselines(a: argparse.Namespace, s: _Shape) -> dict[str, Any]:
 
             rec["memcpy_put"] = _timed(mput)
             rec["memcpy_get"] = _timed(mget)
-            for mode, threads, direct, wstep, rstep in (
-                ("file", a.io_threads, False, 0, 0), ("file_steps", a.io_threads, False, STEP_PUT, STEP_GET),
-                ("file_1t", 1, False, 0, 0), ("file_direct", a.io_threads, True, 0, 0),
+            for mode, threads, direct, wstep, rstep, verify in (
+                ("file", a.io_threads, False, 0, 0, False),
+                ("file_steps", a.io_threads, False, STEP_PUT, STEP_GET, False),
+                ("file_xxh3", a.io_threads, False, STEP_PUT, 0, True),
+                ("file_1t", 1, False, 0, 0, False), ("file_direct", a.io_threads, True, 0, 0, False),
             ):
                 paths = [os.path.join(d, f"{mode}-{rep}-{i}") for i in range(len(slots))]
                 before_put(a.free_bytes)
                 rec[mode + "_put"] = _timed(
-                    lambda: plain_files_put(paths, slots, threads, direct, executor=ex, step=wstep))
+                    lambda: plain_files_put(paths, slots, threads, direct, executor=ex, step=wstep, verify=verify))
                 rec[mode + "_get"] = _timed(
-                    lambda: plain_files_get(paths, slots, threads, direct, executor=ex, step=rstep))
+                    lambda: plain_files_get(paths, slots, threads, direct, executor=ex, step=rstep, verify=verify))
             if r is not None:
                 keys = [f"kvtier-peers-raw:{rep}:{i}" for i in range(len(slots))]
                 blobs = [memoryview(x) for x in slots]

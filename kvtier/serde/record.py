@@ -248,7 +248,7 @@ def decode_header(buf: Buffer, *, full: bool = True) -> RecordHeader:
     if full:
         if len(mv) < HEADER_BYTES:
             raise Truncated("truncated header")
-        if mv[end + _SUM : HEADER_BYTES] != _ZERO_PAD[: HEADER_BYTES - end - _SUM]:
+        if mv[end + _SUM : HEADER_BYTES].tobytes() != _ZERO_PAD[: HEADER_BYTES - end - _SUM]:
             raise BadChecksum("header padding is not zero")
     if key_len == 0 or stored not in (body_len, align_up(body_len)):
         raise BadChecksum("inconsistent header lengths")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import io
 import os
 import threading
 
@@ -112,15 +111,11 @@ class FaultyFileOps(FileOps):
         self._check("unlink")
         super().unlink(path)
 
-    def open_read(self, path: str, direct: bool) -> io.FileIO:
+    def open_read(self, path: str, direct: bool) -> int:
         if direct and self.direct_einval:
             raise OSError(errno.EINVAL, "injected EINVAL on O_DIRECT open")
         self._check("open_read")
         return super().open_read(path, direct)
-
-    def readinto(self, f: io.FileIO, buf: memoryview) -> int:
-        self._check("read")
-        return super().readinto(f, buf)
 
     def preadv(self, fd: int, buffers, offset: int) -> int:  # type: ignore[no-untyped-def]
         """A vectored read counts as one ``read``."""

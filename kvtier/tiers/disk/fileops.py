@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import io
 import mmap
 import os
 import threading
@@ -50,20 +49,9 @@ class FileOps:
     def mkdir(self, path: str) -> None:
         os.mkdir(path, DIR_MODE)
 
-    def open_read(self, path: str, direct: bool) -> io.FileIO:
-        """An unbuffered binary reader positioned at offset 0 (O_DIRECT if ``direct``)."""
-        if not direct:
-            return open(path, "rb", buffering=0)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | O_DIRECT)
-        try:
-            return open(fd, "rb", buffering=0)
-        except BaseException:
-            os.close(fd)
-            raise
-
-    def readinto(self, f: io.FileIO, buf: memoryview) -> int:
-        """Read into ``buf`` at the current position (one ``read`` syscall, no copy)."""
-        return f.readinto(buf) or 0
+    def open_read(self, path: str, direct: bool) -> int:
+        """A file descriptor open for reading (O_DIRECT if ``direct``); the caller closes it with :meth:`close`."""
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
 
     def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
         """One ``pwritev`` of ``buffers`` at ``offset`` (releases the GIL); returns bytes written."""
@@ -122,20 +110,3 @@ def pwritev_all(fs: FileOps, fd: int, buffers: Sequence[memoryview], offset: int
         if n:
             bufs[0] = bufs[0][n:]
     return offset
-
-
-def read_full(fs: FileOps, f: io.FileIO, buf: memoryview, direct: bool) -> int:
-    """Fill ``buf`` from the file's position; returns bytes read (short only at end of file).
-
-    With O_DIRECT one short read means end of file: a second read would start at an
-    unaligned offset, which O_DIRECT refuses.
-    """
-    total = 0
-    while total < len(buf):
-        n = fs.readinto(f, buf[total:])
-        if n <= 0:
-            break
-        total += n
-        if direct and total < len(buf):
-            break
-    return total

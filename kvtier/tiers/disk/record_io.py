@@ -24,14 +24,13 @@ from kvtier.tiers.disk.scan import TMP_SUFFIX
 
 log = logging.getLogger("kvtier.tiers.disk")
 
-#: Payload bytes per ``preadv`` of a buffered read (the first one also carries the header), each
-#: hashed right after it lands, while it is still in the CPU's L2 cache (xxh3: ~50 GB/s in cache,
-#: ~25 GB/s from memory). Reading page-cache files that are cold in the CPU caches (the usual
-#: case: a chunk read long after it was written), read + xxh3 of 8 x 5.9 MB chunks on 4 threads
-#: measured 6.1 GB/s with 256 KiB steps vs 4.7 GB/s with whole-chunk steps (plain read 6.7);
-#: ``kvtier bench peers``' own disk child (reads right after the writes) was not conclusive
-#: (whole-chunk steps ahead in 2 of 3 tries); see benchmarks/README.md.
-READ_STEP_BYTES = 256 * 1024
+#: Payload bytes per ``preadv`` of a buffered read (the first one also carries the header): in practice
+#: the whole chunk (a 256-token SmolLM2-135M chunk is 5.9 MB), hashed once after it landed. On the
+#: 2-vCPU VM, where page-cache reads are CPU-bound, 8 x 5.9 MB chunks on 4 threads, paired A/B per
+#: trial: whole-chunk steps 1.24x (IQR 1.02-1.37) the previous 256 KiB steps (each hashed while in
+#: L2) right after the writes and 1.08x (0.96-1.21) with the chunks pushed out of the CPU caches
+#: (1 and 2 MiB steps in between); every step is a GIL hand-off per thread (benchmarks/README.md).
+READ_STEP_BYTES = 64 * 1024 * 1024
 #: Payload bytes per ``preadv`` of an O_DIRECT read: the device DMAs around the CPU caches, so
 #: the hash reads memory whatever the step; large steps mean fewer, larger device I/Os.
 DIRECT_READ_STEP_BYTES = 8 * 1024 * 1024
@@ -175,60 +174,65 @@ class RecordIO:
         return off
 
     def read(self, path: str, key: bytes, dst: memoryview, direct: bool) -> None:
-        """Validate and read one record into ``dst``, checksumming each piece as it lands.
+        """Validate and read one record into ``dst``, checksumming each step after it lands.
 
-        The header and the first payload step (``READ_STEP_BYTES``, O_DIRECT:
-        ``DIRECT_READ_STEP_BYTES``) come in one ``preadv``; each step is hashed right
-        after it lands, while still in the CPU cache, as the batch's other I/O threads
-        read their chunks (verification overlaps the reads; no second pass over the
-        record). On a miss ``dst`` may hold part of the record.
+        The header and the first payload step (``READ_STEP_BYTES``, in practice the whole
+        payload; O_DIRECT: ``DIRECT_READ_STEP_BYTES``) come in one ``preadv`` straight into
+        ``dst``; each step is hashed (xxh3-64) right after it lands while the batch's other
+        I/O threads read their chunks, and the digest must match the header's before the
+        chunk counts as a hit. On a miss ``dst`` may hold part of the record.
 
         Raises:
             RecordError: the record is unusable (delete it).
             PayloadSizeMismatch: the record holds another payload size (keep it).
             OSError: I/O errors.
         """
-        with self.fs.open_read(path, direct) as f:
-            fd = f.fileno()
-            size = os.fstat(fd).st_size
-            n = len(dst)
-            s = self.scratch.view()
-            hbuf = s[:HEADER_BYTES]
-            # Bytes of dst that may be read straight into it (O_DIRECT: aligned address and length).
-            straight = n if not direct else (n - n % ALIGN if address(dst) % ALIGN == 0 else 0)
-            step = DIRECT_READ_STEP_BYTES if direct else READ_STEP_BYTES
-            first = dst[: min(straight, step)]
-            got = self._pread(fd, [hbuf, first] if len(first) else [hbuf], 0, direct)
-            hdr = decode_header(hbuf[: min(got, HEADER_BYTES)])  # copies what it keeps
-            hdr.expect(key, self.namespace)
-            if hdr.codec != "raw" or hdr.body_len != hdr.payload_len:
-                raise RecordError(f"unknown codec {hdr.codec!r} for the disk tier")
-            if hdr.payload_len != n:
-                raise PayloadSizeMismatch(f"payload size {hdr.payload_len} != requested {n}")
-            hdr.expect(key, self.namespace, size)
-            h = xxhash.xxh3_64()
-            pos = max(0, got - HEADER_BYTES)
-            if pos < len(first):
+        fd = self.fs.open_read(path, direct)
+        try:
+            self._read_fd(fd, key, dst, direct)
+        finally:
+            self.fs.close(fd)
+
+    def _read_fd(self, fd: int, key: bytes, dst: memoryview, direct: bool) -> None:
+        size = os.fstat(fd).st_size
+        n = len(dst)
+        s = self.scratch.view()
+        hbuf = s[:HEADER_BYTES]
+        # Bytes of dst that may be read straight into it (O_DIRECT: aligned address and length).
+        straight = n if not direct else (n - n % ALIGN if address(dst) % ALIGN == 0 else 0)
+        step = DIRECT_READ_STEP_BYTES if direct else READ_STEP_BYTES
+        first = dst[: min(straight, step)]
+        got = self._pread(fd, [hbuf, first] if len(first) else [hbuf], 0, direct)
+        hdr = decode_header(hbuf[: min(got, HEADER_BYTES)])  # copies what it keeps
+        hdr.expect(key, self.namespace)
+        if hdr.codec != "raw" or hdr.body_len != hdr.payload_len:
+            raise RecordError(f"unknown codec {hdr.codec!r} for the disk tier")
+        if hdr.payload_len != n:
+            raise PayloadSizeMismatch(f"payload size {hdr.payload_len} != requested {n}")
+        hdr.expect(key, self.namespace, size)
+        h = xxhash.xxh3_64()
+        pos = max(0, got - HEADER_BYTES)
+        if pos < len(first):
+            raise RecordError("payload shorter than its header says")
+        h.update(first)
+        preadv = self.fs.preadv  # the loop's one call per step (tens per chunk): no extra Python layers
+        while pos < n:
+            if pos < straight:
+                piece = dst[pos : min(straight, pos + step)]
+                got = preadv(fd, [piece], HEADER_BYTES + pos)
+                if 0 < got < len(piece) and not direct:  # a short read before the end: go on
+                    got += self._pread(fd, [piece[got:]], HEADER_BYTES + pos + got, direct)
+            else:  # O_DIRECT into an unaligned destination: staged through the scratch buffer
+                m = min(len(s), n - pos)
+                got = min(m, self._pread(fd, [s[: align_up(m)]], HEADER_BYTES + pos, direct))
+                piece = dst[pos : pos + m]
+                piece[:got] = s[:got]
+            if got < len(piece):
                 raise RecordError("payload shorter than its header says")
-            h.update(first)
-            preadv = self.fs.preadv  # the loop's one call per step (tens per chunk): no extra Python layers
-            while pos < n:
-                if pos < straight:
-                    piece = dst[pos : min(straight, pos + step)]
-                    got = preadv(fd, [piece], HEADER_BYTES + pos)
-                    if 0 < got < len(piece) and not direct:  # a short read before the end: go on
-                        got += self._pread(fd, [piece[got:]], HEADER_BYTES + pos + got, direct)
-                else:  # O_DIRECT into an unaligned destination: staged through the scratch buffer
-                    m = min(len(s), n - pos)
-                    got = min(m, self._pread(fd, [s[: align_up(m)]], HEADER_BYTES + pos, direct))
-                    piece = dst[pos : pos + m]
-                    piece[:got] = s[:got]
-                if got < len(piece):
-                    raise RecordError("payload shorter than its header says")
-                h.update(piece)
-                pos += len(piece)
-            if h.digest() != hdr.body_sum:
-                raise RecordError("payload checksum mismatch")
+            h.update(piece)
+            pos += len(piece)
+        if h.digest() != hdr.body_sum:
+            raise RecordError("payload checksum mismatch")
 
     def _pread(self, fd: int, bufs: list[memoryview], offset: int, direct: bool) -> int:
         """Fill ``bufs`` from ``offset``; returns bytes read (short only at end of file).

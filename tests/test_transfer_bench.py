@@ -15,8 +15,9 @@ def test_bench_transfer_smoke(tmp_path):
                                    "--rounds", "1"])
     assert res.exit_code in (0, 1), res.output  # 1: a target missed (tiny sizes), not a failure here
     data = json.loads(out.read_text())
-    for key in ("shm_ratio", "tcp_ratio", "shm_staged_ratio"):
+    for key in ("shm_ratio", "tcp_ratio", "shm_staged_ratio", "shm_inline_ratio"):
         assert data[key] > 0
+    assert len(data["samples_s"]["shm"]) == len(data["shm_ratio_per_round"]) == 1
     assert "nixl_ratio" in data and (data["nixl_ratio"] is not None or data["nixl_reason"])
     assert data["chunks"] == 3 and data["chunk_bytes"] == 50_000
     assert set(data["checks"]) and all("passed" in c for c in data["checks"].values())

@@ -142,33 +142,124 @@ def test_shm_payload_in_shared_segment_is_not_staged(pool):
     a.close(), b.close(), seg.close()
 
 
-def test_shm_verifies_staged_payloads_inline_and_shared_ones_overlapped(pool, monkeypatch):
+def test_shm_verifies_staged_payloads_inline_and_shares_shared_ones_with_the_helper(pool, monkeypatch):
     """Payloads the sender stages (P2P: a CPU tier is no shared segment) are hashed inline by the
-    receiver; only payloads in a shared segment get the helper thread (a third thread on two
-    cores slowed the staged path from 0.74x to 0.53x memcpy). Both are verified."""
+    receiver (a third thread on two cores slowed the staged path from 0.74x to 0.53x memcpy);
+    payloads in a shared segment: the helper thread takes one, and while it is busy the
+    receiving thread copies the following ones. Every one is verified, acks stay in order."""
+    import threading
+
     from kvtier.transfer import verify
 
     calls: list[bool] = []
-    real = verify.Verifier.copy
+    real_copy, real_hash = verify.Verifier.copy, verify.copy_and_hash
+    gate = threading.Event()
 
     def spy(self, index, slot, src, dst, expected, overlap=True):
         calls.append(overlap)
-        return real(self, index, slot, src, dst, expected, overlap=overlap)
+        if calls[1:] == [False, False, False]:
+            gate.set()  # the helper's chunk may finish only after three inline copies
+        return real_copy(self, index, slot, src, dst, expected, overlap=overlap)
+
+    def gated_hash(src, dst):
+        if threading.current_thread().name.startswith("kvtier-verify"):
+            gate.wait(5)
+        return real_hash(src, dst)
 
     monkeypatch.setattr(verify.Verifier, "copy", spy)
+    monkeypatch.setattr(verify, "copy_and_hash", gated_hash)
     a, b = _connect("shm", pool, staging_bytes=8 << 20)
-    seg = SharedSegment.create(2 << 20)
-    seg.array[:] = 7
+    seg = SharedSegment.create(8 << 20)
+    seg.array[:] = np.random.default_rng(6).integers(0, 256, 8 << 20, dtype=np.uint8)
     a.share_segment(seg)
     staged = _chunks(2, 2 << 20, seed=5)
-    shared = [(_key(50), seg.array)]
-    for chunks, want in ((staged, [False, False]), (shared, [True])):
+    shared = [(_key(50 + i), seg.array[i << 21 : (i + 1) << 21], xxhash.xxh3_64_digest(seg.array[i << 21 : (i + 1) << 21]))
+              for i in range(4)]
+    for chunks, want in ((staged, [False, False]), (shared, [True, False, False, False])):
         calls.clear()
-        dests = [(k, np.zeros(len(p), np.uint8)) for k, p in chunks]
-        assert _transfer(pool, a, b, chunks, dests)[1] == [True] * len(chunks)
-        assert all(np.array_equal(d, p) for (_, d), (_, p) in zip(dests, chunks))
+        dests = [(c[0], np.zeros(len(c[1]), np.uint8)) for c in chunks]
+        assert _transfer(pool, a, b, chunks, dests) == ([True] * len(chunks), [True] * len(chunks))
+        assert all(np.array_equal(d, c[1]) for (_, d), c in zip(dests, chunks))
         assert calls == want
+    assert gate.is_set()
     a.close(), b.close(), seg.close()
+
+
+def test_shm_overlap_off_copies_every_chunk_on_the_calling_thread(pool, monkeypatch):
+    import threading
+
+    from kvtier.transfer import verify
+
+    threads: list[str] = []
+    real_hash = verify.copy_and_hash
+
+    def spy(src, dst):
+        threads.append(threading.current_thread().name)
+        return real_hash(src, dst)
+
+    monkeypatch.setattr(verify, "copy_and_hash", spy)
+    a, b = _connect("shm", pool)
+    b.overlap = False
+    seg = SharedSegment.create(4 << 20)
+    seg.array[:] = 5
+    a.share_segment(seg)
+    chunks = [(_key(i), seg.array[i << 21 : (i + 1) << 21]) for i in range(2)]
+    dests = [(c[0], np.zeros(2 << 20, np.uint8)) for c in chunks]
+    assert _transfer(pool, a, b, chunks, dests)[1] == [True, True]
+    assert len(threads) == 2 and not any(t.startswith("kvtier-verify") for t in threads)
+    a.close(), b.close(), seg.close()
+
+
+@pytest.mark.parametrize("bad", [0, 1, 3])
+def test_shm_corrupt_chunk_among_shared_ones_is_the_only_miss(pool, bad):
+    """A wrong checksum on the helper thread's chunk (even index) or on this thread's (odd) is
+    caught either way; the other chunks of the pair still count."""
+    a, b = _connect("shm", pool)
+    seg = SharedSegment.create(6 << 20)
+    seg.array[:] = np.random.default_rng(bad).integers(0, 256, 6 << 20, dtype=np.uint8)
+    a.share_segment(seg)
+    views = [seg.array[i * (3 << 19) : (i + 1) * (3 << 19)] for i in range(4)]
+    chunks = [(_key(i), v, b"\0" * 8 if i == bad else xxhash.xxh3_64_digest(v)) for i, v in enumerate(views)]
+    dests = [(_key(i), np.zeros(3 << 19, np.uint8)) for i in range(4)]
+    sent, got = _transfer(pool, a, b, chunks, dests)
+    want = [i != bad for i in range(4)]
+    assert got == want and sent == want and b.stats()["corrupt"] == 1
+    assert all(np.array_equal(d, v) for i, ((_, d), v) in enumerate(zip(dests, views)) if i != bad)
+    a.close(), b.close(), seg.close()
+
+
+def test_shm_frames_of_shared_chunks_leave_in_one_write(pool, monkeypatch):
+    """Chunks in a shared segment with known checksums: the batch frame and every chunk frame go
+    out in one write (the receiver finds the next frame ready and copies two at once)."""
+    a, b = _connect("shm", pool)
+    seg = SharedSegment.create(4 << 20)
+    seg.array[:] = 3
+    a.share_segment(seg)
+    writes: list[int] = []
+    real = ShmChannel._send_views
+
+    def spy(self, views, deadline, fds=()):
+        if self is a:
+            writes.append(len(views))
+        return real(self, views, deadline, fds)
+
+    monkeypatch.setattr(ShmChannel, "_send_views", spy)
+    chunks = [(_key(i), seg.array[i << 20 : (i + 1) << 20], xxhash.xxh3_64_intdigest(seg.array[i << 20 : (i + 1) << 20]))
+              for i in range(4)]
+    dests = [(c[0], np.zeros(1 << 20, np.uint8)) for c in chunks]
+    assert _transfer(pool, a, b, chunks, dests)[1] == [True] * 4
+    assert writes == [5]  # Batch + 4 Chunk frames, one sendmsg
+    a.close(), b.close(), seg.close()
+
+
+def test_copy_and_hash_matches_xxh3_for_any_size():
+    from kvtier.transfer.verify import PIECE_BYTES, copy_and_hash
+
+    rng = np.random.default_rng(9)
+    for n in (0, 1, PIECE_BYTES - 1, PIECE_BYTES, PIECE_BYTES + 1, 3 * PIECE_BYTES + 5):
+        src = rng.integers(0, 256, n, dtype=np.uint8)
+        dst = np.zeros(n, np.uint8)
+        assert copy_and_hash(src, dst) == xxhash.xxh3_64_digest(src) and np.array_equal(dst, src)
 
 
 def test_missing_unexpected_and_wrong_size_chunks_are_misses(link, pool):

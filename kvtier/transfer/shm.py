@@ -66,6 +66,10 @@ class ShmChannel(StreamChannel):
     """
 
     kind = "shm"
+    #: Whether received chunks lying in a segment the peer shared may go two at a time (one
+    #: copied and hashed on a helper thread, :mod:`kvtier.transfer.verify`). False: every
+    #: chunk is copied and hashed on the calling thread (one core; e.g. beside a busy engine).
+    overlap: bool = True
 
     def __init__(self, sock: socket.socket, timeout_s: float = DEFAULT_TIMEOUT_S,
                  staging_bytes: int = DEFAULT_STAGING_BYTES):
@@ -169,9 +173,14 @@ class ShmChannel(StreamChannel):
         try:
             if any(s < 0 and len(mv) for (s, _), (_, mv, _) in zip(placed, items)):
                 self._ensure_staging(deadline)
-            self._send_views([encode_frame(Batch(batch_id=batch_id, count=len(items)))], deadline)
+            # Frames of chunks that cost nothing to describe (in a shared segment, checksum
+            # given) leave together in one write: the receiver finds the next frame ready
+            # and copies two chunks at once instead of waiting for this process to run.
+            out = [encode_frame(Batch(batch_id=batch_id, count=len(items)))]
             for i, ((key, mv, given), (seg_id, offset)) in enumerate(zip(items, placed)):
                 if seg_id < 0 and len(mv):
+                    self._send_views(out, deadline)
+                    out = []
                     while (start := self._ring_place(ring, len(mv))) < 0:
                         acked = self._take_ack(batch_id, acked, received, ring, deadline)
                     ring.append((i, start, start + len(mv)))
@@ -182,10 +191,19 @@ class ShmChannel(StreamChannel):
                     if given is not None:
                         np.copyto(dst, src)
                     seg_id, offset = self._staging_id, start
+                    flush = True
                 else:
+                    if given is None and len(mv):
+                        self._send_views(out, deadline)  # let the receiver start while this hashes
+                        out = []
                     digest = payload_digest(mv, given)
-                frame = Chunk(index=i, key=key, nbytes=len(mv), checksum=digest, segment_id=seg_id, offset=offset)
-                self._send_views([encode_frame(frame)], deadline)
+                    flush = False
+                out.append(encode_frame(Chunk(index=i, key=key, nbytes=len(mv), checksum=digest,
+                                              segment_id=seg_id, offset=offset)))
+                if flush:
+                    self._send_views(out, deadline)
+                    out = []
+            self._send_views(out, deadline)
             while acked < len(items):
                 acked = self._take_ack(batch_id, acked, received, ring, deadline)
         except (OSError, TransferError) as exc:
@@ -227,38 +245,56 @@ class ShmChannel(StreamChannel):
     def recv_into(self, dests: Sequence[InSlot], timeout_s: float | None = None) -> list[bool]:
         """See :meth:`TransferChannel.recv_into`; one copy from the peer's mapping per chunk.
 
-        A large chunk's hash runs on a helper thread while the next chunk is copied
-        (:mod:`kvtier.transfer.verify`); its ack (and its True) waits for that hash. Before
-        blocking for the next frame every earlier chunk is settled and acknowledged, so a
-        sender waiting for ring space never waits on this end.
+        Chunks in a segment the peer shared are shared between two threads: the helper
+        thread copies and hashes one (:mod:`kvtier.transfer.verify`) while this thread
+        copies and hashes the next ones whose frames are already here; once the helper
+        is done it takes the next chunk. Chunks in the peer's staging ring are done here
+        (the sender is busy copying) and acknowledged at once (it frees ring space). Acks
+        of other chunks leave in chunk order, gathered into one write whenever this end
+        would otherwise wait for the next frame (and at the end), so a sender whose chunks
+        need no ring space is not woken once per chunk. Every earlier chunk is settled and
+        acknowledged before blocking, so a sender waiting for ring space never waits on
+        this end.
         """
         views, index = check_in_slots(dests)
         deadline = self._deadline(timeout_s)
         result = [False] * len(views)
-        pending: Check | None = None
+        unacked: list[Check] = []  # copied, in chunk order; only unacked[0] may still run on the helper
+        acks: list[bytes] = []  # ack frames not yet sent, in chunk order
         try:
             batch = self._recv_batch(deadline)
             batch_id = batch.batch_id
             for expect in range(batch.count):
-                if pending is not None and not self._frame_ready():
-                    pending = self._settle(pending, batch_id, result, deadline)
+                if unacked and unacked[0].ready:
+                    unacked = self._settle(unacked, batch_id, result, deadline, acks)
+                if not self._frame_ready():
+                    unacked = self._settle(unacked, batch_id, result, deadline, acks)
+                    acks = self._flush(acks, deadline)
                 chunk = self._recv_chunk(batch, expect, deadline)
                 src = self._source(chunk)
                 i = self._slot_for(chunk.key, chunk.nbytes, views, index)
-                if i is None or (pending is not None and pending.slot == i):  # never overlap on one slot
-                    pending = self._settle(pending, batch_id, result, deadline)
+                if i is None or (unacked and unacked[0].slot == i):  # never two writers on one slot
+                    unacked = self._settle(unacked, batch_id, result, deadline, acks)
                 if i is None:
-                    self._ack(batch_id, expect, False, deadline)
+                    acks.append(encode_frame(ChunkAck(batch_id=batch_id, index=expect, ok=False)))
                     continue
                 check = self._verifier.copy(expect, i, src, np.frombuffer(views[i], dtype=np.uint8), chunk.checksum,
-                                            overlap=chunk.segment_id not in self._their_staging)
-                pending = self._settle(pending, batch_id, result, deadline)
-                pending = self._settle(check, batch_id, result, deadline) if check.done else check
-            pending = self._settle(pending, batch_id, result, deadline)
+                                            overlap=self.overlap and not unacked
+                                            and chunk.segment_id not in self._their_staging)
+                unacked.append(check)
+                if unacked[0].done:  # nothing on the helper: settle now
+                    unacked = self._settle(unacked, batch_id, result, deadline, acks)
+                    if chunk.segment_id in self._their_staging:  # the sender may be waiting for its ring space
+                        acks = self._flush(acks, deadline)
+            self._settle(unacked, batch_id, result, deadline, acks)
+            unacked = []
+            acks = self._flush(acks, deadline)
         except (OSError, TransferError) as exc:
-            if pending is not None and not pending.recorded:  # copied before the failure: counts once verified
-                with contextlib.suppress(TransferError):
-                    self._record(pending, result, pending.wait(deadline.at - time.monotonic() + 1.0))
+            for c in unacked:  # copied before the failure: counts once verified
+                if not c.recorded:
+                    with contextlib.suppress(TransferError):
+                        self._record(c, result, c.wait(deadline.at - time.monotonic() + 1.0))
+                        c.recorded = True
             raise self._fail(exc, received=result) from None
         return result
 
@@ -270,20 +306,25 @@ class ShmChannel(StreamChannel):
         result[check.slot] = ok
         self._count_received(ok, check.nbytes)
 
-    def _settle(self, check: Check | None, batch_id: int, result: list[bool], deadline: Deadline) -> Check | None:
-        """Wait for ``check``'s hash (if any), record it, acknowledge its chunk; None (nothing pending now).
+    def _settle(self, checks: Sequence[Check], batch_id: int, result: list[bool], deadline: Deadline,
+                acks: list[bytes]) -> list[Check]:
+        """Wait for each check's hash (in order), record it and append its ack frame to ``acks``
+        (sent by :meth:`_flush`); returns a new empty list (nothing unsettled).
 
-        ``check`` counts as recorded once its hash is known, even if the ack then fails.
+        A check counts as recorded once its hash is known, even if its ack then fails.
         """
-        if check is not None:
+        for check in checks:
             ok = check.wait(deadline.remaining())
             self._record(check, result, ok)
             check.recorded = True
-            self._ack(batch_id, check.index, ok, deadline)
-        return None
+            acks.append(encode_frame(ChunkAck(batch_id=batch_id, index=check.index, ok=ok)))
+        return []
 
-    def _ack(self, batch_id: int, index: int, ok: bool, deadline: Deadline) -> None:
-        self._send_views([encode_frame(ChunkAck(batch_id=batch_id, index=index, ok=ok))], deadline)
+    def _flush(self, acks: list[bytes], deadline: Deadline) -> list[bytes]:
+        """Send the gathered ack frames in one write; returns a new empty list."""
+        if acks:
+            self._send_views([b"".join(acks)], deadline)
+        return []
 
     def _source(self, chunk: Chunk) -> np.ndarray:
         if chunk.nbytes == 0:

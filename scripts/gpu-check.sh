@@ -3,12 +3,15 @@
 # already has a CUDA build of torch (and, for the TTFT demo, of vLLM) plus kvtier's deps.
 #   PYTHON=/path/to/python  (default: .venv/bin/python if present, else python3)
 #   KVTIER_GPU_MODEL=/path/to/hf-model-folder  (default: kvtier's prepared SmolLM2 folder, if any)
-# Steps (each bounded; < 10 minutes in all):
+# Steps (each bounded; typically < 10 minutes in all, at most 13):
 #   1. environment report (torch/vLLM versions, CUDA device)
 #   2. pytest -m cuda on the GPU-path tests (they skip with a reason without CUDA), including the
 #      cache service's CUDA IPC copies by block id (a real `kvtier server` process)
 #   3. the device-agnostic GPU-path tests (same files, CPU tensors)
 #   4. a TTFT demo on GPU vLLM: cold prefill vs kvtier hit, figures printed as JSON
+#   5. a real SGLang server with kvtier as its HiCache storage backend (if sglang is importable):
+#      identical greedy text and a cached prefix served from kvtier after /flush_cache and after
+#      a restart (kvtier/integrations/sglang/gpu_smoke.py)
 # Exit status: 0 every step passed on a CUDA device; 1 a step failed; 2 torch is missing;
 # 3 no CUDA device: only the CPU-side checks ran (said first, and again at the end).
 set -uo pipefail
@@ -62,6 +65,17 @@ elif ! timeout 30 "$PY" -c 'import vllm' 2>/dev/null; then
 else
   timeout 240 "$PY" -m kvtier.integrations.vllm.gpu.ttft_demo --model "$MODEL" --prefix-tokens 4096 --rounds 4 \
     --json "$OUT/ttft.json" 2>"$OUT/ttft.log" || { echo "TTFT demo failed (log: $OUT/ttft.log)"; tail -20 "$OUT/ttft.log"; rc=1; }
+fi
+echo "== 5. SGLang HiCache with kvtier's storage backend"
+if [ "$HAS_CUDA" = 0 ]; then
+  echo "SKIPPED: no CUDA device"
+elif ! timeout 60 "$PY" -c 'import sglang' 2>/dev/null; then
+  echo "SKIPPED: sglang is not importable with $PY (install SGLang for CUDA to run this step)"
+elif [ -z "$MODEL" ] || [ ! -d "$MODEL" ]; then
+  echo "SKIPPED: no model folder (set KVTIER_GPU_MODEL)"; rc=1
+else
+  timeout 300 "$PY" -m kvtier.integrations.sglang.gpu_smoke --model "$MODEL" --json "$OUT/sglang.json" \
+    || { echo "SGLang check failed (see the JSON above)"; rc=1; }
 fi
 if [ "$HAS_CUDA" = 0 ] && [ "$rc" = 0 ]; then
   echo "== done: CPU-side checks passed; NO GPU CHECK RAN (no CUDA device), exit 3; outputs in $OUT"

@@ -86,7 +86,7 @@ def simulate(
 def demo_server(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the runs, hit tokens and answer checks here (- for stdout)."),
 ) -> None:
-    """Two vLLM engine processes sharing one ``kvtier server``: cross-engine and cross-restart hits."""
+    """Two vLLM engine processes sharing one `kvtier server`: cross-engine and cross-restart hits."""
     import os
 
     from kvtier.demo.two_engines import main as two_engines
@@ -155,6 +155,15 @@ def server(
     kv_events_replay_endpoint: Optional[str] = typer.Option(
         None, help="ZMQ ROUTER address answering replay requests for missed KV event batches."
     ),
+    peer_listen: Optional[str] = typer.Option(
+        None, help="Serve every hosted namespace's chunks to peers here: tcp://HOST:PORT, shm:///PATH (setting peer_listen)."
+    ),
+    peer: list[str] = typer.Option(
+        [], "--peer", metavar="URL", help="A peer instance to pull missed chunks from (repeat for several; setting peers)."
+    ),
+    peer_discovery: Optional[str] = typer.Option(
+        None, help="Fleet controller's HTTP URL to ask which peer holds a missed prefix (setting peer_discovery)."
+    ),
 ) -> None:
     """Run the cache service that every engine process on this machine shares."""
     from kvtier.service.main import run_server
@@ -172,6 +181,9 @@ def server(
                 "instance_id": instance_id,
                 "kv_events_endpoint": kv_events_endpoint,
                 "kv_events_replay_endpoint": kv_events_replay_endpoint,
+                "peer_listen": peer_listen,
+                "peers": list(peer) or None,
+                "peer_discovery": peer_discovery,
             },
             tcp_host=tcp_host,
             tcp_port=tcp_port,

@@ -83,7 +83,7 @@ def bench_server(
     reps: int = typer.Option(7, min=1, help="Interleaved repetitions per mode."),
     lookups: int = typer.Option(2000, min=10, help="Lookup round trips timed."),
 ) -> None:
-    """Store/load bandwidth through ``kvtier server`` vs the embedded tiers, and lookup round-trip latency."""
+    """Store/load bandwidth through `kvtier server` vs the embedded tiers, and lookup round-trip latency."""
     from kvtier.bench.server import run_bench_server
 
     with _json_target(json_path) as out:
@@ -140,7 +140,7 @@ def bench_soak(
     restart_every: float = typer.Option(30.0, help="Seconds between restarts (re-registrations) of each client; 0: none."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write every measured number here ('-': stdout)."),
 ) -> None:
-    """Well-behaved engines and a hostile client against one ``kvtier server``: lookup p99, refusals, server RSS."""
+    """Well-behaved engines and a hostile client against one `kvtier server`: lookup p99, refusals, server RSS."""
     from kvtier.bench.soak import soak_main
 
     raise typer.Exit(

@@ -27,6 +27,14 @@ fi
 # wheel is a CUDA build of several GB); name it explicitly, whatever pip's config says.
 FIND=()
 [ -d /opt/wheels ] && FIND=(--find-links /opt/wheels)
+# Stop before pip would fetch PyPI's CUDA build: with no wheel directory and no index named,
+# say where the CPU build comes from (the check after the install catches the rest).
+if [ ${#FIND[@]} -eq 0 ] && [ -z "${PIP_FIND_LINKS:-}${PIP_INDEX_URL:-}${PIP_EXTRA_INDEX_URL:-}" ] \
+   && [ "$(python -c 'import torch; print(torch.__version__)' 2>/dev/null)" != "2.13.0+cpu" ]; then
+  echo "setup.sh: no CPU build of torch 2.13.0 to install from: put torch-2.13.0+cpu in /opt/wheels, or set" >&2
+  echo "  PIP_FIND_LINKS=DIR, or PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu (PyPI's wheel is a CUDA build of several GB)" >&2
+  exit 1
+fi
 python -m pip install -q --upgrade pip
 # torch first, pinned to the CPU build, so nothing below pulls a CUDA build.
 python -m pip install -q "${FIND[@]}" "torch==2.13.0"

@@ -35,6 +35,7 @@ def test_help_names_every_option_whole_at_80_columns(path: tuple[str, ...], cmd:
     out = result.output
     assert "…" not in out, out  # a cut option name or help text
     assert "<bool>" not in out, out
+    assert "``" not in out, out  # reST markup from a docstring
     for param in cmd.params:
         for opt in [*param.opts, *param.secondary_opts]:
             if opt.startswith("-"):

@@ -73,7 +73,7 @@ def test_ctl_errors_exit_2_with_a_message(live):
     code, out = ctl_cmd(ctl, "clear", "--instance", "ghost")
     assert code == 2 and "ghost" in out
     r = CliRunner().invoke(app, ["ctl", "instances", "--url", ctl.http_url, "--token", "bad"])
-    assert r.exit_code == 2 and "401" in r.output
+    assert r.exit_code == 2 and "401" in r.output and "KVTIER_CONTROLLER_TOKEN" in r.output
     r = CliRunner().invoke(app, ["ctl", "instances", "--url", "http://127.0.0.1:9"])
     assert r.exit_code == 2 and "not reachable" in r.output
 

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import CHUNK, payload_for, small_namespace
 from service_helpers import connect, server_config, short_dir, store  # noqa: F401
-from transfer_helpers import CB, store_chain
+from transfer_helpers import CB, store_chain, read_chain
 from kvtier.config import KVTierConfig
 from kvtier.controller.client import ControllerClient
 from kvtier.controller.server import Controller
@@ -90,16 +90,6 @@ def directed(m: StorageManager) -> DirectedPeerTier:
     return tiers[0]
 
 
-def read(m: StorageManager, keys: list[bytes]) -> list[np.ndarray | None]:
-    handles = m.open_read_many([(k, keys[i - 1] if i else None) for i, k in enumerate(keys)])
-    try:
-        return [None if h is None else np.array(h.buffer) for h in handles]
-    finally:
-        for h in handles:
-            if h is not None:
-                h.close()
-
-
 def three(fleet: Fleet, tokens: list[int]) -> tuple[StorageManager, StorageManager, StorageManager, list[bytes]]:
     a = fleet.add("A", peer_discovery=fleet.ctl.http_url)
     b = fleet.add("B", peer_listen="tcp://127.0.0.1:0")
@@ -126,7 +116,7 @@ def test_a_miss_is_pulled_from_the_peer_with_the_longest_run(fleet: Fleet) -> No
     assert all(a.where(k) is None for k in keys)
     hit = a.lookup(tokens)
     assert hit.num_tokens == 4 * CHUNK and hit.tiers == ["peer"] * 4
-    got = read(a, keys)
+    got = read_chain(a, keys)
     assert all(g is not None and np.array_equal(g, payload_for(k, CB)) for k, g in zip(keys, got))
     assert all(a.where(k) == "cpu" for k in keys), "the pulled chunks were not promoted into A's CPU tier"
     tier = directed(a)
@@ -160,7 +150,7 @@ def test_a_peer_gone_between_lookup_and_pull_is_a_miss(fleet: Fleet) -> None:
     assert a.lookup(tokens).num_tokens == 3 * CHUNK  # A's tier remembers C holds them
     c.close()
     t0 = time.monotonic()
-    assert read(a, keys) == [None] * 3
+    assert read_chain(a, keys) == [None] * 3
     assert time.monotonic() - t0 < 10 * TIMEOUT_S, "the pull hung on a dead peer"
     assert all(a.where(k) is None for k in keys), "nothing may be committed from a failed pull"
 
@@ -229,7 +219,7 @@ def test_a_kvtier_server_registers_its_peer_url_and_serves_a_pull(fleet: Fleet, 
         rows = {r["instance"]: r for r in fleet.ctl.ops.instances()}
         assert rows["srv"]["peer_url"] == srv.peer_server.url
         assert a.lookup(tokens).num_tokens == 3 * CHUNK
-        got = read(a, keys)
+        got = read_chain(a, keys)
         assert all(g is not None and np.array_equal(g, payload_for(k, CB)) for k, g in zip(keys, got))
         client.close()
     finally:

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import CHUNK, payload_for, small_namespace
 from service_helpers import connect, server_config, short_dir, store, wait_until  # noqa: F401
-from transfer_helpers import CB, store_chain
+from transfer_helpers import CB, store_chain, read_chain
 from kvtier.config import KVTierConfig
 from kvtier.service.server import CacheServer, ServerOptions
 from kvtier.storage.manager import StorageManager
@@ -28,16 +28,6 @@ OTHER = small_namespace(model="test/other-model")
 
 def _embedded(**kw: object) -> StorageManager:
     return StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB, peer_timeout_s=1.0, **kw), small_namespace())
-
-
-def _read(mgr: StorageManager, keys: list[bytes]) -> list[np.ndarray | None]:
-    handles = mgr.open_read_many([(k, keys[i - 1] if i else None) for i, k in enumerate(keys)])
-    try:
-        return [None if h is None else np.array(h.buffer) for h in handles]
-    finally:
-        for h in handles:
-            if h is not None:
-                h.close()
 
 
 @pytest.fixture(params=["tcp", "shm"])
@@ -70,7 +60,7 @@ def test_one_listener_serves_every_hosted_namespace(serving) -> None:
             keys = keys_by_ns[ns.model]
             hit = b.lookup(tokens)
             assert hit.num_tokens == 4 * CHUNK and hit.tiers == ["peer"] * 4
-            got = _read(b, keys)
+            got = read_chain(b, keys)
             assert all(g is not None and np.array_equal(g, payload_for(k, CB)) for k, g in zip(keys, got))
         finally:
             b.close()
@@ -95,7 +85,7 @@ def test_a_corrupt_slot_is_not_served_to_peers(serving) -> None:
     b = _embedded(peers=[srv.peer_server.url])
     try:
         assert b.lookup(tokens).num_tokens == 3 * CHUNK  # presence is cheap; the bytes are checked on read
-        got = _read(b, keys)
+        got = read_chain(b, keys)
         assert got[0] is not None and np.array_equal(got[0], payload_for(keys[0], CB))
         assert got[1] is None, "a chunk that fails its commit checksum reached a peer"
     finally:
@@ -156,13 +146,13 @@ def test_server_with_peers_serves_its_clients_from_an_embedded_peer(short_dir: P
         a.close()
 
 
-def test_kvtier_server_cli_starts_with_peer_settings(short_dir: Path) -> None:
+def test_kvtier_server_cli_takes_peer_settings_as_flags_and_variables(short_dir: Path) -> None:
     import os
 
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")},
-           "KVTIER_PEERS": "tcp://127.0.0.1:1", "KVTIER_PEER_LISTEN": "tcp://127.0.0.1:0"}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}, "KVTIER_PEERS": "tcp://127.0.0.1:1"}
     p = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "server", "--socket", str(short_dir / "s.sock"),
-                          "--no-metrics"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                          "--no-metrics", "--peer-listen", "tcp://127.0.0.1:0", "--peer", "tcp://127.0.0.1:2"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until(lambda: (short_dir / "s.sock").exists() or p.poll() is not None, 60.0, "the server to listen")
         assert p.poll() is None, p.stdout.read() if p.stdout else ""
@@ -170,3 +160,8 @@ def test_kvtier_server_cli_starts_with_peer_settings(short_dir: Path) -> None:
         p.terminate()
         out, _ = p.communicate(timeout=30)
     assert p.returncode == 0, out
+    assert "serving this instance's chunks on tcp://127.0.0.1:" in out, out
+    assert "peers=('tcp://127.0.0.1:2',)" in out, out  # the flag wins over KVTIER_PEERS
+    bad = subprocess.run([sys.executable, "-m", "kvtier.cli", "server", "--socket", str(short_dir / "t.sock"),
+                          "--no-metrics", "--peer", "http://x:1"], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "(from flag --peer)" in bad.stderr and "scheme must be one of" in bad.stderr

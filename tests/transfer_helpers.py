@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from conftest import payload_for, small_namespace
 from kvtier.storage.manager import StorageManager
 
@@ -20,6 +22,17 @@ def store_chain(mgr: StorageManager, tokens: list[int]) -> list[bytes]:
         mgr.commit(k, parent)
         parent = k
     return keys
+
+
+def read_chain(mgr: StorageManager, keys: list[bytes]) -> list[np.ndarray | None]:
+    """Open ``keys`` as one chain through ``mgr``; a copy of each payload (None for a miss), handles closed."""
+    handles = mgr.open_read_many([(k, keys[i - 1] if i else None) for i, k in enumerate(keys)])
+    try:
+        return [None if h is None else np.array(h.buffer) for h in handles]
+    finally:
+        for h in handles:
+            if h is not None:
+                h.close()
 
 
 # -- real peer processes (tests/test_transfer_fault_matrix.py) ---------------------------------------------

@@ -62,6 +62,8 @@ class ControllerClient:
                 detail = r.json().get("detail", r.text)
             except ValueError:
                 detail = r.text
+            if r.status_code == 401:  # say how a token is given, not only that it is wrong
+                detail = f"{detail} (pass --token or set KVTIER_CONTROLLER_TOKEN)"
             raise ControllerClientError(f"HTTP {r.status_code}: {detail}", r.status_code)
         if path == "/metrics":
             return {"text": r.text}

@@ -16,6 +16,8 @@ from kvtier.protocol.transport import private_runtime_dir
 from kvtier.service.server import CacheServer, ServerOptions
 
 log = logging.getLogger(__name__)
+#: ``kvtier server`` flags whose name is not the setting's (for error messages naming the flag).
+_FLAG_OF = {"config_file": "--config", "peers": "--peer"}
 
 
 def default_socket_path() -> str:
@@ -107,7 +109,7 @@ def run_server(
     try:
         config = load_config(
             {k: v for k, v in overrides.items() if v is not None},
-            flags={k: "--config" if k == "config_file" else "--" + k.replace("_", "-") for k in overrides},
+            flags={k: _FLAG_OF.get(k, "--" + k.replace("_", "-")) for k in overrides},
         )
     except ConfigError as exc:
         log.error("%s", exc)

@@ -38,9 +38,9 @@ import msgspec
 
 from kvtier.protocol.fleet import MAX_LOCATE_KEYS, LocateReply, PeerLocation
 from kvtier.serde.base import Buffer
-from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, check_key
+from kvtier.tiers.base import TierCounters, check_key
 from kvtier.transfer.peer_open import UrlPeerTier
-from kvtier.transfer.peer_tier import PeerTier
+from kvtier.transfer.peer_tier import PeerTier, ReadOnlyTier
 
 log = logging.getLogger("kvtier.transfer.peer")
 
@@ -48,7 +48,7 @@ log = logging.getLogger("kvtier.transfer.peer")
 MAX_ROUTES = 1 << 16
 
 
-class DirectedPeerTier(LowerTier):
+class DirectedPeerTier(ReadOnlyTier):
     """A read-only lower tier that pulls a local miss from the peer the controller names (module doc).
 
     Args:
@@ -108,10 +108,6 @@ class DirectedPeerTier(LowerTier):
     @property
     def location(self) -> str:
         return f"controller:{self.controller_url}"
-
-    @property
-    def writable(self) -> bool:
-        return False
 
     # -- the controller ---------------------------------------------------------------------------
     def _locate(self, keys: list[bytes]) -> list[PeerLocation] | None:
@@ -252,17 +248,6 @@ class DirectedPeerTier(LowerTier):
                         if not ok:
                             self._routes.pop(keys[i], None)
         return out
-
-    def put_many(self, items: Sequence[ChunkWrite]) -> list[bool]:
-        """Read-only tier: stores nothing (the write-behind skips it since ``writable`` is False)."""
-        self.counters.add(puts=len(items), put_failed=len(items))
-        return [False] * len(items)
-
-    def delete_many(self, keys: Sequence[bytes]) -> int:
-        return 0
-
-    def clear(self) -> int:
-        return 0
 
     def close(self) -> None:
         """Close every pooled peer and the HTTP client (idempotent); later calls are misses."""

@@ -161,7 +161,29 @@ class PeerServer:
             t.join(5)
 
 
-class PeerTier(LowerTier):
+class ReadOnlyTier(LowerTier):
+    """A lower tier that only serves reads: peers (this module, :mod:`.directed_peer`).
+
+    Subclasses set ``self.counters`` (:class:`TierCounters`); stores are counted as failed.
+    """
+
+    @property
+    def writable(self) -> bool:
+        return False
+
+    def put_many(self, items: Sequence[ChunkWrite]) -> list[bool]:
+        """Read-only tier: stores nothing (the write-behind skips it since ``writable`` is False)."""
+        self.counters.add(puts=len(items), put_failed=len(items))
+        return [False] * len(items)
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        return 0
+
+    def clear(self) -> int:
+        return 0
+
+
+class PeerTier(ReadOnlyTier):
     """A read-only lower tier backed by a peer's :class:`PeerServer`.
 
     Args:
@@ -190,10 +212,6 @@ class PeerTier(LowerTier):
     @property
     def location(self) -> str:
         return self._location
-
-    @property
-    def writable(self) -> bool:
-        return False
 
     def _channel(self) -> TransferChannel | None:
         if self._chan is not None and not getattr(self._chan, "closed", False):
@@ -273,17 +291,6 @@ class PeerTier(LowerTier):
         self.counters.add(get_hits=hits, get_misses=len(keys) - hits - corrupt, get_corrupt=corrupt,
                           bytes_read=sum(len(o) for o, r in zip(outs, result) if r))
         return result
-
-    def put_many(self, items: Sequence[ChunkWrite]) -> list[bool]:
-        """Read-only tier: stores nothing (the write-behind skips it since ``writable`` is False)."""
-        self.counters.add(puts=len(items), put_failed=len(items))
-        return [False] * len(items)
-
-    def delete_many(self, keys: Sequence[bytes]) -> int:
-        return 0
-
-    def clear(self) -> int:
-        return 0
 
     def close(self) -> None:
         with self._lock:

@@ -89,3 +89,24 @@ def test_controller_refuses_public_address_without_token(monkeypatch):
     monkeypatch.delenv("KVTIER_CONTROLLER_TOKEN", raising=False)
     r = CliRunner().invoke(app, ["controller", "--host", "0.0.0.0", "--port", "0", "--zmq", "tcp://127.0.0.1:0"])
     assert r.exit_code == 2 and "token" in r.output
+
+
+def test_instances_table_folds_long_values_at_80_columns_instead_of_cutting_them() -> None:
+    from rich.console import Console
+
+    from kvtier.controller.ctl import _instances_table
+
+    out = {"instances": [{"instance": "myhost:12345", "role": "server", "host": "myhost", "pid": 12345,
+                          "peer_url": "tcp://127.0.0.1:42121",
+                          "tiers": [{"kind": "disk", "chunks": 12, "shared": False}],
+                          "namespaces": [{"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "chunk_size": 256, "rank": 0,
+                                          "world_size": 1}], "last_seen_age_s": 0.2}]}
+    with open("/dev/null", "w") as sink:
+        con = Console(width=80, record=True, file=sink)
+        con.print(_instances_table(out))
+    text = con.export_text()
+    assert "…" not in text
+    body = [line.split("│")[1:-1] for line in text.splitlines() if line.startswith("│")]  # one row, folded
+    columns = ["".join(r[i].strip() for r in body) for i in range(len(body[0]))]
+    for value in ("myhost:12345", "tcp://127.0.0.1:42121", "HuggingFaceTB/SmolLM2-135M-InstructC=256r0/1"):
+        assert value in columns, (value, columns)

@@ -66,7 +66,7 @@ def _lookup_table(out: dict[str, Any]) -> Table:
     table = Table(title="lookup: cached prefix tokens per instance")
     for col in ["instance", "location", "longest_matched", *tiers, "pinned"]:
         table.add_column(col, justify="left" if col in ("instance", "location") else "right",
-                         no_wrap=col == "instance")  # ids are copied into other commands: never cut
+                         no_wrap=col == "instance", overflow="fold")  # ids are copied into other commands: never cut
     for inst, r in sorted(rows.items()):
         loc = out.get("layout_info", {}).get(inst, ["-", 0])[0]
         table.add_row(inst, loc, str(r.get("longest_matched", 0)), *(str(r.get(t, 0)) for t in tiers),
@@ -77,7 +77,7 @@ def _lookup_table(out: dict[str, Any]) -> Table:
 def _instances_table(out: dict[str, Any]) -> Table:
     table = Table(title="instances")
     for col in ("instance", "role", "host", "pid", "peer", "tiers", "namespaces", "last seen (s ago)"):
-        table.add_column(col, no_wrap=col == "instance")
+        table.add_column(col, no_wrap=col == "instance", overflow="fold")  # a narrow terminal folds URLs, never cuts them
     for i in out.get("instances", []):
         tiers = ", ".join(f"{t['kind']}:{t['chunks']} chunks" + (" (shared)" if t["shared"] else "") for t in i["tiers"])
         nss = ", ".join(f"{n['model']} C={n['chunk_size']} r{n['rank']}/{n['world_size']}" for n in i["namespaces"])
@@ -89,7 +89,7 @@ def _instances_table(out: dict[str, Any]) -> Table:
 def _health_table(out: dict[str, Any]) -> Table:
     table = Table(title="health")
     for col in ("instance", "tier", "state", "last seen (s ago)"):
-        table.add_column(col, no_wrap=col == "instance")
+        table.add_column(col, no_wrap=col == "instance", overflow="fold")
     for inst, row in sorted(out.get("instances", {}).items()):
         tiers = row.get("tiers") or {}
         if not tiers:

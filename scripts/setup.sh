@@ -38,7 +38,7 @@ fi
 python -m pip install -q --upgrade pip
 # torch first, pinned to the CPU build, so nothing below pulls a CUDA build.
 python -m pip install -q "${FIND[@]}" "torch==2.13.0"
-case "$(python -c 'import torch; print(torch.__version__)')" in
+case "$(python -c 'import torch; print(torch.__version__)' 2>/dev/null)" in  # (torch warns on stderr until numpy is installed)
   *+cpu) ;;
   *) echo "setup.sh: torch is not the CPU build; put torch-2.13.0+cpu in /opt/wheels or PIP_FIND_LINKS" >&2; exit 1 ;;
 esac

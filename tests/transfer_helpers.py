@@ -24,8 +24,8 @@ def store_chain(mgr: StorageManager, tokens: list[int]) -> list[bytes]:
     return keys
 
 
-def read_chain(mgr: StorageManager, keys: list[bytes]) -> list[np.ndarray | None]:
-    """Open ``keys`` as one chain through ``mgr``; a copy of each payload (None for a miss), handles closed."""
+def read_chain(mgr: Any, keys: list[bytes]) -> list[np.ndarray | None]:
+    """Open ``keys`` as one chain through ``mgr`` (a storage manager or a ``kvtier server`` client); a copy of each payload (None for a miss), handles closed."""
     handles = mgr.open_read_many([(k, keys[i - 1] if i else None) for i, k in enumerate(keys)])
     try:
         return [None if h is None else np.array(h.buffer) for h in handles]

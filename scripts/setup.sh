@@ -30,6 +30,7 @@ FIND=()
 # Stop before pip would fetch PyPI's CUDA build: with no wheel directory and no index named,
 # say where the CPU build comes from (the check after the install catches the rest).
 if [ ${#FIND[@]} -eq 0 ] && [ -z "${PIP_FIND_LINKS:-}${PIP_INDEX_URL:-}${PIP_EXTRA_INDEX_URL:-}" ] \
+   && ! python -m pip config list 2>/dev/null | grep -qE 'find-links|index-url' \
    && [ "$(python -c 'import torch; print(torch.__version__)' 2>/dev/null)" != "2.13.0+cpu" ]; then
   echo "setup.sh: no CPU build of torch 2.13.0 to install from: put torch-2.13.0+cpu in /opt/wheels, or set" >&2
   echo "  PIP_FIND_LINKS=DIR, or PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu (PyPI's wheel is a CUDA build of several GB)" >&2

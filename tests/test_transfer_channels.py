@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +22,7 @@ from kvtier.transfer.errors import (
     TransferTimeout,
 )
 from kvtier.transfer.frames import PREFIX, Batch, Chunk, Hello, encode_frame
-from kvtier.transfer.shm import ShmChannel
+from kvtier.transfer.shm import STAGING_WINDOW_BYTES, ShmChannel
 from kvtier.transfer.shm_listener import ShmListener
 from kvtier.transfer.tcp import TcpChannel, TcpListener
 
@@ -125,6 +126,31 @@ def test_large_chunk_and_reuse_of_the_link(link, pool):
     outs = [(k, np.zeros(1000, np.uint8)) for k, _ in small]
     assert _transfer(pool, a, b, small, outs)[1] == [True] * 3
     assert all(np.array_equal(o, p) for (_, o), (_, p) in zip(outs, small))
+
+
+def _backed_bytes(seg: SharedSegment) -> int:
+    """Bytes of a sparse segment whose pages exist (tmpfs counts allocated 512-byte blocks)."""
+    assert seg.fd is not None
+    return os.fstat(seg.fd).st_blocks * 512
+
+
+@pytest.mark.parametrize("chunk_mib", [4, 40])
+def test_shm_batches_reuse_the_first_pages_of_the_staging_ring(pool, chunk_mib):
+    """However far the sender could run ahead, a batch cycles through the ring's first
+    STAGING_WINDOW_BYTES (or its largest payload): every later batch finds warm pages."""
+    a, b = _connect("shm", pool, staging_bytes=256 << 20)
+    size = chunk_mib << 20
+    n = max(3, (96 << 20) // size)  # 96 MiB or more in one batch: 3x the window
+    chunks = _chunks(n, size, seed=5)
+    outs = [(k, np.zeros(size, np.uint8)) for k, _ in chunks]
+    for _ in range(2):
+        fut = pool.submit(lambda: (time.sleep(0.3), b.recv_into(outs))[1])  # the sender runs ahead meanwhile
+        assert a.send(chunks) == [True] * n and fut.result(30) == [True] * n
+        assert all(np.array_equal(o, p) for (_, o), (_, p) in zip(outs, chunks))
+        assert a._staging is not None
+        assert _backed_bytes(a._staging) <= max(STAGING_WINDOW_BYTES, size) + (1 << 20)
+    a.close()
+    b.close()
 
 
 def test_shm_payload_in_shared_segment_is_not_staged(pool):

@@ -462,3 +462,20 @@ def test_channels_chosen_by_url(pool, tmp_path):
     for bad in ("udp://h:1", "tcp://nohost", "shm://"):
         with pytest.raises(ValueError):
             urls.connect(bad)
+
+
+def test_nixl_agent_start_is_quiet_unless_asked(tmp_path):
+    """NIXL's INFO lines (agent and backend creation) stay off stdout; NIXL_LOG_LEVEL set by the user wins."""
+    if _nixl_missing():
+        pytest.skip(f"nixl channel: {_nixl_missing()}")
+    import subprocess
+    import sys
+
+    code = ("from kvtier.transfer.nixl import nixl_agent_class; A, C = nixl_agent_class(); "
+            "A('quiet-test', C(backends=['UCX'])); print('agent up')")
+    env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
+    quiet = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "agent up" in quiet.stdout and "NIXL INFO" not in quiet.stdout + quiet.stderr
+    loud = subprocess.run([sys.executable, "-c", code], env={**env, "NIXL_LOG_LEVEL": "INFO"},
+                          capture_output=True, text=True, timeout=120)
+    assert "NIXL INFO" in loud.stdout + loud.stderr

@@ -59,6 +59,9 @@ def nixl_agent_class() -> tuple[Any, Any]:
     Raises:
         ChannelUnavailable: NIXL is not installed or does not load here.
     """
+    # NIXL logs every agent and backend creation at INFO on stdout (its Python logger and its
+    # C++ one both read NIXL_LOG_LEVEL when first loaded); a user's own setting is kept.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except Exception as exc:  # ImportError, or a native library that fails to load

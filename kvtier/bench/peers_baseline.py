@@ -1,7 +1,9 @@
 """Physical baselines of ``kvtier bench peers`` and ``kvtier bench tiers``: what the machine gives
 with no cache layer at all, on the same bytes and chunking.
 
-- memcpy: the chunks copied out of / back into a KV tensor ``[2, L, T, H*D]`` (numpy ``copyto``);
+- memcpy: the chunks copied out of / back into a KV tensor ``[2, L, T, H*D]`` (numpy ``copyto``),
+  the put after the same :func:`before_put` as every side's put (without it, it copied a tensor
+  still hot in the CPU caches while each side's put followed the hook's memory sweep);
 - plain files: one file per chunk, ``open``/``pwrite``/``close`` and ``open``/``preadv``/``close``
   on ``io_threads`` already started threads (the disk tier's default: 4), buffered and with
   O_DIRECT into page-aligned buffers; the single-thread figure too. Buffered files both with one
@@ -144,6 +146,7 @@ def baselines(a: argparse.Namespace, s: _Shape) -> dict[str, Any]:
                 for i, (m, v) in enumerate(zip(s.sizes, slot_views)):
                     np.copyto(kv[:, :, i * s.CH : i * s.CH + m], v)
 
+            before_put(a.free_bytes)  # the memory state every side's put starts from (kvtier's, LMCache's)
             rec["memcpy_put"] = _timed(mput)
             rec["memcpy_get"] = _timed(mget)
             for mode, threads, direct, wstep, rstep, verify in (

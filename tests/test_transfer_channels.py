@@ -479,3 +479,25 @@ def test_nixl_agent_start_is_quiet_unless_asked(tmp_path):
     loud = subprocess.run([sys.executable, "-c", code], env={**env, "NIXL_LOG_LEVEL": "INFO"},
                           capture_output=True, text=True, timeout=120)
     assert "NIXL INFO" in loud.stdout + loud.stderr
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_shm_batch_of_many_chunks_does_not_block_both_ends(pool, shared):
+    """Frames one way and one ack per chunk the other: a 12,000-chunk batch used to fill both
+    socket buffers and stall both ends until the timeout; now it completes within seconds."""
+    n, size = 12_000, 64
+    a, b = _connect("shm", pool, timeout_s=8.0, staging_bytes=1 << 20)
+    data = np.random.default_rng(9).integers(0, 256, n * size, dtype=np.uint8)
+    if shared:
+        seg = SharedSegment.create(n * size)
+        seg.array[:] = data
+        a.share_segment(seg)
+        data = seg.array
+    chunks = [(_key(i), data[i * size:(i + 1) * size]) for i in range(n)]
+    outs = [(k, np.zeros(size, np.uint8)) for k, _ in chunks]
+    t0 = time.monotonic()
+    sent, got = _transfer(pool, a, b, chunks, outs)
+    assert sent == [True] * n and got == [True] * n and time.monotonic() - t0 < 8.0
+    assert all(np.array_equal(o, p) for (_, o), (_, p) in zip(outs, chunks))
+    a.close()
+    b.close()

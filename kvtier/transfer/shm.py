@@ -57,6 +57,11 @@ DEFAULT_STAGING_BYTES = 256 << 20
 #: measured here, a 23-chunk batch reaching 36 MiB of never-touched ring pages took 80 ms
 #: instead of 21), and a few chunks in flight already keep the receiver busy.
 STAGING_WINDOW_BYTES = 32 << 20
+#: Most chunks sent and not yet acknowledged. The receiver writes acks while the sender writes
+#: frames: unbounded, a batch of thousands of small chunks filled both socket buffers and both
+#: ends blocked until the timeout. A Unix socket charges each write's buffer (~1 KiB for a small
+#: frame or ack, not its bytes) to the sender's 208 KiB send buffer: 64 writes each way fit.
+MAX_UNACKED_CHUNKS = 64
 #: Most segments one peer may share.
 MAX_PEER_SEGMENTS = 64
 
@@ -186,6 +191,11 @@ class ShmChannel(StreamChannel):
             # and copies two chunks at once instead of waiting for this process to run.
             out = [encode_frame(Batch(batch_id=batch_id, count=len(items)))]
             for i, ((key, mv, given), (seg_id, offset)) in enumerate(zip(items, placed)):
+                if i - acked >= MAX_UNACKED_CHUNKS:  # frames go one way, acks the other: bound both
+                    self._send_views(out, deadline)
+                    out = []
+                    while i - acked >= MAX_UNACKED_CHUNKS // 2:
+                        acked = self._take_ack(batch_id, acked, received, ring, deadline)
                 if seg_id < 0 and len(mv):
                     self._send_views(out, deadline)
                     out = []

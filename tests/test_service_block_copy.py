@@ -23,7 +23,7 @@ from kvtier import protocol as P
 from kvtier.protocol.messages import KVRegister, KVRelease, LoadBlocks, ShmBuffer, StoreBlocks
 from kvtier.service.kv_export import kv_register_request
 from kvtier.service.pinning import SegmentPins
-from kvtier.service.shm import SharedSegment
+from kvtier.memory.shared_segment import SharedSegment
 from kvtier.storage.types import WriteSkip
 from conftest import small_namespace
 from service_helpers import connect, short_dir, start_server_process, wait_until  # noqa: F401 (short_dir: fixture)

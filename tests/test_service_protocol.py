@@ -11,7 +11,7 @@ import pytest
 from conftest import small_namespace
 from kvtier.memory.pool import ChunkPool
 from kvtier import protocol as P
-from kvtier.service.shm import SharedSegment
+from kvtier.memory.shared_segment import SharedSegment
 from kvtier.tiers.cpu import CpuTier
 
 K1, K2 = b"\x01" * 32, b"\x02" * 32

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvtier.service.shm import SharedSegment
+from kvtier.memory.shared_segment import SharedSegment
 from kvtier.transfer.channel import TransferChannel
 from kvtier.transfer.errors import (
     PeerGone,

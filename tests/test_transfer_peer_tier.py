@@ -91,3 +91,43 @@ def test_peer_down_from_the_start_is_a_miss():
     s = tier.stats()
     assert s["errors"] == 1 and s["skipped_calls"] == 1  # no retry storm while down
     tier.close()
+
+
+def test_over_shared_memory_peers_copy_straight_out_of_the_cpu_tier(tmp_path):
+    """``peer_listen = shm://``: A's CPU tier lives in a shared segment that each peer maps
+    read-only; A's chunks reach B with no copy on A's side (no staging ring is ever made)."""
+    from kvtier.transfer.peer_open import open_peer_tier
+
+    url = f"shm://{tmp_path / 'a.sock'}"
+    a = StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=16 * CB, peer_listen=url), small_namespace())
+    tier = open_peer_tier(url, timeout_s=2.0, retry_s=0.2)
+    b = StorageManager(_config(), small_namespace(), lower=[tier])
+    try:
+        seg = a.cpu_segment
+        assert seg is not None
+        base = int(seg.array.ctypes.data)
+        slots = a.cpu.pool._buf
+        assert base <= int(slots.ctypes.data) and int(slots.ctypes.data) + slots.nbytes <= base + seg.size
+        keys = store_chain(a, list(range(4 * CHUNK + 1)))
+        for k in keys:
+            h = b.open_read(k)
+            assert h is not None and h.source == "peer"
+            with h:
+                assert np.array_equal(h.buffer, payload_for(k, CB))
+        served = a.peer_server._channels
+        assert len(served) == 1 and served[0]._staging is None  # every chunk went in place
+        mapped = list(tier._chan._theirs.values())
+        assert len(mapped) == 1 and not mapped[0].array.flags.writeable  # read-only on B
+    finally:
+        b.close()
+        a.close()
+    assert a.cpu_segment.fd is None  # closed with the manager
+
+
+def test_without_shared_memory_peering_the_cpu_tier_stays_private(tmp_path):
+    for extra in ({}, {"peer_listen": "tcp://127.0.0.1:0"}):
+        m = StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=4 * CB, **extra), small_namespace())
+        try:
+            assert m.cpu_segment is None
+        finally:
+            m.close()

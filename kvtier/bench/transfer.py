@@ -65,7 +65,7 @@ def _sender_main(cmds: Any, shm_path: str, tcp_addr: tuple[str, int], raw_addr: 
     """The sender process: serves each command (``shm``, ``staged``, ``tcp``, ``raw``, ``nixl``) until ``stop``."""
     import xxhash
 
-    from kvtier.service.shm import SharedSegment
+    from kvtier.memory.shared_segment import SharedSegment
     from kvtier.transfer.shm import ShmChannel
     from kvtier.transfer.tcp import TcpChannel
 

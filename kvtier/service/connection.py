@@ -31,7 +31,7 @@ import numpy as np
 
 from kvtier import protocol as P
 from kvtier.protocol import Backoff, ErrorCode, ProtocolError, UnsafeSocketDir, check_socket_dir
-from kvtier.service.shm import SharedSegment
+from kvtier.memory.shared_segment import SharedSegment
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from kvtier.memory.budget import BudgetShare, ByteBudget
 from kvtier.memory.pool import ChunkPool
 from kvtier.service.integrity import ChunkSums, verify_writes
 from kvtier.service.ratelog import RateLimitedLog
-from kvtier.service.shm import SharedSegment
+from kvtier.memory.shared_segment import SharedSegment
 from kvtier.storage.lower_tiers import open_lower_tiers
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.types import ReadHandle

@@ -15,7 +15,7 @@ Two consequences of pinning a segment, which stay in force while it is pinned:
   ``cpu_capacity``), so each pinned namespace holds that much host memory;
 - the pool must not give free slots' pages back (``MADV_REMOVE`` would leave the
   GPU's DMA mapping on the old pages): the segment's ``keep_pages`` flag is set
-  until it is unpinned (:meth:`kvtier.service.shm.SharedSegment.release`).
+  until it is unpinned (:meth:`kvtier.memory.shared_segment.SharedSegment.release`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class SegmentPins:
         self._lock = threading.Lock()
 
     def acquire(self, digest: bytes, segment: Any) -> bool:
-        """Pin ``segment`` (a :class:`~kvtier.service.shm.SharedSegment`) for namespace ``digest``.
+        """Pin ``segment`` (a :class:`~kvtier.memory.shared_segment.SharedSegment`) for namespace ``digest``.
 
         Returns True if it is pinned now (first user: registered; later users: counted).
         A failing ``cudaHostRegister`` is logged and returns False (copies still work,

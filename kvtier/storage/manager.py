@@ -27,6 +27,7 @@ A failing lower tier is a miss (bounded by its timeout), never an exception.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from typing import Any, Callable, Sequence, Union
 
@@ -35,6 +36,7 @@ import numpy as np
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import ChunkHasher, KeyNamespace
 from kvtier.memory.pool import ChunkPool
+from kvtier.memory.shared_segment import SharedSegment, shared_chunk_pool
 from kvtier.storage.handles import CpuReadHandle
 from kvtier.storage.leases import LeaseTable
 from kvtier.storage.lookup import contains_many_safe, held_prefix
@@ -98,6 +100,11 @@ class StorageManager:
         self.counters = Counters()
         self._lock = threading.Lock()
         self._closed = False
+        #: The CPU tier's memory as a shared segment when this instance serves peers over shared
+        #: memory (peers map it read-only and copy chunks straight out of it); else None.
+        self.cpu_segment: SharedSegment | None = None
+        if pool is None and _cpu_shared_with_peers(config):
+            pool, self.cpu_segment = shared_chunk_pool(self.chunk_bytes, int(config.cpu_capacity))
         self.cpu = CpuTier(
             self.chunk_bytes, int(config.cpu_capacity), make_policy(config.cpu_eviction), self.leases.is_pinned, pool=pool
         )
@@ -519,3 +526,15 @@ class StorageManager:
                 tier.close()
             except Exception:  # pragma: no cover - defensive
                 log.exception("kvtier: closing %s failed", tier.name)
+        if self.cpu_segment is not None:  # its fd; the mapping stays while a reader's view is alive
+            self.cpu_segment.close()
+
+
+def _cpu_shared_with_peers(config: KVTierConfig) -> bool:
+    """Whether the CPU tier should live in a shared segment: this instance serves peers over
+    shared memory (``peer_listen = shm://...``) and its CPU memory need not be CUDA-pinned
+    (a pinned pool keeps its private, page-locked memory; peers then get staged copies)."""
+    if not (config.peer_listen or "").startswith("shm://"):
+        return False
+    torch = sys.modules.get("torch")
+    return not (torch is not None and torch.cuda.is_available())

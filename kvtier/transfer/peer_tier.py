@@ -98,6 +98,8 @@ class PeerServer:
 
     def _serve(self, chan: TransferChannel) -> None:
         try:
+            if not self._share_cpu_memory(chan):
+                return
             self._serve_loop(chan)
         except Exception:  # a bug or a local failure must not leave the peer waiting for a reply
             log.exception("kvtier peer server: dropping a peer after an unexpected error")
@@ -109,6 +111,20 @@ class PeerServer:
                 me = threading.current_thread()
                 if me in self._threads:
                     self._threads.remove(me)
+
+    def _share_cpu_memory(self, chan: TransferChannel) -> bool:
+        """Over shared memory, let the peer map the manager's CPU tier (``cpu_segment``, when it
+        has one): its chunks then go without a copy on this side. False: the peer is gone."""
+        segment = getattr(self.manager, "cpu_segment", None)
+        share = getattr(chan, "share_segment", None)
+        if segment is None or share is None:
+            return True
+        try:
+            share(segment, self.timeout_s)
+        except TransferError as exc:
+            log.warning("kvtier peer server: dropping a peer that did not take the CPU segment: %s", exc)
+            return False
+        return True
 
     def _serve_loop(self, chan: TransferChannel) -> None:
         decoder = msgspec.msgpack.Decoder(PeerRequest)

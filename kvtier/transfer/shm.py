@@ -1,6 +1,6 @@
 """The shared-memory transfer channel (same machine): payloads never go through the socket.
 
-Both ends share :class:`kvtier.service.shm.SharedSegment` mappings (like ``kvtier server``'s
+Both ends share :class:`kvtier.memory.shared_segment.SharedSegment` mappings (like ``kvtier server``'s
 CPU pool): a segment's file descriptor travels once over the channel's Unix socket
 (``SCM_RIGHTS``, a :class:`~kvtier.transfer.frames.Segment` frame) and the peer maps it.
 Then only small :class:`~kvtier.transfer.frames.Chunk` frames (key, size, xxh3-64, segment,
@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtier.service.shm import SharedSegment
+from kvtier.memory.shared_segment import SharedSegment
 from kvtier.transfer.channel import (
     DEFAULT_TIMEOUT_S,
     Deadline,
@@ -80,6 +80,9 @@ class ShmChannel(StreamChannel):
     #: Whether received chunks lying in a segment the peer shared may go two at a time (one
     #: copied and hashed on a helper thread, :mod:`kvtier.transfer.verify`). False: every
     #: chunk is copied and hashed on the calling thread (one core; e.g. beside a busy engine).
+    #: Also off for a call from a thread that may run on one CPU only (e.g. a vLLM CPU
+    #: engine's threads, pinned to the engine's core): the helper thread would only take
+    #: turns with it on that core, paying GIL hand-offs for nothing.
     overlap: bool = True
 
     def __init__(self, sock: socket.socket, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -146,7 +149,7 @@ class ShmChannel(StreamChannel):
             os.close(fd)
             raise ProtocolError(f"segment {msg.segment_id} shared twice or too many segments")
         try:
-            self._theirs[msg.segment_id] = SharedSegment.attach_fd(fd, msg.nbytes)  # closes fd
+            self._theirs[msg.segment_id] = SharedSegment.attach_fd(fd, msg.nbytes, writable=False)  # closes fd
             if msg.staging:
                 self._their_staging.add(msg.segment_id)
         except (OSError, ValueError) as exc:
@@ -278,6 +281,7 @@ class ShmChannel(StreamChannel):
         views, index = check_in_slots(dests)
         deadline = self._deadline(timeout_s)
         result = [False] * len(views)
+        overlap = self.overlap and _may_use_two_cpus()
         unacked: list[Check] = []  # copied, in chunk order; only unacked[0] may still run on the helper
         acks: list[bytes] = []  # ack frames not yet sent, in chunk order
         try:
@@ -298,7 +302,7 @@ class ShmChannel(StreamChannel):
                     acks.append(encode_frame(ChunkAck(batch_id=batch_id, index=expect, ok=False)))
                     continue
                 check = self._verifier.copy(expect, i, src, np.frombuffer(views[i], dtype=np.uint8), chunk.checksum,
-                                            overlap=self.overlap and not unacked
+                                            overlap=overlap and not unacked
                                             and chunk.segment_id not in self._their_staging)
                 unacked.append(check)
                 if unacked[0].done:  # nothing on the helper: settle now
@@ -364,3 +368,9 @@ class ShmChannel(StreamChannel):
         staging, self._staging = self._staging, None
         if staging is not None:
             staging.close()
+
+
+def _may_use_two_cpus() -> bool:
+    """Whether the calling thread may run on more than one CPU (Linux: its own affinity mask)."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    return getaffinity is None or len(getaffinity(0)) > 1

@@ -1,4 +1,5 @@
-"""The shared-memory segment that holds the cache service's CPU chunk pool.
+"""Shared-memory segments: the cache service's CPU chunk pools, and an instance's CPU tier
+when it serves peers over shared memory (``peer_listen = shm://...``).
 
 The server creates one anonymous segment per key namespace (``memfd_create``
 on Linux; else a 0600 file in ``/dev/shm`` unlinked at once, so nothing is left
@@ -29,6 +30,8 @@ import os
 import tempfile
 
 import numpy as np
+
+from kvtier.memory.pool import ChunkPool
 
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _PAGE = mmap.PAGESIZE
@@ -76,17 +79,21 @@ class SharedSegment:
         return seg
 
     @classmethod
-    def attach_fd(cls, fd: int, size: int) -> "SharedSegment":
+    def attach_fd(cls, fd: int, size: int, writable: bool = True) -> "SharedSegment":
         """Map a segment received as a file descriptor; ``fd`` is closed afterwards.
+
+        ``writable=False`` maps it read-only (``array`` is then read-only too): a peer that
+        only copies out of another process's memory cannot corrupt it.
 
         Raises:
             ValueError: the file is smaller than ``size``.
             OSError: mapping failed.
         """
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         try:
             if os.fstat(fd).st_size < size:
                 raise ValueError("shared segment is smaller than announced")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             os.close(fd)
         return cls(None, mm, size)
@@ -159,3 +166,18 @@ def _anonymous_fd(name: str) -> int:
     fd, path = tempfile.mkstemp(prefix=f"{name}-", dir=base)  # 0600
     os.unlink(path)
     return fd
+
+
+def shared_chunk_pool(slot_bytes: int, capacity_bytes: int, name: str = "kvtier-cpu") -> tuple[ChunkPool, SharedSegment]:
+    """A :class:`ChunkPool` of ``capacity_bytes // slot_bytes`` slots inside a new pre-touched
+    segment (returned too: the caller shares it, e.g. with peers, and closes it).
+
+    Raises:
+        ValueError: the capacity is below one slot.
+        OSError: the memory cannot be reserved.
+    """
+    num_slots = capacity_bytes // slot_bytes if slot_bytes > 0 else 0
+    if num_slots < 1:
+        raise ValueError(f"CPU tier capacity {capacity_bytes} B is below one chunk ({slot_bytes} B)")
+    seg = SharedSegment.create(num_slots * slot_bytes, name=name)
+    return ChunkPool(slot_bytes, num_slots, buffer=seg.array), seg

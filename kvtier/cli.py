@@ -149,6 +149,9 @@ def server(
     instance_id: Optional[str] = typer.Option(
         None, help="Instance id at the controller (default host:port-or-server:pid; setting instance_id)."
     ),
+    controller_token: Optional[str] = typer.Option(
+        None, help="Token the controller requires (setting controller_token; $KVTIER_CONTROLLER_TOKEN keeps it out of ps)."
+    ),
     kv_events_endpoint: Optional[str] = typer.Option(
         None, help="Publish KV events (vLLM's schema) on this ZMQ PUB address, e.g. tcp://*:5557."
     ),
@@ -179,6 +182,7 @@ def server(
                 "log_level": log_level,
                 "controller": controller,
                 "instance_id": instance_id,
+                "controller_token": controller_token,
                 "kv_events_endpoint": kv_events_endpoint,
                 "kv_events_replay_endpoint": kv_events_replay_endpoint,
                 "peer_listen": peer_listen,

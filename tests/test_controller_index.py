@@ -130,10 +130,15 @@ def test_salt_scope_follows_lineage_markers_and_counts_unattributed_chunks():
 
 def test_state_register_token_epochs_and_expiry():
     st = FleetState(token="s3cret", expiry_s=0.5)
-    assert st.handle("a", register(token="wrong")) is None
-    assert st.counters["refused_registrations"] == 1
+    refused = st.handle("a", register(token="wrong"))
+    assert refused is not None and not refused.known and "wrong token" in refused.refused
+    none = st.handle("a", register(token=""))
+    assert none is not None and "sent no token" in none.refused and "KVTIER_CONTROLLER_TOKEN" in none.refused
+    assert st.counters["refused_registrations"] == 2
     bad_spec = register(token="s3cret", spec=make_namespace("other").canonical_bytes())
-    assert st.handle("a", bad_spec) is None  # spec does not match the digest
+    ack = st.handle("a", bad_spec)  # spec does not match the digest
+    assert ack is not None and not ack.known and ack.refused
+    assert "a" not in st.registry.ids()
     ack = st.handle("a", register(token="s3cret"), now=0.0)
     assert ack is not None and ack.known and ack.resync
     ks = chain(2)

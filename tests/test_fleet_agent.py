@@ -495,3 +495,31 @@ def test_kvtier_server_process_registers_from_settings(short_dir) -> None:
         finally:
             router.close()
     assert proc.returncode == 0
+
+
+def test_refused_registration_is_logged_once_and_retried_later(manager, caplog, monkeypatch) -> None:
+    """A controller that refuses the Register (e.g. no token) says why; the instance logs it
+    once (not every retry), waits REFUSED_RETRY_S before the next Register, and registers
+    normally once the controller accepts."""
+    monkeypatch.setattr(FleetAgent, "REFUSED_RETRY_S", 0.6)
+    router = Router()
+    caplog.set_level("WARNING", logger="kvtier")
+    agent, _ = _agent(router, manager)
+    try:
+        reason = "instance 'inst-1' sent no token; this controller requires one"
+        for _ in range(2):
+            ident, _ = router.recv_until(F.Register)
+            t_refused = time.monotonic()
+            router.send(ident, F.Ack("c1", False, refused=reason))
+            wait_until(lambda: agent.stats.refusals >= 1)
+        # heartbeat_s is 0.05: without the back-off a Register would follow within ~0.1 s
+        ident, _ = router.recv_until(F.Register)
+        assert time.monotonic() - t_refused >= 0.5 and agent.stats.refusals == 2
+        assert [r.getMessage() for r in caplog.records].count(
+            f"kvtier fleet agent: the controller at {agent.endpoint} refused this instance: {reason} "
+            "(retrying every 1 s)") == 1
+        router.send(ident, F.Ack("c1", True))
+        wait_until(lambda: agent.registered)
+    finally:
+        agent.close()
+        router.close()

@@ -163,6 +163,9 @@ class InstanceRegistry:
         if msg.version != FLEET_PROTOCOL_VERSION:
             raise RegistrationError(
                 f"instance {msg.instance!r} speaks fleet protocol {msg.version}, controller {FLEET_PROTOCOL_VERSION}")
+        if self._token and not msg.token:
+            raise RegistrationError(f"instance {msg.instance!r} sent no token; this controller requires one "
+                                    "(the instance's controller_token setting, KVTIER_CONTROLLER_TOKEN)")
         if self._token and not hmac.compare_digest(msg.token.encode(), self._token.encode()):
             raise RegistrationError(f"instance {msg.instance!r} presented a wrong token")
         if not msg.instance:

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 #: A resync is not asked for again within this many seconds of the last request.
 RESYNC_RETRY_S = 0.3
+#: A refused registration is logged once per instance and reason in this many seconds.
+REFUSAL_LOG_S = 60.0
 
 
 class FleetState:
@@ -50,6 +52,7 @@ class FleetState:
         self.epoch = os.urandom(8).hex()
         self.heartbeat_s = heartbeat_s
         self._resync_asked: dict[str, float] = {}
+        self._refusals_logged: dict[tuple[str, str], float] = {}  # (instance, reason) -> last logged
         #: Called (outside the lock) with the id of every dropped instance (expired or restarted).
         self.on_drop: list[Callable[[str], None]] = []
         self.counters: dict[str, int] = {
@@ -115,8 +118,14 @@ class FleetState:
             rec, replaced = self.registry.register(msg, now_m)
         except RegistrationError as exc:
             self.counters["refused_registrations"] += 1
-            log.warning("controller: refused registration: %s", exc)
-            return None
+            # The agent retries (backing off): one line per instance and reason a minute, not per try.
+            said = (msg.instance, str(exc))
+            if len(self._refusals_logged) > 1024:  # bounded, whatever ids strangers make up
+                self._refusals_logged.clear()
+            if now_m - self._refusals_logged.get(said, -REFUSAL_LOG_S) >= REFUSAL_LOG_S:
+                self._refusals_logged[said] = now_m
+                log.warning("controller: refused registration: %s", exc)
+            return Ack(self.epoch, known=False, heartbeat_s=self.heartbeat_s, refused=str(exc))
         if replaced:
             dropped.append(msg.instance)
         self.index.add_instance(msg.instance, rec.tiers, list(rec.namespaces))

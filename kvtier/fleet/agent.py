@@ -79,6 +79,7 @@ class AgentStats:
     injected_drops: int = 0  # Changes dropped by the fault-injection hook
     bad_frames: int = 0  # controller frames that did not decode
     ops_refused: int = 0  # OpRequests refused because the op pool was full
+    refusals: int = 0  # Registers the controller refused (token, version, tiers), each logged once a minute
 
 
 class FleetAgent:
@@ -107,6 +108,9 @@ class FleetAgent:
     Raises:
         ValueError: a bad controller address, role or fraction.
     """
+
+    #: Seconds between Registers after the controller refused one (a wrong token does not fix itself).
+    REFUSED_RETRY_S = 10.0
 
     def __init__(
         self,
@@ -153,6 +157,9 @@ class FleetAgent:
         self._snapshot_due = False
         self._snapshot_retry_at = 0.0  # after a failed snapshot: wait a heartbeat before the next
         self._last_register = 0.0
+        self._refused_until = 0.0  # after a refused Register: the next try, monotonic seconds
+        self._last_refusal = ""
+        self._refusal_logged_at = 0.0
         self._last_rx = 0.0
         self._last_hb = 0.0
         self._ops = OpRunner(self.namespaces, self.stats, op_workers)
@@ -265,6 +272,8 @@ class FleetAgent:
                     self._on_frame(frame)
 
     def _maybe_register(self, sock: zmq.Socket, now: float) -> None:
+        if now < self._refused_until and not self._register_due:
+            return
         retry = max(0.2, self.heartbeat_s)
         if not (self._register_due or (not self._registered and now - self._last_register >= retry)):
             return
@@ -294,6 +303,18 @@ class FleetAgent:
         if isinstance(msg, F.Ack):
             if msg.heartbeat_s and msg.heartbeat_s > 0:
                 self.heartbeat_s = float(msg.heartbeat_s)
+            if msg.refused:  # our Register was refused: say why (not every retry), retry later
+                self._registered = False
+                self._awaiting_ack = False
+                self._register_due = False
+                self.stats.refusals += 1
+                now = time.monotonic()
+                self._refused_until = now + self.REFUSED_RETRY_S
+                if msg.refused != self._last_refusal or now - self._refusal_logged_at >= 60.0:
+                    self._last_refusal, self._refusal_logged_at = msg.refused, now
+                    log.warning("kvtier fleet agent: the controller at %s refused this instance: %s "
+                                "(retrying every %.0f s)", self.endpoint, msg.refused, self.REFUSED_RETRY_S)
+                return
             if not msg.known:
                 self._registered = False
                 self._awaiting_ack = False

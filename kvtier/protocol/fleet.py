@@ -159,6 +159,9 @@ class Ack(msgspec.Struct, tag="ack", frozen=True):
     known: bool
     resync: bool = False
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    #: Why the controller refused the ``Register`` this answers (``known`` is then False): a
+    #: missing or wrong token, another protocol version, a bad tier; "" otherwise.
+    refused: str = ""
 
 
 class OpRequest(msgspec.Struct, tag="op", frozen=True):

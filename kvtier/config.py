@@ -554,9 +554,10 @@ def _env_values(environ: Mapping[str, str]) -> dict[str, str]:
         key = name[len(ENV_PREFIX) :].lower()
         if key not in fields:
             close = difflib.get_close_matches(key, sorted(fields), n=1)
-            hint = f" (did you mean {ENV_PREFIX}{close[0].upper()}?)" if close else ""
+            if close:  # the likely fix alone; the whole list only when nothing is close
+                raise ConfigError(f"unknown environment variable {name} (did you mean {ENV_PREFIX}{close[0].upper()}?)")
             raise ConfigError(
-                f"unknown environment variable {name}{hint}; kvtier settings are "
+                f"unknown environment variable {name}; kvtier settings are "
                 + ", ".join(ENV_PREFIX + f.upper() for f in sorted(fields))
                 + " (tooling variables allowed: " + ", ".join(sorted(NON_SETTING_ENV)) + ")"
             )
@@ -602,7 +603,9 @@ def load_config(
             key = str(err["loc"][0]) if err["loc"] else "?"
             where = origin.get(key, "default")
             if err["type"] == "extra_forbidden":
-                problems.append(f"unknown setting {key!r} (from {where})")
+                close = difflib.get_close_matches(key, sorted(KVTierConfig.model_fields), n=1)
+                hint = f"did you mean {close[0]!r}?" if close else "`kvtier config-check` prints every setting"
+                problems.append(f"unknown setting {key!r} (from {where}; {hint})")
             else:
                 msg = str(err["msg"]).removeprefix("Value error, ")
                 problems.append(f"{key} (from {where}): {msg}")

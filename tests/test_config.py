@@ -84,6 +84,22 @@ def test_unknown_environment_variable_is_refused() -> None:
     assert "KVTIER_CPU_CAPACTY" in str(err.value)
     assert "environment variable" in str(err.value)
     assert "did you mean KVTIER_CPU_CAPACITY?" in str(err.value)
+    assert "KVTIER_DISK_PATH" not in str(err.value)  # the likely fix, not the whole list
+    with pytest.raises(ConfigError) as err:
+        load_config(environ={"KVTIER_ZZZQQQ": "1"})
+    assert "KVTIER_DISK_PATH" in str(err.value)  # nothing close: every setting listed
+
+
+def test_unknown_setting_in_a_file_or_override_suggests_the_closest(tmp_path: Path) -> None:
+    f = tmp_path / "kvtier.toml"
+    f.write_text('cpu_evicton = "lru"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config({"config_file": f}, environ={})
+    assert "unknown setting 'cpu_evicton'" in str(err.value) and str(f) in str(err.value)
+    assert "did you mean 'cpu_eviction'?" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config({"zzzqqq": 1}, environ={})
+    assert "kvtier config-check" in str(err.value)
 
 
 def test_a_disk_path_kvtier_creates_is_owner_only(tmp_path: Path) -> None:

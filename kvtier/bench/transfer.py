@@ -23,7 +23,8 @@ Figures (JSON keys, seconds per batch unless named ``_gbps``):
 - ``tcp_s`` / ``raw_tcp_s`` / ``tcp_ratio`` (= raw_tcp_s / tcp_s, target >= 0.8): the TCP
   channel over loopback vs a raw loopback socket between the same two processes
   (``sendall`` of each payload, ``recv_into`` each destination; no headers, no checksums).
-- ``nixl_s`` / ``nixl_raw_s`` / ``nixl_ratio`` (= nixl_raw_s / nixl_s, target >= 0.8): the NIXL
+- ``nixl_s`` / ``nixl_raw_s`` / ``nixl_ratio`` (= nixl_raw_s / nixl_s, information: the NIXL
+  channel is optional and has no target; it does not decide the exit code): the NIXL
   channel (UCX, CPU to CPU) vs NIXL's own READ of the same sender memory into the same
   destinations (no frames, no checksums); null with ``nixl_reason`` when NIXL is missing.
 """
@@ -51,7 +52,6 @@ from kvtier.bench.common import (
 
 SHM_TARGET = 0.8
 TCP_TARGET = 0.8
-NIXL_TARGET = 0.8
 #: One 256-token chunk of SmolLM2-135M (bytes).
 DEFAULT_CHUNK_BYTES = 5_898_240
 
@@ -257,10 +257,12 @@ def run_bench_transfer(json_path: Path | None = None, chunks: int = 16, chunk_mb
         Check("tcp channel / raw loopback socket (bandwidth)", result["tcp_ratio"], TCP_TARGET, True, "x",
               f"{result['tcp_gbps']:.2f} vs {result['raw_gbps']:.2f} GB/s"),
     ]
-    if result["nixl_ratio"] is not None:
-        checks.append(Check("nixl channel / NIXL's own READ (bandwidth)", result["nixl_ratio"], NIXL_TARGET, True, "x",
-                            f"{result['nixl_gbps']:.2f} vs {result['nixl_raw_gbps']:.2f} GB/s"))
     result["checks"] = {c.name: {"measured": c.measured, "target": c.target, "passed": c.passed} for c in checks}
     print_checks(f"kvtier bench transfer ({chunks} x {chunk_bytes:,} B, {rounds} rounds, medians)", checks)
+    if result["nixl_ratio"] is not None:
+        print(f"  info  nixl channel / NIXL's own READ (bandwidth): {result['nixl_ratio']:.2f}x "
+              f"({result['nixl_gbps']:.2f} vs {result['nixl_raw_gbps']:.2f} GB/s; optional channel, no target)")
+    else:
+        print(f"  info  nixl channel: not measured ({nixl_reason})")
     write_json(json_path, result)
     return 0 if all(c.passed for c in checks) or not enforce else 1

@@ -283,7 +283,9 @@ def test_a_port_in_use_names_the_flag_and_leaves_no_socket(tmp_path: Path) -> No
         port = busy.getsockname()[1]
         out = _server(tmp_path, "--metrics-port", str(port))
     text = (out.stdout + out.stderr).strip()
-    assert out.returncode == 1 and f"--metrics-port 127.0.0.1:{port}" in text.replace("--metrics-host/", ""), text
+    # a setting that cannot work: exit 2 (as for config errors), with what to do instead
+    assert out.returncode == 2 and f"--metrics-port 127.0.0.1:{port}" in text.replace("--metrics-host/", ""), text
+    assert "--no-metrics" in text, text
     errors = [line for line in text.splitlines() if " ERROR " in line]
     assert "Traceback" not in text and len(errors) == 1, text
     assert not (tmp_path / "run" / "s.sock").exists()

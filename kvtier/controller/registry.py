@@ -165,7 +165,8 @@ class InstanceRegistry:
                 f"instance {msg.instance!r} speaks fleet protocol {msg.version}, controller {FLEET_PROTOCOL_VERSION}")
         if self._token and not msg.token:
             raise RegistrationError(f"instance {msg.instance!r} sent no token; this controller requires one "
-                                    "(the instance's controller_token setting, KVTIER_CONTROLLER_TOKEN)")
+                                    "(the instance's controller_token setting: KVTIER_CONTROLLER_TOKEN, "
+                                    "kvtier server --controller-token)")
         if self._token and not hmac.compare_digest(msg.token.encode(), self._token.encode()):
             raise RegistrationError(f"instance {msg.instance!r} presented a wrong token")
         if not msg.instance:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
@@ -18,6 +19,8 @@ from kvtier.service.server import CacheServer, ServerOptions
 log = logging.getLogger(__name__)
 #: ``kvtier server`` flags whose name is not the setting's (for error messages naming the flag).
 _FLAG_OF = {"config_file": "--config", "peers": "--peer"}
+#: Bind failures: the address is taken, not on this machine, or needs privileges.
+_BIND_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
 
 
 def default_socket_path() -> str:
@@ -176,7 +179,9 @@ def run_server(
     except (RuntimeError, OSError) as exc:
         log.error("cannot start kvtier server: %s", exc)
         server.close()  # what start() had bound (the Unix socket, threads) goes too
-        return 1
+        # An address that is taken or not ours to bind is a setting that cannot work (2, like
+        # the config errors above); anything else failed while starting (1).
+        return 2 if isinstance(exc, OSError) and exc.errno in _BIND_ERRNOS else 1
     print(f"kvtier server ready on unix://{options.socket_path}", flush=True)
     try:
         while not stop.wait(0.2):

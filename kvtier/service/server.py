@@ -21,6 +21,7 @@ maintenance threads, metrics and health.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import os
@@ -162,6 +163,8 @@ class CacheServer:
                 )
             except OSError as exc:
                 msg = f"--metrics-host/--metrics-port {o.metrics_host}:{o.metrics_port}: {exc.strerror}"
+                if exc.errno == errno.EADDRINUSE:  # e.g. a second server on this machine (default port 9477)
+                    msg += " (another kvtier server? give each its own --metrics-port, 0 for any free one, or --no-metrics)"
                 raise OSError(exc.errno, msg) from None
         if o.controller or o.kv_events_endpoint:
             # The fleet layer sits above the service; imported only when asked for.

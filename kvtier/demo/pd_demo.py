@@ -12,12 +12,20 @@ core 0) and a decoder (``pd_role=decode``, core 1). Per request:
    ``max_tokens=1``, ``do_remote_decode``), then its decode leg with the returned
    ``kv_transfer_params`` (the last prompt token is computed, as on a PD decoder);
 2. a cold run on the prefiller (reported only: a bf16 split can change greedy tokens);
-3. PD: the prefill leg on the prefiller, then the decode leg on the decoder (timed);
+3. PD: the prefill leg on the prefiller, then a short unmeasured request to the decoder
+   (:func:`_wake`), then the decode leg on the decoder (timed);
    decoder computed prompt tokens = prompt - the decoder's local + external
    prefix-cache hits over that leg (vLLM's counters on ``/metrics``), at least 1
    (:func:`computed_prompt_tokens`);
 4. engine-resident hit: the same request again on the decoder, whose own prefix
    cache now holds the prompt (timed).
+
+Both timed decoder requests thus follow another request: the decoder idles for seconds
+while the prefiller computes steps 1-3 on the other core, and a first request after that
+ran slow whatever it was (traced: 110 ms from send to the scheduler and 221 ms from the
+end of a 29 ms KV load to the first token, against 14 and 109 ms for the engine hit sent
+right after it), which the engine hit, measured second, never paid. The P2P leg wakes B
+the same way before its first timed request of each prompt.
 
 P2P leg (no shared store): A (``peer_listen``: shared memory, or TCP on loopback; core 0) answers each prompt cold
 and then again (an engine hit: with ``chunk_size`` = vLLM's block size, the same split
@@ -179,6 +187,7 @@ def run_pd_leg(model: str, prompts: list[Prompt], warm: Prompt, work: Path, clie
             ref = stream_completion(client, pre.url, {**ref_body, "kv_transfer_params": prefill(ref_body)})
             cold = stream_completion(client, pre.url, {**body, "cache_salt": p.salt + "-cold"})
             params = prefill(body)
+            _wake(client, dec.url, name, p)
             before = dec.metrics()
             pd = stream_completion(client, dec.url, {**body, "kv_transfer_params": params})
             mid = _metrics_after(dec, before, len(p.token_ids))
@@ -199,6 +208,13 @@ def run_pd_leg(model: str, prompts: list[Prompt], warm: Prompt, work: Path, clie
         cache.terminate()
         cache.wait(30)
     return rows
+
+
+def _wake(client: httpx.Client, url: str, model: str, p: Prompt) -> None:
+    """A short unmeasured request (the prompt's first 32 tokens under their own salt, 1 output
+    token) so the timed request after it does not run on an engine that just woke from idling
+    (module docstring). It shares no prefix with any timed request."""
+    stream_completion(client, url, completion_body(model, p.token_ids[:32], 1, p.salt + "-wake"))
 
 
 def _reset_prefix_cache(client: httpx.Client, url: str, tries: int = 20) -> None:
@@ -234,6 +250,7 @@ def run_p2p_leg(model: str, prompts: list[Prompt], warm: Prompt, work: Path, cli
         time.sleep(0.5)  # A's last chunks reach its CPU tier
         for p in [warm, *prompts]:
             body = completion_body(name, p.token_ids, MAX_TOKENS, p.salt)
+            _wake(client, b.url, name, p)
             before = b.metrics()
             peer = stream_completion(client, b.url, body)
             mid = _metrics_after(b, before, len(p.token_ids))

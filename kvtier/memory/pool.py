@@ -34,6 +34,13 @@ class PoolExhausted(Exception):
     """No free slot; the caller evicts and retries, or treats the store as skipped."""
 
 
+def pins_by_default() -> bool:
+    """Whether host chunk memory is page-locked (CUDA pinned) unless told otherwise: when torch
+    is loaded in this process and reports CUDA (never on CPU-only hosts)."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available())
+
+
 class ChunkPool:
     """``num_slots`` slots of ``slot_bytes`` bytes each, in one contiguous buffer.
 
@@ -101,9 +108,8 @@ class ChunkPool:
     def _alloc_raw(self, nbytes: int, pin_memory: bool | None) -> np.ndarray:
         """``nbytes`` of host memory, page-locked (CUDA pinned) when asked or, by default,
         when torch is loaded in this process and reports CUDA (no-op on CPU-only hosts)."""
-        torch = sys.modules.get("torch")
         if pin_memory is None:
-            pin_memory = bool(torch is not None and torch.cuda.is_available())
+            pin_memory = pins_by_default()
         if not pin_memory:
             return np.empty(nbytes, dtype=np.uint8)
         import torch as _torch

@@ -27,7 +27,6 @@ A failing lower tier is a miss (bounded by its timeout), never an exception.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from typing import Any, Callable, Sequence, Union
 
@@ -35,7 +34,7 @@ import numpy as np
 
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import ChunkHasher, KeyNamespace
-from kvtier.memory.pool import ChunkPool
+from kvtier.memory.pool import ChunkPool, pins_by_default
 from kvtier.memory.shared_segment import SharedSegment, shared_chunk_pool
 from kvtier.storage.handles import CpuReadHandle
 from kvtier.storage.leases import LeaseTable
@@ -534,7 +533,4 @@ def _cpu_shared_with_peers(config: KVTierConfig) -> bool:
     """Whether the CPU tier should live in a shared segment: this instance serves peers over
     shared memory (``peer_listen = shm://...``) and its CPU memory need not be CUDA-pinned
     (a pinned pool keeps its private, page-locked memory; peers then get staged copies)."""
-    if not (config.peer_listen or "").startswith("shm://"):
-        return False
-    torch = sys.modules.get("torch")
-    return not (torch is not None and torch.cuda.is_available())
+    return (config.peer_listen or "").startswith("shm://") and not pins_by_default()

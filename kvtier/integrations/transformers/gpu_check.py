@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     t = result["ttft"]
-    print(f"transformers on {result['device']}: identical={ident["identical"]} kv_bytes_equal={ident["kv_bytes_equal"]} logits_equal={ident["logits_equal"]} "
+    print(f"transformers on {result['device']}: identical={ident['identical']} kv_bytes_equal={ident['kv_bytes_equal']} logits_equal={ident['logits_equal']} "
           f"restart={result['restart'].get('identical')} negative_control_changed={ident['negative_control']['changed']} "
           f"ttft cold {t['cold_ms']} ms / hit {t['hit_ms']} ms ({t['speedup']}x, {t['hit_tokens']} of "
           f"{t['prompt_tokens']} tokens from kvtier) -> {'PASS' if result['pass'] else 'FAIL'}")

@@ -215,7 +215,12 @@ class FleetKey:
         path = Path(path).expanduser()
         if not path.exists():
             key = cls.generate(name)
-            key.save(path)
+            try:
+                key.save(path)
+            except TrustError:
+                if path.exists():  # another process of this instance (a TP rank) made it first
+                    return cls.load(path)
+                raise
             log.warning("kvtier: created fleet key %s; its public key is %s (add it to the fleet's "
                         "authorized-members files)", path, key.public)
             return key

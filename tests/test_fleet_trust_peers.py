@@ -17,12 +17,13 @@ import pytest
 from conftest import CHUNK, payload_for, small_namespace
 from transfer_helpers import CB, store_chain
 from kvtier.config import KVTierConfig
-from kvtier.protocol.trust import Credentials, FleetKey, Members
+from kvtier.protocol.trust import Credentials, FleetKey, Member, Members
 from kvtier.storage.manager import StorageManager
 from kvtier.testing.fleet_cluster import wait_until
 from kvtier.transfer.errors import PeerRefused, TransferError
 from kvtier.transfer.peer_auth import ClientAuth
 from kvtier.transfer.peer_open import UrlPeerTier
+from kvtier.transfer.peer_tier import PeerTier
 from kvtier.transfer.tcp import TcpChannel
 
 
@@ -45,7 +46,7 @@ def _address(a: StorageManager) -> tuple[str, int]:
     return host, int(port)
 
 
-def _pull(tier: UrlPeerTier, keys: list[bytes]) -> list[bool]:
+def _pull(tier: PeerTier, keys: list[bytes]) -> list[bool]:
     outs = [np.zeros(CB, np.uint8) for _ in keys]
     got = tier.get_many_into(list(zip(keys, outs)))
     for k, o, ok in zip(keys, outs, got):
@@ -74,24 +75,52 @@ def test_a_stranger_without_a_key_gets_nothing(serving) -> None:
     assert a.peer_server.connections == 0
 
 
-def test_a_key_not_in_the_members_file_is_refused(serving, tmp_path) -> None:
+def test_a_key_not_in_the_members_file_is_refused(serving, fleet) -> None:
     a, keys = serving
     stranger = FleetKey.generate("stranger")
-    creds = Credentials(stranger, Members.of())  # knows nobody, claims nothing
-    with pytest.raises(PeerRefused, match="not a fleet member"):
+    creds = Credentials(stranger, Members.of(Member("a", fleet.public("a"))))  # it trusts A; A does not list it
+    with pytest.raises(PeerRefused, match="not a fleet member with the peer role here"):
         TcpChannel.connect(*_address(a), timeout_s=2.0, auth=ClientAuth(creds))
+    fleet.set_options("c", "roles=register,events")  # a member without the peer role
+    wait_until(lambda: _refused(a, fleet.credentials("c")), 5.0)
+
+
+def _refused(a: StorageManager, creds: Credentials) -> bool:
+    try:
+        TcpChannel.connect(*_address(a), timeout_s=2.0, auth=ClientAuth(creds)).close()
+    except PeerRefused:
+        return True
+    return False
 
 
 def test_claiming_a_members_key_without_its_secret_is_refused(serving, fleet) -> None:
-    """The public keys are public (members files, /instances): presenting one proves nothing."""
+    """The public keys are public (members files, /instances): presenting one proves nothing. A hand-made
+    client names member b's key and sends a made-up proof, then a request: nothing is answered."""
+    import os
+
+    from kvtier.transfer.frames import PREFIX, Control, Hello, Proof, decode_header, encode_frame
+    from kvtier.transfer.peer_auth import _ephemeral
+
     a, keys = serving
-    impostor = FleetKey(fleet.public("b"), FleetKey.generate().secret, "impostor")
-    creds = Credentials(impostor, fleet.credentials("b").members)
-    with pytest.raises(TransferError):
-        chan = TcpChannel.connect(*_address(a), timeout_s=2.0, auth=ClientAuth(creds))
-        chan.send_control(b"\x92\xa3get\x90")  # its proof was wrong: the server refuses, nothing is answered
-        chan.recv_control(2.0)
-    assert a.peer_server.connections == 0
+    s = socket.create_connection(_address(a), timeout=2.0)
+    try:
+        _, eph = _ephemeral()
+        s.sendall(encode_frame(Hello(kind="tcp", key=FleetKey(fleet.public("b"), "").public_raw, eph=eph)))
+        head = s.recv(PREFIX.size, socket.MSG_WAITALL)
+        body = s.recv(PREFIX.unpack(head)[1], socket.MSG_WAITALL)
+        assert isinstance(decode_header(body), Hello)  # b is a member: the server answers, proving its own key
+        s.sendall(encode_frame(Proof(mac=os.urandom(32))))
+        s.sendall(encode_frame(Control(body=b"\x82\xa2op\xa8contains\xa4keys\x91\xc4\x20" + keys[0])))
+        rest = b""
+        try:
+            while chunk := s.recv(65536):
+                rest += chunk
+        except ConnectionResetError:  # closed with our request unread
+            pass
+        assert b"found" not in rest  # no answer (a Refused frame, then the close)
+    finally:
+        s.close()
+    assert a.peer_server.counters["requests"] == 0 and a.peer_server.connections == 0
 
 
 def test_a_fake_peer_server_is_not_believed(fleet, tmp_path) -> None:
@@ -100,6 +129,8 @@ def test_a_fake_peer_server_is_not_believed(fleet, tmp_path) -> None:
     from kvtier.testing.fleet_keys import make_fleet
 
     other = make_fleet(tmp_path / "strangers", ["evil"])
+    other.keys["b"] = FleetKey(fleet.public("b"), "", "b")  # public keys are public: it admits b gladly
+    other.write()
     evil = _manager(peer_listen="tcp://127.0.0.1:0", **other.config("evil"))
     keys = store_chain(evil, list(range(2 * CHUNK)))
     tier = UrlPeerTier(evil.peer_server.url, timeout_s=2.0, credentials=fleet.credentials("b"))

@@ -304,3 +304,66 @@ def test_shared_memory_peers_need_no_keys_but_the_same_user(tmp_path) -> None:
     finally:
         tier.close()
         a.close()
+
+
+# -- the KV event stream (kind 3: a stranger subscribed and collected tenant A's chunk keys) ---------------
+
+def _events(pub, sub, n: int = 40, timeout_s: float = 3.0) -> int:
+    """Publish ``n`` one-event batches while polling ``sub``; batches it received."""
+    from kvtier.events.schema import BlockStored
+
+    got = 0
+    end = time.monotonic() + timeout_s
+    i = 0
+    while time.monotonic() < end and got < n:
+        if i < n:
+            pub.publish([BlockStored(block_hashes=[i], parent_block_hash=None, token_ids=[1], block_size=1,
+                                     lora_id=None, medium="CPU", lora_name=None)])
+            i += 1
+        if sub.poll(0.05) is not None:
+            got += 1
+    return got
+
+
+def test_a_keyed_event_stream_is_read_by_members_with_the_events_role_only(fleet) -> None:
+    from kvtier.events.publisher import EventPublisher
+    from kvtier.events.subscriber import EventSubscriber
+
+    fleet.set_options("c", "roles=peer")  # a member, but not an event reader
+    pub = EventPublisher("tcp://127.0.0.1:0", credentials=fleet.credentials("a"), topic="kv")
+    member = EventSubscriber(pub.endpoint, topic="kv", credentials=fleet.credentials("b"), server_key=pub.public_key)
+    plain = EventSubscriber(pub.endpoint, topic="kv")  # the issue's stranger: a plain SUB
+    stranger = EventSubscriber(pub.endpoint, topic="kv", credentials=Credentials(FleetKey.generate(), Members.of()),
+                               server_key=pub.public_key)
+    no_role = EventSubscriber(pub.endpoint, topic="kv", credentials=fleet.credentials("c"), server_key=pub.public_key)
+    try:
+        time.sleep(0.3)  # the joins
+        assert _events(pub, member) > 0
+        assert [_events(pub, s, n=10, timeout_s=0.5) for s in (plain, stranger, no_role)] == [0, 0, 0]
+        fleet.revoke("b")  # a revoked reader is cut off: the publisher rebinds, its reconnect is refused
+        wait_until(lambda: pub.rebinds >= 1, 5.0)
+        time.sleep(0.3)
+        while member.poll(0.05) is not None:  # what it had queued before it was revoked
+            pass
+        assert _events(pub, member, n=10, timeout_s=1.0) == 0
+    finally:
+        for s in (member, plain, stranger, no_role):
+            s.close()
+        pub.close()
+
+
+def test_event_streams_are_owner_only_or_refused(tmp_path) -> None:
+    import os
+    import stat
+
+    from kvtier.events.publisher import EventPublisher
+
+    with pytest.raises(ValueError, match="kv_events_plain"):
+        EventPublisher("tcp://127.0.0.1:0")
+    pub = EventPublisher(f"ipc://{tmp_path}/ev.sock", replay_endpoint=f"ipc://{tmp_path}/rp.sock")
+    try:
+        for name in ("ev.sock", "rp.sock"):
+            assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600
+    finally:
+        pub.close()
+    EventPublisher("tcp://127.0.0.1:0", plain=True).close()  # vLLM-compatible, when asked for

@@ -117,6 +117,11 @@ class EventPublisher:
         self._pub: zmq.Socket = self._ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
         self.public_key = credentials.key.public if credentials is not None else ""
+        self._credentials = credentials
+        self._hwm = hwm
+        self._subscribers = self._event_members()
+        self._checked_members = time.monotonic()
+        self.rebinds = 0
         try:
             if credentials is not None:
                 self._gate = CurveGate(self._ctx, credentials.members).allow(ZAP_DOMAIN, "events").start()
@@ -241,11 +246,56 @@ class EventPublisher:
 
     # --- sender thread -----------------------------------------------------------------
 
+    def _event_members(self) -> frozenset[str]:
+        if self._credentials is None:
+            return frozenset()
+        return frozenset(k for k, m in self._credentials.members.current().items() if m.may("events"))
+
+    def _revoke_check(self) -> None:
+        """Once a second: if a member lost the ``events`` role (its line removed), rebind both sockets on
+        the same addresses, so every subscriber reconnects through the ZAP handler and the revoked one
+        cannot (CURVE checks keys at connect only; a PUB socket cannot drop one peer). The batches sent
+        meanwhile stay numbered: subscribers fill the gap from replay."""
+        now = time.monotonic()
+        if self._credentials is None or now - self._checked_members < 1.0:
+            return
+        self._checked_members = now
+        current = self._event_members()
+        revoked = self._subscribers - current
+        self._subscribers = current
+        if not revoked:
+            return
+        for attr, kind, hwm in (("_pub", zmq.PUB, self._hwm), ("_replay", zmq.ROUTER, 0)):
+            old = getattr(self, attr)
+            if old is None:
+                continue
+            where = old.getsockopt_string(zmq.LAST_ENDPOINT)
+            old.close(linger=0)
+            sock = self._ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            if hwm:
+                sock.setsockopt(zmq.SNDHWM, hwm)
+            bound_messages(sock, MAX_REQUEST_BYTES)
+            curve_server(sock, self._credentials.key, ZAP_DOMAIN)
+            for _ in range(50):  # the port is ours; a moment for the old socket's close to finish
+                try:
+                    sock.bind(where)
+                    break
+                except zmq.ZMQError:
+                    time.sleep(0.01)
+            setattr(self, attr, sock)
+        self.rebinds += 1
+        log.info("kvtier event publisher: %d member(s) lost the events role; subscribers reconnect", len(revoked))
+
     def _run(self) -> None:
         while True:
             if self._stop.is_set():
                 if self._queue.empty() or time.monotonic() > self._drain_until:
                     return
+            try:
+                self._revoke_check()
+            except Exception:  # noqa: BLE001 - never stop publishing over it
+                log.exception("kvtier event publisher: revocation check failed")
             if self._replay is not None:
                 try:
                     while self._replay.poll(0):

@@ -416,19 +416,38 @@ def test_a_stranger_registered_on_an_open_controller_is_never_located(open_ctl, 
         buf = evil.open_write(k, keys[i - 1] if i else None)
         buf[:] = 0xEE
         evil.commit(k, keys[i - 1] if i else None)
-    ctx = zmq.Context()
+    import threading
+
+    stop = threading.Event()
+    acked: list[bool] = []
+
+    def stranger() -> None:  # owns its socket: registers, claims the keys, then heartbeats (stays live)
+        ctx = zmq.Context()
+        s = _dealer(ctx, open_ctl.zmq_url)
+        try:
+            s.send(F.encode(_register("0-evil", peer_url=evil.peer_server.url)))  # "0" sorts first
+            acked.append(bool(s.poll(10_000)) and F.decode_controller_message(s.recv()).known)
+            s.send(F.encode(F.Snapshot("0-evil", "stranger", 1, INFO.digest, "cpu", b"".join(keys), b"", True)))
+            while not stop.wait(0.1):
+                s.send(F.encode(F.Heartbeat("0-evil", "stranger", 0)))
+                while s.poll(0):
+                    s.recv()
+        finally:
+            ctx.destroy(0)
+
+    t = threading.Thread(target=stranger, daemon=True)
+    t.start()
     a = _manager(peer_discovery=open_ctl.http_url, instance_id="A", **fleet.config("a"))
     try:
-        s = _dealer(ctx, open_ctl.zmq_url)
-        s.send(F.encode(_register("0-evil", peer_url=evil.peer_server.url)))  # "0" sorts first
-        assert s.poll(2000) and F.decode_controller_message(s.recv()).known
-        s.send(F.encode(F.Snapshot("0-evil", "stranger", 1, INFO.digest, "cpu", b"".join(keys), b"", True)))
-        wait_until(lambda: open_ctl.state.index.tier_chunks("0-evil", INFO.digest, "cpu") == 4, 5.0)
+        wait_until(lambda: open_ctl.state.index.tier_chunks("0-evil", INFO.digest, "cpu") == 4, 10.0)
+        assert acked == [True]
         assert a.lookup(tokens).num_tokens == 0
         assert read_chain(a, keys) == [None] * 4
+        assert "0-evil" in open_ctl.state.registry  # still registered and claiming: it was not located
         assert evil.peer_server.counters["accepted"] == 0  # never even dialled
     finally:
-        ctx.destroy(0)
+        stop.set()
+        t.join(5)
         a.close()
         evil.close()
 

@@ -23,7 +23,8 @@ Trust model (README, "Running a fleet: the trust model"):
 - **Every connection proves its key.** The controller's agent endpoint and KV event publishers use
   ZeroMQ CURVE (RFC 26/CurveZMQ; libsodium inside libzmq) with a ZAP handler admitting only current
   members with the right role (:class:`CurveGate`, on pyzmq's :class:`zmq.auth.thread.ThreadAuthenticator`);
-  the authenticated key arrives with every message as its ``User-Id`` (:func:`sender_key`). Peer
+  the authenticated key arrives with every message as its ``User-Id`` (:func:`sender_key`; the CURVE
+  helpers live in :mod:`kvtier.protocol.curve` and are re-exported here). Peer
   transfer links run a mutual handshake over the same keys (:mod:`kvtier.transfer.peer_auth`).
 
 Nothing here opens a connection. Raises :class:`TrustError` for bad or unsafe credentials (a key
@@ -470,102 +471,18 @@ def credentials_from_config(config: Any) -> Credentials | None:
     return Credentials.from_paths(key_path, members_path)
 
 
-# -- ZeroMQ CURVE --------------------------------------------------------------------------------------
+# The ZeroMQ CURVE helpers live in :mod:`kvtier.protocol.curve`; importable from here too.
+from kvtier.protocol.curve import (  # noqa: E402 - after the names curve.py imports from here
+    DEFAULT_MAX_MESSAGE_BYTES,
+    CurveGate,
+    bound_messages,
+    curve_client,
+    curve_server,
+    sender_key,
+)
 
-#: Largest message any socket kvtier binds accepts from a peer (libzmq drops the connection beyond it).
-DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
-
-
-def bound_messages(sock: Any, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-    """Set ``ZMQ_MAXMSGSIZE`` on ``sock``: a peer announcing a larger message is disconnected before
-    libzmq allocates it."""
-    import zmq
-
-    sock.setsockopt(zmq.MAXMSGSIZE, int(max_bytes))
-
-
-def curve_server(sock: Any, key: FleetKey, domain: str) -> None:
-    """Make ``sock`` a CURVE server with ``key``; clients are admitted by the ZAP handler of ``domain``
-    (a :class:`CurveGate` started on the socket's context before ``bind``)."""
-    import zmq
-
-    sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
-    sock.setsockopt(zmq.CURVE_SECRETKEY, key.secret.encode("ascii"))
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, key.public.encode("ascii"))
-    sock.setsockopt(zmq.CURVE_SERVER, 1)
-
-
-def curve_client(sock: Any, key: FleetKey, server_public: str) -> None:
-    """Make ``sock`` a CURVE client with ``key`` that only talks to a server holding ``server_public``.
-
-    Raises:
-        TrustError: ``server_public`` is not a Z85 public key.
-    """
-    import zmq
-
-    check_public_key(server_public, "server public key")
-    sock.setsockopt(zmq.CURVE_SERVERKEY, server_public.encode("ascii"))
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, key.public.encode("ascii"))
-    sock.setsockopt(zmq.CURVE_SECRETKEY, key.secret.encode("ascii"))
-
-
-def sender_key(frame: Any) -> str:
-    """The Z85 public key a message came from on a CURVE socket (its ``User-Id`` property, set by
-    :class:`CurveGate`), or "" (no CURVE: the frame has none). ``frame`` is a ``zmq.Frame``
-    (receive with ``copy=False``)."""
-    try:
-        uid = frame.get("User-Id")
-    except Exception:  # noqa: BLE001 - no metadata on a plain socket
-        return ""
-    return uid if isinstance(uid, str) else ""
-
-
-class CurveGate:
-    """The ZAP handler of one ZeroMQ context: admits CURVE clients that are current members with a role.
-
-    One per context (libzmq has one ZAP endpoint per context); each socket names its ``domain``
-    (:func:`curve_server`), and each domain has its role: ``gate.allow(domain, role)``.
-    Built on pyzmq's :class:`zmq.auth.thread.ThreadAuthenticator` (its own thread); the User-Id of
-    an admitted connection is its Z85 public key.
-
-    Args:
-        ctx: the ``zmq.Context`` whose sockets it guards.
-        members: who may connect.
-    """
-
-    def __init__(self, ctx: Any, members: Members):
-        from zmq.auth.thread import ThreadAuthenticator
-
-        self.members = members
-        self.denied = 0
-        self.admitted = 0
-        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("kvtier.zap"))
-        self._started = False
-
-    def allow(self, domain: str, role: str) -> "CurveGate":
-        """Admit members holding ``role`` on sockets of ``domain``."""
-        gate = self
-
-        class _Provider:
-            def callback(self, _domain: str, key: bytes) -> bool:
-                public = key.decode("ascii") if isinstance(key, bytes) else str(key)
-                ok = gate.members.admits(public, role)
-                if ok:
-                    gate.admitted += 1
-                else:
-                    gate.denied += 1
-                return ok
-
-        self._auth.configure_curve_callback(domain, _Provider())
-        return self
-
-    def start(self) -> "CurveGate":
-        if not self._started:
-            self._auth.start()
-            self._started = True
-        return self
-
-    def stop(self) -> None:
-        if self._started:
-            self._auth.stop()
-            self._started = False
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES", "ROLES", "CurveGate", "Credentials", "FleetKey", "Member", "Members", "TrustError",
+    "bound_messages", "check_private_file", "check_public_key", "credentials_from_config", "curve_client",
+    "curve_server", "key_bytes", "key_text", "parse_members", "sender_key",
+]

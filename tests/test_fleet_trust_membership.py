@@ -140,6 +140,8 @@ def test_a_register_or_messages_for_a_live_id_from_a_stranger_change_nothing(ope
         wait_until(lambda: open_ctl.state.index.tier_chunks("A", INFO.digest, "cpu") == 2, 5.0)
         assert open_ctl.state.index.keys_in("A", INFO.digest) == set(keys)  # nothing of the stranger's
         assert open_ctl.state.registry.get("A").epoch == epoch
+        shown = {r["instance"]: r for r in open_ctl.ops.instances()}["A"]
+        assert shown["epoch"] != epoch and epoch not in str(shown)  # the secret is never shown
         _still_served(open_ctl, "A", m, 2 * open_ctl.state.registry.expiry_s)
     finally:
         ctx.destroy(0)

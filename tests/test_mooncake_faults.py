@@ -223,8 +223,9 @@ def test_full_store_drops_writes_without_opening_the_breaker(master):
         keys, values = _items(32)
         out = tier.put_many(_writes(keys, values))  # 32 MiB never fit in 16 MiB
         assert not all(out)
+        assert tier.put(os.urandom(32), bf16_payload(20 << 20, 1)) is False  # larger than the pool: -200 alone
         s = tier.stats()
-        assert s["put_failed"] == out.count(False) and s["errors"] == 0
+        assert s["put_failed"] == out.count(False) + 1 and s["errors"] == 0
         assert s["breaker"] == "closed"  # "no room" (-200) is an answer, not a dead master
         found = tier.contains_many(keys)
         assert all(f <= o for f, o in zip(found, out))  # nothing not written is reported present
@@ -253,7 +254,8 @@ def test_values_larger_than_the_readers_buffer_are_misses(master):
             assert ok is False and dt < TIMEOUT_S + SLACK_S
         assert (guard[:VALUE] == 0xAB).all() and (guard[2 * VALUE :] == 0xAB).all()
         assert tier.contains_many([big, huge]) == [True, True]  # kept: a reader of that size may use them
-        assert tier.stats()["get_corrupt"] == 0
+        s = tier.stats()
+        assert s["get_corrupt"] == 0 and s["oversize_skipped"] == 1  # the huge one was not even read
         assert tier.get_into(small, out) and np.array_equal(out, values[0])
     finally:
         tier.close()
@@ -297,22 +299,25 @@ def test_corrupt_value_is_a_miss_and_removed(master, where):
 
 
 def test_reads_take_leases_that_deletes_override(master):
-    """Mooncake leases a key for 10 s on every read and refuses plain removal inside it;
-    the tier's deletes, overwrites and clear work anyway."""
+    """Mooncake leases a key for 10 s on every read and refuses plain removal inside it:
+    the tier's deletes and clear work anyway; a write of a key being read keeps the record
+    its reader reads (the same chunk), and replaces a key nobody reads."""
     tier = _tier(master.url)
     try:
         _open(tier)
-        keys, values = _items(3)
-        assert all(tier.put_many(_writes(keys, values)))
-        assert tier.contains_many(keys) == [True] * 3  # leases taken
+        keys, values = _items(4)
+        assert all(tier.put_many(_writes(keys[:3], values[:3])))
+        assert tier.contains_many(keys[:3]) == [True] * 3  # leases taken
         assert tier.get_into(keys[0], np.zeros(VALUE, np.uint8))
         assert tier.delete_many(keys[:1]) == 1
         new = bf16_payload(VALUE, 99)
-        assert tier.put(keys[1], new)  # replaces the leased value, not kept
+        assert tier.put(keys[1], new)  # counted stored: the leased record holds this chunk
         out = np.zeros(VALUE, np.uint8)
-        assert tier.get_into(keys[1], out) and np.array_equal(out, new)
-        assert tier.clear() == 2
-        assert tier.contains_many(keys) == [False] * 3
+        assert tier.get_into(keys[1], out) and np.array_equal(out, values[1])  # not yanked from its reader
+        assert tier.put(keys[3], values[3]) and tier.put(keys[3], new)  # nobody reads it: replaced
+        assert tier.get_into(keys[3], out) and np.array_equal(out, new)
+        assert tier.clear() == 3
+        assert tier.contains_many(keys) == [False] * 4
     finally:
         tier.close()
 

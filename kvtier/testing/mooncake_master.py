@@ -237,6 +237,14 @@ class SegmentOwnerProcess:
         os.kill(self.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
+        """SIGTERM (it unmounts its segment, so the master stops placing chunks there), SIGKILL
+        if it has not exited within 15 s; remove its directory."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
         self.kill()
         import shutil
 

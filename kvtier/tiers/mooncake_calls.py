@@ -7,18 +7,20 @@ blocks ~90 s, and with the master down each call blocks ~4 s while
 - the client is opened (``setup()``) on a thread of its own, at construction and
   again after a failure once the circuit breaker's back-off allows; calls miss
   until it is open (a call made while it opens waits for it within its own deadline);
-- every call runs on one of ``workers`` long-lived worker threads and the caller
-  waits at most until its deadline; a worker whose call outlives the deadline stays
-  busy until Mooncake returns (the call's result is dropped); when every worker is
-  busy a call is a miss at once (counted as skipped), so a stalled store never queues
-  callers;
+- every call runs as a job on one of ``workers`` long-lived worker threads and the caller
+  waits at most until its deadline: a job not started by then is cancelled, a job running
+  then is waited for a grace (gets and puts: Mooncake cannot stop a transfer that reads or
+  writes the caller's memory) and its result dropped; a worker stays busy until Mooncake
+  returns;
 - the master's circuit breaker counts a timeout or an RPC failure as a failure
   (an answer about a key, even "absent" or "full", is a success); while it is open
   calls miss without touching the store;
 - ``close()`` closes the client on a thread of its own (against a dead master it
   blocks while Mooncake tries to unmount its segment) and waits at most ``timeout_s``.
 
-Invariant (under ``self._lock``): ``_busy`` == jobs handed to workers and not yet returned.
+Invariant (under ``self._lock``): ``_busy`` == jobs a worker runs now. A job starts only if its
+caller still waits for it (``Future.set_running_or_notify_cancel``), so no job starts after
+its caller returned.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.mooncake_url import MooncakeTierOptions
@@ -111,6 +113,7 @@ class MooncakeCalls:
         self._busy = 0
         self.setups = 0  # successful setup() calls
         self.late_calls = 0  # calls that outlived their deadline
+        self.overruns = 0  # jobs still running past their deadline plus grace
         self._jobs: queue.SimpleQueue[tuple[Callable[[Any], Any], Future] | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"kvtier-mooncake-{i}", daemon=True) for i in range(opts.workers)
@@ -200,26 +203,65 @@ class MooncakeCalls:
             Unavailable: the call was not made (see :meth:`_client`; every worker busy).
             TimedOut: it outlived ``deadline`` (counted as a failure).
         """
+        (result,) = self.call_parts([fn], deadline, answered)
+        if result is None:
+            raise TimedOut(f"no answer within the deadline from master {self.master}")
+        return result
+
+    def call_parts(self, fns: Sequence[Callable[[Any], T]], deadline: float,
+                   answered: Callable[[T], bool] = lambda r: True, grace_s: float = 0.0) -> list[T | None]:
+        """Each ``fn(client)`` as its own worker job, at once (the parts of one batch, so one
+        part's transfer overlaps another's checksums), all waited for until ``deadline``.
+
+        A job not started by ``deadline`` is cancelled (it never runs). A job running then may
+        be moving bytes to or from the caller's memory, which Mooncake cannot stop: it is
+        waited for ``grace_s`` more; one still running after that is counted in ``overruns``.
+
+        Returns each part's result, None for a part that did not finish in time or failed.
+        The breaker hears one success if any part answered, else one failure.
+
+        Raises:
+            Unavailable: nothing was started (closed, breaker open, client not open).
+        """
         if self._store is not None and not self.breaker.allow():
             raise Unavailable("breaker open")
         store = self._client(deadline)
-        fut: Future = Future()
-        with self._lock:
-            if self._busy >= self.opts.workers:
-                raise Unavailable("every worker is busy with a stalled call")
-            self._busy += 1
-        self._jobs.put((lambda: fn(store), fut))
-        try:
-            result = fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
+        futs: list[Future] = []
+        for fn in fns:
+            fut: Future = Future()
+            self._jobs.put((lambda fn=fn: fn(store), fut))
+            futs.append(fut)
+        results: list[T | None] = []
+        late = False
+        for fut in futs:
+            try:
+                try:
+                    results.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
+                except TimeoutError:
+                    late = True
+                    if fut.cancel():  # never started, and now never will
+                        results.append(None)
+                        continue
+                    try:
+                        results.append(fut.result(timeout=max(0.0, deadline + grace_s - time.monotonic())))
+                    except TimeoutError:
+                        self.overruns += 1
+                        results.append(None)
+            except Exception as exc:  # a Mooncake binding error is a failed part, never the caller's
+                log.warning("kvtier mooncake %s: a call failed: %r", self.master, exc)
+                results.append(None)
+        if late:
             self.late_calls += 1
-            self.failed()
-            raise TimedOut(f"no answer within the deadline from master {self.master}") from None
-        if answered(result):
+        if any(r is not None and answered(r) for r in results):
             self.breaker.success()
         else:
             self.failed()
-        return result
+        return results
+
+    @property
+    def idle(self) -> int:
+        """Workers free for a new call now."""
+        return max(0, self.opts.workers - self._busy)
 
     def failed(self) -> None:
         """Report a failed call (timeout, RPC failure) to the breaker and the error count."""
@@ -232,6 +274,10 @@ class MooncakeCalls:
             if job is None:
                 return
             fn, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue  # its caller gave up before it started
+            with self._lock:
+                self._busy += 1
             try:
                 fut.set_result(fn())
             except BaseException as exc:  # surfaced to the caller, who may have gone

@@ -22,15 +22,18 @@ outlives kvtier restarts. Nothing is durable: a master restart loses every key.
 Mooncake's semantics and what the tier does with each:
 
 - ``put`` on an existing key succeeds and keeps the old bytes: a write removes
-  the keys first (``batch_remove(force=True)``, one master round trip per batch),
-  then puts, so the newest record wins (re-encoding with another codec works);
+  the keys first (``batch_remove``, one master round trip per part), then puts, so
+  the newest record wins (re-encoding with another codec works); a key under a read
+  lease (another client reads it now) is not removed: its record, which holds the
+  same chunk (keys are content digests), is kept and the write counts as stored;
 - ``get`` gives empty bytes for a miss and an error alike: the tier never uses it;
   a get first asks the master for each value's replica and size
   (``batch_get_replica_desc``; keys it does not list are confirmed with
   ``batch_is_exist``, whose codes tell absent from failed), then transfers only
   present values of a size it can take;
 - a read (``get``, ``is_exist``) leases the key for 10 s and ``remove`` answers
-  -706 inside the lease: deletes and ``clear`` pass ``force=True``;
+  -706 inside the lease: deletes and ``clear`` pass ``force=True`` (a reader then
+  misses: its record fails the checks if the memory was reused meanwhile);
 - a full store fails ``put`` at once with -200 while it evicts in the background:
   a dropped write (``put_failed``), not a failure of the store (the breaker stays closed);
 - Mooncake evicts and loses keys by itself (eviction at its high watermark, a
@@ -45,11 +48,15 @@ Mooncake's semantics and what the tier does with each:
   back-off (:mod:`kvtier.tiers.mooncake_calls`).
 
 Time bound: every call returns within ``timeout_s`` (plus scheduling slack),
-except a get whose transfer had begun (the master answered within the deadline):
-Mooncake cannot cancel a transfer into the caller's memory, so the get waits for
-it at most ``transfer_grace_s`` more rather than return while bytes may still land
-in a CPU slot that is reused. Past that grace (a segment owner that stalls, not
-dies) the get returns a miss and counts ``late_transfers``.
+except a get or put whose transfer had begun by then: Mooncake cannot cancel a
+transfer that writes into (or reads) the caller's memory, so the call waits for it
+at most ``transfer_grace_s`` more rather than return while bytes may still land in
+(or be read from) a CPU slot that is then reused. A part not started by the
+deadline never starts. Past the grace (a segment owner that stalls, not dies) the
+call returns a miss and counts ``late_transfers``.
+
+Batches are cut into ``parallel`` parts run at once on idle workers: one part's
+checksums (xxh3 over the payload, taken on its worker) overlap another part's transfer.
 
 Zero-copy: with the raw codec a put hands Mooncake the header and the CPU slot
 (``batch_put_from_multi_buffers``) and a get receives into the same two
@@ -72,13 +79,15 @@ from kvtier.serde.registry import decoders_with, make_codec
 from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, check_key, destination_views
 from kvtier.tiers.mooncake_calls import (
     NO_AVAILABLE_HANDLE,
+    OBJECT_HAS_LEASE,
     MooncakeCalls,
     TimedOut,
     Unavailable,
     codes_answered,
     is_failure,
 )
-from kvtier.tiers.mooncake_io import address, encode_puts, plan_reads, verify_direct, verify_whole
+from kvtier.serde.envelope import as_bytes_view
+from kvtier.tiers.mooncake_io import ReadPlan, address, encode_puts, plan_reads, verify_direct, verify_whole
 from kvtier.tiers.mooncake_url import TIER_QUERY_OPTIONS, MooncakeTierOptions, parse_url
 
 log = logging.getLogger(__name__)
@@ -117,7 +126,7 @@ class MooncakeTier(LowerTier):
         #: Prefix of every Mooncake key of this namespace (``clear`` removes exactly these).
         self.namespace_prefix = f"{opts.key_prefix}{self.namespace.hex()[:16]}:"
         self.counters = TierCounters()
-        self.late_transfers = 0
+        self.oversize_skipped = 0  # values above max_value_bytes a get did not read
         self._closed = False
         self._regions: list[tuple[int, int]] = []
         self._registered: set[tuple[int, int, int]] = set()  # (setup count, address, bytes)
@@ -229,31 +238,71 @@ class MooncakeTier(LowerTier):
         if self._closed:
             self.counters.add(puts=len(items), put_failed=len(items), skipped_calls=1)
             return out
-        batch, carried = encode_puts(items, self.namespace, codec, self.options.spec)
-        mkeys = [self.mooncake_key(items[i].key) for i in carried]
+        for item in items:  # a payload that is not C-contiguous is refused before any I/O
+            as_bytes_view(item.payload)
         from mooncake.store import ReplicateConfig
 
         config = ReplicateConfig()
         config.replica_num = self.options.replicas
 
-        def put(store: Any) -> list[int]:
-            # Mooncake's put keeps an existing key's old bytes: remove first so the newest wins.
-            store.batch_remove(mkeys, True)
-            return list(store.batch_put_from_multi_buffers(mkeys, batch.ptrs, batch.sizes, config))
+        def put(part: list[int]) -> Any:
+            def run(store: Any) -> tuple[list[int], list[int], list[int]]:
+                # Mooncake's put keeps an existing key's old bytes: remove first so the newest
+                # wins. Not forced: a key another client reads now (a 10 s read lease, -706) keeps
+                # its record, which is this chunk's too (keys are content digests): treated as
+                # stored, never yanked from under its reader.
+                mkeys = [self.mooncake_key(items[i].key) for i in part]
+                removed = list(store.batch_remove(mkeys, False))
+                leased = [i for i, c in zip(part, removed) if c == OBJECT_HAS_LEASE]
+                todo = [i for i, c in zip(part, removed) if c != OBJECT_HAS_LEASE]
+                # The checksums are taken here, on the part's worker, while other parts transfer.
+                batch, carried = encode_puts([items[i] for i in todo], self.namespace, codec, self.options.spec)
+                codes = list(store.batch_put_from_multi_buffers(
+                    [self.mooncake_key(items[todo[j]].key) for j in carried], batch.ptrs, batch.sizes, config
+                )) if carried else []
+                if len(codes) != len(carried):
+                    return [], [], []
+                return leased + [todo[j] for j in carried], [0] * len(leased) + codes, [0] * len(leased) + batch.nbytes
+            return run
 
-        codes = self._call(put) if mkeys else None
-        written = 0
-        if codes is not None and len(codes) == len(mkeys):
-            for j, c in enumerate(codes):
+        parts = self._parts(list(range(len(items))))
+        results = self._call_parts([put(p) for p in parts], self._deadline(), lambda r: codes_answered(r[1]),
+                                   self.options.transfer_grace_s)
+        written = full = 0
+        for res in results:
+            if res is None or len(res[1]) != len(res[0]):
+                continue
+            for i, c, nbytes in zip(*res):
                 if c == 0:
-                    out[carried[j]] = True
-                    written += batch.nbytes[j]
-            full = sum(c == NO_AVAILABLE_HANDLE for c in codes)
-            if full:
-                log.debug("kvtier mooncake: store full, %d of %d writes dropped", full, len(codes))
+                    out[i] = True
+                    written += nbytes
+                full += c == NO_AVAILABLE_HANDLE
+        if full:
+            log.debug("kvtier mooncake: store full, %d of %d writes dropped", full, len(items))
         ok = sum(out)
         self.counters.add(puts=len(items), put_ok=ok, put_failed=len(items) - ok, bytes_written=written)
         return out
+
+    def _parts(self, idx: list[int]) -> list[list[int]]:
+        """``idx`` cut into at most ``parallel`` contiguous parts (fewer when workers are busy)."""
+        k = max(1, min(self.options.parallel, len(idx), self.calls.idle))
+        step = -(-len(idx) // k)
+        return [idx[i : i + step] for i in range(0, len(idx), step)]
+
+    def _call_parts(self, fns: list[Any], deadline: float, answered: Any, grace_s: float = 0.0) -> list[Any]:
+        """:meth:`MooncakeCalls.call_parts`; every part None (a skipped call) when nothing was started."""
+        if self._closed:
+            self.counters.add(skipped_calls=1)
+            return [None] * len(fns)
+        wrap = [lambda s, fn=fn: fn(self._store_with_regions(s)) for fn in fns]
+        try:
+            results = self.calls.call_parts(wrap, deadline, answered, grace_s)
+        except Unavailable:
+            self.counters.add(skipped_calls=1)
+            return [None] * len(fns)
+        if any(r is None for r in results):
+            self.counters.add(skipped_calls=1)
+        return results
 
     # -- reads ---------------------------------------------------------------------------
     def _sizes(self, store: Any, mkeys: list[str]) -> list[int] | None:
@@ -289,34 +338,75 @@ class MooncakeTier(LowerTier):
             self.counters.add(gets=n, get_misses=n)
             return out
         plan = plan_reads(sizes, views, self.options.max_value_bytes)
-        corrupt: list[int] = []  # unusable records: counted
+        corrupt: list[int] = list(plan.tiny)  # unusable records: counted
         drop: list[int] = list(plan.tiny)  # of them, those removed from the store
-        corrupt += plan.tiny
         read = 0
-        if plan.direct or plan.whole:
-            codes = self._transfer(plan, mkeys, views, deadline)
-            for j, i in enumerate(plan.direct):
-                if codes is None or codes[j] != HEADER_BYTES + len(views[i]):
+        todo = plan.direct + plan.whole
+        if todo:
+            parts = self._parts(todo)
+            late = deadline + self.options.transfer_grace_s
+            results = self._call_parts([self._read_part(p, plan, mkeys, keys, views, sizes) for p in parts], deadline,
+                                       lambda r: codes_answered(r[0]), self.options.transfer_grace_s)
+            for res in results:
+                if res is None:
                     continue
-                hdr = memoryview(plan.headers)[j * HEADER_BYTES : (j + 1) * HEADER_BYTES]
-                if self._verified(lambda: verify_direct(hdr, views[i], keys[i], self.namespace, self.decoders),
-                                  i, corrupt, drop):
+                _, hits, bad, gone = res
+                for i in hits:
                     out[i], read = True, read + sizes[i]
-            for j, i in enumerate(plan.whole, start=len(plan.direct)):
-                if codes is None or codes[j] != sizes[i]:
-                    continue
-                val = plan.scratch[i]
-                if self._verified(lambda: verify_whole(val, views[i], keys[i], self.namespace, self.decoders),
-                                  i, corrupt, drop):
-                    out[i], read = True, read + sizes[i]
+                corrupt += bad
+                drop += gone
+            if any(r is None for r in results) and time.monotonic() >= late:
+                log.warning("kvtier mooncake: a transfer outlived %.1f s; its chunks are misses",
+                            self.options.timeout_s + self.options.transfer_grace_s)
         hits = sum(out)
         self.counters.add(gets=n, get_hits=hits, get_misses=n - hits - len(corrupt),
                           get_corrupt=len(corrupt), bytes_read=read)
         if plan.too_big:
+            self.oversize_skipped += len(plan.too_big)
             log.debug("kvtier mooncake: %d values above max_value_bytes were not read", len(plan.too_big))
         if drop:
             self._call(lambda s: list(s.batch_remove([mkeys[i] for i in drop], True)))
         return out
+
+    def _read_part(self, part: list[int], plan: ReadPlan, mkeys: list[str], keys: Sequence[bytes],
+                   views: list[memoryview], sizes: list[int]) -> Any:
+        """A worker job: move the part's values (direct ones into a header buffer + ``out``,
+        whole ones into scratch), then verify each record there. Returns (codes, hits, corrupt,
+        to remove). The job holds every buffer it writes into until it returns, even past the
+        caller's deadline."""
+        slot = {i: j for j, i in enumerate(plan.direct)}
+        direct = [i for i in part if i in slot]
+        whole = [i for i in part if i not in slot]
+        hb = address(plan.headers)
+
+        def header(i: int) -> memoryview:
+            j = slot[i]
+            return memoryview(plan.headers)[j * HEADER_BYTES : (j + 1) * HEADER_BYTES]
+
+        def run(store: Any) -> tuple[list[int], list[int], list[int], list[int]]:
+            codes: list[int] = []
+            if direct:
+                codes += list(store.batch_get_into_multi_buffers(
+                    [mkeys[i] for i in direct], [[hb + slot[i] * HEADER_BYTES, address(views[i])] for i in direct],
+                    [[HEADER_BYTES, len(views[i])] for i in direct]))
+            if whole:
+                codes += list(store.batch_get_into([mkeys[i] for i in whole], [address(plan.scratch[i]) for i in whole],
+                                                   [sizes[i] for i in whole]))
+            hits: list[int] = []
+            bad: list[int] = []
+            gone: list[int] = []
+            for i, c in zip(direct + whole, codes):
+                if c != sizes[i]:
+                    continue  # vanished or could not be moved: a miss
+                if i in slot:
+                    check = (lambda i=i: verify_direct(header(i), views[i], keys[i], self.namespace, self.decoders))
+                else:
+                    check = (lambda i=i: verify_whole(plan.scratch[i], views[i], keys[i], self.namespace, self.decoders))
+                if self._verified(check, i, bad, gone):
+                    hits.append(i)
+            return codes, hits, bad, gone
+
+        return run
 
     @staticmethod
     def _verified(check: Any, i: int, corrupt: list[int], drop: list[int]) -> bool:
@@ -336,38 +426,6 @@ class MooncakeTier(LowerTier):
             corrupt.append(i)
             drop.append(i)
             return False
-
-    def _transfer(self, plan: Any, mkeys: list[str], views: list[memoryview], deadline: float) -> list[int] | None:
-        """Move the planned values: direct ones into header + ``out``, whole ones into scratch.
-
-        Returns the bytes (or error code) per value, direct then whole; None when the
-        transfer did not finish within ``deadline`` plus ``transfer_grace_s``.
-        """
-        hb = address(plan.headers)
-        dkeys = [mkeys[i] for i in plan.direct]
-        dptrs = [[hb + j * HEADER_BYTES, address(views[i])] for j, i in enumerate(plan.direct)]
-        dsizes = [[HEADER_BYTES, len(views[i])] for i in plan.direct]
-        wkeys = [mkeys[i] for i in plan.whole]
-        wptrs = [address(plan.scratch[i]) for i in plan.whole]
-        wsizes = [len(plan.scratch[i]) for i in plan.whole]
-        keep = (plan, views)  # alive until the worker returns, even past the deadline
-
-        def move(store: Any) -> list[int]:
-            assert keep
-            got = list(store.batch_get_into_multi_buffers(dkeys, dptrs, dsizes)) if dkeys else []
-            if wkeys:
-                got += list(store.batch_get_into(wkeys, wptrs, wsizes))
-            return got
-
-        late = deadline + self.options.transfer_grace_s
-        codes = self._call(move, late)
-        if codes is None and time.monotonic() >= late:
-            self.late_transfers += 1
-            log.warning("kvtier mooncake: a transfer outlived %.1f s; its chunks are misses",
-                        self.options.timeout_s + self.options.transfer_grace_s)
-        if codes is not None and len(codes) != len(dkeys) + len(wkeys):
-            return None
-        return codes
 
     # -- removal ---------------------------------------------------------------------------
     def delete_many(self, keys: Sequence[bytes]) -> int:
@@ -426,6 +484,7 @@ class MooncakeTier(LowerTier):
         out["setups"] = self.calls.setups
         out["busy_workers"] = self.calls.busy
         out["late_calls"] = self.calls.late_calls
-        out["late_transfers"] = self.late_transfers
+        out["late_transfers"] = self.calls.overruns  # jobs still moving bytes past deadline + grace
+        out["oversize_skipped"] = self.oversize_skipped
         out["codec"] = self.codec.name
         return out

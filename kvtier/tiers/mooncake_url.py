@@ -71,6 +71,8 @@ class MooncakeTierOptions:
         protocol: transfer protocol; only ``tcp`` (zero-copy from unregistered memory).
         workers: Mooncake calls in flight at once (each on its own thread); a call that
             finds them all busy (a stalled store) is a miss at once.
+        parallel: parts a batched put or get is split into, run at once on idle workers, so
+            one part's checksums overlap another's transfer (1: one call per batch).
         max_value_bytes: largest stored value a get reads (bounds what a store hands back).
         transfer_grace_s: how long a get waits past ``timeout_s`` for a transfer that had
             started (the master answered) to end: Mooncake cannot cancel a transfer into
@@ -93,7 +95,8 @@ class MooncakeTierOptions:
     local_hostname: str = "127.0.0.1"
     metadata: str = P2P_HANDSHAKE
     protocol: str = "tcp"
-    workers: int = 4
+    workers: int = 8
+    parallel: int = 4
     max_value_bytes: int = 256 << 20
     transfer_grace_s: float = 5.0
     replicas: int = 1
@@ -105,8 +108,8 @@ class MooncakeTierOptions:
             raise ValueError("namespace must be a 32-byte KeyNamespace digest")
         if self.protocol != "tcp":
             raise ValueError(f"Mooncake tier protocol {self.protocol!r}: only tcp is supported")
-        if not 1 <= self.workers <= 64:
-            raise ValueError("workers must be 1..64")
+        if not 1 <= self.workers <= 64 or not 1 <= self.parallel <= 64:
+            raise ValueError("workers and parallel must be 1..64")
         if not 1 <= self.replicas <= 8:
             raise ValueError("replicas must be 1..8")
         if self.max_value_bytes < 4096:
@@ -121,7 +124,7 @@ class MooncakeTierOptions:
 
 
 _FLOAT = {"timeout_s", "setup_timeout_s", "breaker_backoff_s", "breaker_max_backoff_s", "transfer_grace_s"}
-_INT = {"breaker_failures", "workers", "replicas"}
+_INT = {"breaker_failures", "workers", "parallel", "replicas"}
 _SIZES = {"segment_bytes", "max_value_bytes"}
 _STR = {"codec", "key_prefix", "local_hostname", "metadata", "protocol"}
 #: Options a ``mooncake://`` URL query may carry.

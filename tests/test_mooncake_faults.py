@@ -363,3 +363,24 @@ def test_storage_manager_registers_cpu_memory_and_reports_store_removals(master)
         assert keys[0] in gone
     finally:
         mgr.close()
+
+
+def test_bench_remote_measures_the_tier_and_the_raw_client_side_by_side(master):
+    """``kvtier bench remote --url mooncake://``: both ratios, from samples of both sides."""
+    from kvtier.bench import remote_mooncake
+
+    r = remote_mooncake.measure(master.url, num_chunks=2, reps=1)
+    for name in ("mooncake_put_ratio", "mooncake_get_ratio", "put_gbps", "raw_put_gbps", "get_gbps", "raw_get_gbps"):
+        assert r[name] > 0, name
+    assert len(r["put_samples_s"]["kvtier"]) == len(r["put_samples_s"]["raw"]) == 1
+
+
+def test_bench_remote_refuses_a_mooncake_url_without_a_master():
+    from kvtier.bench.common import BenchUsageError
+    from kvtier.bench.remote import run_remote
+    from kvtier.testing.redis_server import free_port
+
+    with pytest.raises(BenchUsageError, match="no Mooncake master"):
+        run_remote(f"mooncake://127.0.0.1:{free_port()}")
+    with pytest.raises(BenchUsageError, match="segmnt"):
+        run_remote("mooncake://127.0.0.1:1?segmnt=1")

@@ -25,6 +25,7 @@ its caller returned.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -114,7 +115,7 @@ class MooncakeCalls:
         self.setups = 0  # successful setup() calls
         self.late_calls = 0  # calls that outlived their deadline
         self.overruns = 0  # jobs still running past their deadline plus grace
-        self._jobs: queue.SimpleQueue[tuple[Callable[[Any], Any], Future] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"kvtier-mooncake-{i}", daemon=True) for i in range(opts.workers)
         ]
@@ -229,7 +230,7 @@ class MooncakeCalls:
         futs: list[Future] = []
         for fn in fns:
             fut: Future = Future()
-            self._jobs.put((lambda fn=fn: fn(store), fut))
+            self._jobs.put((functools.partial(fn, store), fut))
             futs.append(fut)
         results: list[T | None] = []
         late = False

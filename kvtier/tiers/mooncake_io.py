@@ -162,7 +162,7 @@ def verify_whole(value: np.ndarray, out: memoryview, key: bytes, namespace: byte
     Raises:
         RecordError: as :func:`verify_direct`.
     """
-    src = memoryview(value).cast("B")
+    src = memoryview(value.data).cast("B")
     pos = [0]
 
     def readinto(view: memoryview) -> int:

@@ -381,7 +381,7 @@ class MooncakeTier(LowerTier):
 
         def header(i: int) -> memoryview:
             j = slot[i]
-            return memoryview(plan.headers)[j * HEADER_BYTES : (j + 1) * HEADER_BYTES]
+            return memoryview(plan.headers.data)[j * HEADER_BYTES : (j + 1) * HEADER_BYTES]
 
         def run(store: Any) -> tuple[list[int], list[int], list[int], list[int]]:
             codes: list[int] = []

@@ -36,7 +36,7 @@ def run_child(mode: str, sock: Path, *args: str) -> subprocess.Popen:
 def _store(c, keys: list[bytes]) -> None:  # type: ignore[no-untyped-def]
     parent = None
     for k in keys:
-        buf = c.open_write(k)
+        buf = c.open_write(k, parent)
         assert buf is not None, "store skipped"
         buf[:] = payload_for(k, c.chunk_bytes)
         c.commit(k, parent)
@@ -137,10 +137,10 @@ def test_server_restart_serves_its_disk_tier_and_clients_reconnect(short_dir: Pa
     try:
         c = connect(short_dir / "s.sock", timeout_s=0.5, backoff_max_s=0.2)
         for k in KEYS[:3]:
-            buf = c.open_write(k)
+            buf = c.open_write(k, None)
             assert buf is not None
             buf[:] = payload_for(k, c.chunk_bytes)
-            c.commit(k)
+            c.commit(k, None)
         assert c.flush(10)
         assert c.stats()["disk_written_chunks"] == 3
         server.kill()  # no clean shutdown

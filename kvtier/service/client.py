@@ -185,7 +185,7 @@ class ServiceClient:
         return bool(reply and reply.get("hit") is True)
 
     # -- KVStore: write path ------------------------------------------------------------------------
-    def open_write(self, key: bytes, parent: bytes | None = None) -> np.ndarray | None:
+    def open_write(self, key: bytes, parent: bytes | None) -> np.ndarray | None:
         """Reserve a slot for ``key``; returns its ``uint8 [chunk_bytes]`` view to fill, or None.
 
         None: already stored, being written by another client, no room, or the
@@ -196,21 +196,24 @@ class ServiceClient:
         return got if isinstance(got, np.ndarray) else None
 
     def open_write_many(
-        self, keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None
+        self, keys: Sequence[bytes], parents: Sequence[bytes | None]
     ) -> list[np.ndarray | WriteSkip]:
         """Reserve slots for many distinct keys in one round trip.
 
-        ``parents`` (optional, one per key): each chunk's chain parent, so making
-        room never evicts it (default: the previous key).
+        ``parents`` (required, one per key; None for a prompt's first chunk): each
+        chunk's chain parent, so making room never evicts it.
 
         Returns, per key in order, its slot view (``uint8 [chunk_bytes]``) or why
         there is none: ``WriteSkip.PRESENT`` (stored), ``IN_FLIGHT`` (another
         writer holds an uncommitted reservation: go on with the rest of the
         chain) or ``NO_ROOM`` (also for a failed call: stop storing the chain).
         """
+        if parents is None or len(parents) != len(keys):
+            raise ValueError(f"{'no' if parents is None else len(parents)} parents for {len(keys)} keys: "
+                             "pass each chunk's parent (None for a prompt's first chunk)")
         if not keys:
             return []
-        reply, conn = self._link.call(P.ReserveMany(list(keys), None if parents is None else list(parents)))
+        reply, conn = self._link.call(P.ReserveMany(list(keys), list(parents)))
         slots = None if reply is None else reply.get("slots")
         if conn is None or not isinstance(slots, list) or len(slots) != len(keys):
             return [WriteSkip.NO_ROOM] * len(keys)
@@ -228,7 +231,7 @@ class ServiceClient:
                     out.append(_skip(skip))
         return out
 
-    def commit(self, key: bytes, parent: bytes | None = None) -> None:
+    def commit(self, key: bytes, parent: bytes | None) -> None:
         """Publish a filled slot (acknowledged only with ``sync_commit``; see the constructor)."""
         with self._writes_lock:
             gen = self._writes.pop(key, None)

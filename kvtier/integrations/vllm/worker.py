@@ -328,7 +328,7 @@ class KVTierWorker:
         aborting the reservations after it (later chunks would be unreachable).
         """
         assert self.store is not None
-        bufs = self.store.open_write_many([ch.key for ch in spec.chunks])
+        bufs = self.store.open_write_many([ch.key for ch in spec.chunks], [ch.parent for ch in spec.chunks])
         stop = False
         for ch, buf in zip(spec.chunks, bufs):
             if not isinstance(buf, np.ndarray):

@@ -121,3 +121,27 @@ def test_a_promotion_keeps_the_parent(make_config, managers) -> None:
     assert h is not None and np.array_equal(h.buffer, payload_for(k1, mgr.chunk_bytes))
     h.close()
     assert mgr.cpu.contains(k0)
+
+
+# -- the replays on vLLM's real scheduler ---------------------------------------------------
+@pytest.mark.parametrize(
+    "chunk,cpu_chunks,prompt_len,sends,want",
+    [(32, 1, 65, 3, [0, 32, 32]), (256, 2, 778, 4, [0, 512, 512, 512])],
+    ids=["1-chunk-tier-65-tokens", "2-chunk-tier-778-tokens"],
+)
+def test_resending_a_prompt_after_a_hit_keeps_hitting(chunk, cpu_chunks, prompt_len, sends, want) -> None:
+    from sched_harness import Engine, EngineSpec, tokens
+
+    e = Engine(EngineSpec(chunk_size=chunk, cpu_chunks=cpu_chunks, num_blocks=64, max_num_batched_tokens=1024))
+    try:
+        prompt = tokens(23, prompt_len)
+        got = []
+        for i in range(sends):
+            e.add(f"s{i}", prompt)
+            e.run()
+            got.append(e.hits(f"s{i}").kvtier_hit_tokens)
+            assert e.reset_prefix_cache()
+        assert got == want
+        assert e.audit.bad_commits == []
+    finally:
+        e.shutdown()

@@ -17,6 +17,12 @@ and asserted at each transition):
   but its last token (sync load, ``PDSettings.sync_load_bytes``); either way the
   engine computes exactly that token. Saves cover only full
   prompt chunks computed by the engine, each once, in prompt order.
+- Every step's metadata carries its block tables and token ranges
+  (:func:`step_blocks`, all requests), from which the worker refuses to store a
+  chunk computed over a block that failed to load (``validity.py``). When vLLM
+  reports invalid blocks it has rewound each request holding them; chunks past
+  a request's new ``num_computed_tokens`` are planned again, so what the worker
+  refused is stored once recomputed.
 
 Accounting (:class:`~kvtier.integrations.vllm.accounting.RequestLedger`): engine
 hit = ``num_computed_tokens`` at lookup; kvtier hit = tokens of loads sent to the
@@ -40,7 +46,7 @@ from kvtier.integrations.vllm.kv_events import BlockEventTranslator, TierChanges
 from kvtier.integrations.vllm.modes import LookupIndex, close_scheduler_index, open_scheduler_index
 from kvtier.integrations.vllm.pd import PDSettings, RemotePrefill
 from kvtier.integrations.vllm.pd_scheduler import PDScheduler
-from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, TransferSpec
+from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, StepBlocks, TransferSpec
 from kvtier.storage.types import LookupResult
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -268,6 +274,8 @@ class KVTierScheduler:
         self._async_to_send = []
         if self.pd is not None:
             self.pd.end_step(meta)
+        if self.config.should_save:
+            meta.blocks = step_blocks(scheduler_output)
         for preempted in scheduler_output.preempted_req_ids or ():
             tr = self._trackers.get(preempted)
             if tr is not None:  # its blocks are freed; it is looked up again on resume
@@ -345,8 +353,14 @@ class KVTierScheduler:
                     self.pd.confirm(tr)  # PD decode leg: the load is over, the prefiller may free
         invalid = set(connector_output.invalid_block_ids or ())
         if invalid:
-            # vLLM recomputes from the first unfilled block; those chunks are not
-            # stored anywhere after all, so save them once they are recomputed.
+            # vLLM has rewound every request that holds an invalid block to recompute
+            # from there (a request sharing the blocks as a local prefix hit too, and
+            # under async scheduling a step already planned past it); the worker did
+            # not store what those requests computed over the gap (validity.py). Save
+            # each such chunk again once it is recomputed.
+            for tr in self._trackers.values():
+                if tr.request is not None:
+                    tr.saved_chunks = min(tr.saved_chunks, tr.request.num_computed_tokens // self.chunk_size)
             for tr in self._trackers.values():
                 failed = [tr.loaded_blocks[b] for b in invalid if b in tr.loaded_blocks]
                 if failed:
@@ -415,3 +429,23 @@ class KVTierScheduler:
         if self._index is not None:
             close_scheduler_index(self._index)
         self._index = None
+
+
+def step_blocks(scheduler_output: "SchedulerOutput") -> StepBlocks:
+    """The block tables and token ranges of a step, for the worker's validity check (every request)."""
+    out = StepBlocks(gone=list(scheduler_output.finished_req_ids or ()) + list(scheduler_output.preempted_req_ids or ()))
+    scheduled = scheduler_output.num_scheduled_tokens
+    for new in scheduler_output.scheduled_new_reqs:
+        out.tables[new.req_id] = list(new.block_ids[0]) if new.block_ids else []
+        start = new.num_computed_tokens
+        out.computing[new.req_id] = (start, start + scheduled.get(new.req_id, 0))
+    cached = scheduler_output.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        new_blocks = cached.new_block_ids[i]
+        if req_id in cached.resumed_req_ids:
+            out.tables[req_id] = list(new_blocks[0]) if new_blocks else []
+        elif new_blocks and new_blocks[0]:
+            out.appended[req_id] = list(new_blocks[0])
+        start = cached.num_computed_tokens[i]
+        out.computing[req_id] = (start, start + scheduled.get(req_id, 0))
+    return out

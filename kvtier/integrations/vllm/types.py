@@ -37,11 +37,28 @@ class TransferSpec:
 
 
 @dataclass
+class StepBlocks:
+    """Which engine blocks this step's forward reads and writes (a copy of vLLM's scheduler output).
+
+    The worker mirrors every running request's block table from these deltas
+    (:class:`~kvtier.integrations.vllm.validity.BlockValidity`) so it can tell
+    which blocks hold KV computed over a failed load. Block ids are those of
+    vLLM's single KV cache group.
+    """
+
+    tables: dict[str, list[int]] = field(default_factory=dict)  # new or resumed requests: whole block table
+    appended: dict[str, list[int]] = field(default_factory=dict)  # blocks added to a known table
+    gone: list[str] = field(default_factory=list)  # finished or preempted since the last step
+    computing: dict[str, tuple[int, int]] = field(default_factory=dict)  # tokens [start, end) computed
+
+
+@dataclass
 class KVTierMetadata(KVConnectorMetadata):
     """Scheduler -> worker, one per step: loads before the forward, saves after it."""
 
     loads: list[TransferSpec] = field(default_factory=list)
     saves: list[TransferSpec] = field(default_factory=list)
+    blocks: StepBlocks | None = None  # None: nothing is saved (kv_role consumer, saving off)
     pd_holds: list["PDHold"] = field(default_factory=list)  # PD prefill: hold these after they finish
     pd_releases: list[str] = field(default_factory=list)  # PD prefill: end these holds (aborted)
     idle: bool = False  # the step schedules no tokens: the engine only waits for async loads

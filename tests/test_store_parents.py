@@ -47,6 +47,11 @@ def test_the_store_api_has_no_default_parent(store_cls, method, arg) -> None:
     assert param.default is inspect.Parameter.empty, f"{store_cls.__name__}.{method} defaults {arg}"
 
 
+def test_server_block_copies_have_no_default_parent() -> None:
+    param = inspect.signature(ServiceClient.store_blocks).parameters["parents"]
+    assert param.default is inspect.Parameter.empty
+
+
 def test_open_write_many_refuses_missing_or_short_parents(make_config, managers) -> None:
     mgr = managers(make_config(cpu_chunks=4))
     keys = mgr.keys(list(range(3 * mgr.namespace.chunk_size)))

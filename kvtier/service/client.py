@@ -326,19 +326,26 @@ class ServiceClient:
         return self._kv_gen
 
     def store_blocks(self, keys: Sequence[bytes], blocks: Sequence[Sequence[int]],
-                     parents: Sequence[bytes | None] | None = None, timeout_s: float = 30.0) -> list[WriteSkip | None]:
+                     parents: Sequence[bytes | None], timeout_s: float = 30.0) -> list[WriteSkip | None]:
         """Store chunks the server copies from engine blocks (after :meth:`register_kv`).
 
         ``blocks[i]``: chunk ``i``'s ``blocks_per_chunk`` engine block ids, whose writes
-        the engine has completed (stream synchronized). Returns per key None (stored)
+        the engine has completed (stream synchronized); ``parents[i]``: its parent
+        (required, as for :meth:`open_write_many`). Returns per key None (stored)
         or a :class:`WriteSkip`; every key ``NO_ROOM`` on any failure (nothing stored,
         or no registration: use the slot copies).
+
+        Raises:
+            ValueError: ``parents`` is missing or not as long as ``keys``.
         """
+        if parents is None or len(parents) != len(keys):
+            raise ValueError(f"{'no' if parents is None else len(parents)} parents for {len(keys)} keys: "
+                             "pass each chunk's parent (None for a prompt's first chunk)")
         gen = self._kv_gen_now()
         fail: list[WriteSkip | None] = [WriteSkip.NO_ROOM] * len(keys)
         if gen is None or not keys:
             return fail
-        req = StoreBlocks(list(keys), [list(map(int, b)) for b in blocks], None if parents is None else list(parents))
+        req = StoreBlocks(list(keys), [list(map(int, b)) for b in blocks], list(parents))
         reply, _ = self._link.call(req, gen=gen, timeout_s=timeout_s)
         skips = reply.get("skips") if reply else None
         if not isinstance(skips, list) or len(skips) != len(keys):

@@ -268,14 +268,17 @@ class Audit:
     commits: int = 0
     wrong_reads: list[tuple[int, str, int]] = field(default_factory=list)  # (step, request, block index)
 
-    def expected_chunk(self, tokens: list[int]) -> np.ndarray:
-        """Cold KV of the chunk ending at ``len(tokens)``, in the stored chunk's byte order."""
+    def matches(self, buf: np.ndarray, tokens: list[int]) -> bool:
+        """Whether a stored chunk holds the cold KV of the chunk of ``tokens`` that ends at
+        ``len(tokens)`` (a PD partial chunk: only its first ``len(tokens) % chunk_size`` positions)."""
         g, cs = self.geometry, self.chunk_size
+        n = len(tokens) % cs or cs
+        start = len(tokens) - n
         cold = self.model.cold(tokens)
-        rows = np.stack([c[len(tokens) - cs:] for c in cold])  # [L, cs, width]
         bpc = cs // g.block_size
-        return rows.reshape(g.num_layers, bpc, g.block_size, g.num_kv_heads, 2 * g.head_dim).transpose(
-            0, 1, 3, 2, 4).copy()
+        got = buf.view(np.uint16).reshape(g.num_layers, bpc, g.num_kv_heads, g.block_size, 2 * g.head_dim)
+        got = got.transpose(0, 1, 3, 2, 4).reshape(g.num_layers, cs, g.width)[:, :n]
+        return bool(np.array_equal(got, np.stack([c[start:] for c in cold])))
 
     def check_commit(self, key: bytes, buf: np.ndarray) -> None:
         self.commits += 1
@@ -283,9 +286,8 @@ class Audit:
         if tokens is None:
             self.unknown_commits.append(key)
             return
-        got = buf.view(np.uint16).reshape(self.expected_chunk(tokens).shape)
-        if not np.array_equal(got, self.expected_chunk(tokens)):
-            self.bad_commits.append((key, len(tokens) // self.chunk_size - 1))
+        if not self.matches(buf, tokens):
+            self.bad_commits.append((key, -(-len(tokens) // self.chunk_size) - 1))
 
     def check_store(self, manager: Any) -> list[bytes]:
         """Keys of chunks resident in the CPU tier whose bytes differ from cold KV (or are unknown)."""
@@ -296,8 +298,7 @@ class Audit:
                 continue
             try:
                 tokens = self.chunk_tokens.get(key)
-                if tokens is None or not np.array_equal(
-                        buf.view(np.uint16).reshape(self.expected_chunk(tokens).shape), self.expected_chunk(tokens)):
+                if tokens is None or not self.matches(buf, tokens):
                     bad.append(key)
             finally:
                 manager.cpu.release(key)
@@ -373,18 +374,26 @@ class Engine:
         self.outputs: dict[str, list[int]] = {}
         self.prompts: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}  # request id -> finish status name
+        self.transfer_params: dict[str, dict[str, Any]] = {}  # kv_transfer_params a request finished with
         self.preemptions = 0
         self.hooks: list[Callable[["Engine", Any], None]] = []  # called with each SchedulerOutput
 
     # -- requests ---------------------------------------------------------------------------
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 1) -> None:
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 1,
+            kv_transfer_params: dict[str, Any] | None = None) -> None:
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
         cs = self.spec.chunk_size
         for ci, key in enumerate(self.manager.keys(prompt)):
             self.audit.chunk_tokens[key] = list(prompt[: (ci + 1) * cs])
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        if kv_transfer_params and len(prompt) % cs:  # a PD leg stores its last partial chunk too
+            from kvtier.integrations.vllm.pd import partial_key
+
+            padded = list(prompt) + [0] * (cs - len(prompt) % cs)
+            self.audit.chunk_tokens[partial_key(self.manager.keys(padded)[-1], len(prompt) % cs)] = list(prompt)
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
         req = Request(req_id, list(prompt), sp, None, block_hasher=self._block_hasher)
         self.prompts[req_id] = list(prompt)
         self.sched.add_request(req)
@@ -438,6 +447,8 @@ class Engine:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = str(o.finish_reason)
+                if o.kv_transfer_params:
+                    self.transfer_params[o.request_id] = o.kv_transfer_params
         self.connector.check_invariants()
 
     # -- model runner -----------------------------------------------------------------------

@@ -160,6 +160,37 @@ def test_load_into_a_partly_held_chunk_that_fails(engines) -> None:
     assert e.wrong_outputs() == []
 
 
+@pytest.mark.parametrize("sync_load_bytes", [1 << 27, 0], ids=["sync-load", "async-load"])
+def test_pd_decode_leg_whose_load_fails(engines, sync_load_bytes) -> None:
+    """A PD decode leg (kv_transfer_params from a prefill leg on this engine) whose load of the
+    prefilled chunks fails: it recomputes the prompt; nothing wrong is stored; its tokens are a
+    cold run's. Both the synchronous (chunks in memory) and the asynchronous decode load."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    e = engines(max_num_batched_tokens=128, extra={"pd_role": "both", "pd_port": port, "pd_lease_s": 0.05,
+                                                   "pd_sync_load_bytes": sync_load_bytes})
+    p = A + B + C[:5]
+    e.add("p", p, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    e.run()
+    params = e.transfer_params["p"]
+    assert params["do_remote_prefill"]
+    deadline = time.monotonic() + 30
+    while not e.reset_prefix_cache():  # the prefill leg's hold ends (lease) before the engine cache resets
+        assert time.monotonic() < deadline
+        e.step()
+        time.sleep(0.01)
+    e.store.fail_read = fail_once([e.manager.keys(p)[0]])
+    e.add("d", p, max_tokens=4, kv_transfer_params=params)
+    e.run()
+    assert e.store.failed_reads == 1
+    assert e.hits("d").load_failures == 1
+    assert_store_is_cold(e)
+    assert e.wrong_outputs() == []
+
+
 # -- the audit itself is broken on purpose ----------------------------------------------------------
 def _item2(e: Engine) -> None:
     prompt = tokens(9, 80)

@@ -145,13 +145,14 @@ def test_preempted_between_failed_load_and_recompute(engines, monkeypatch) -> No
 
 def test_load_into_a_partly_held_chunk_that_fails(engines) -> None:
     """Chunks of 2 blocks; the engine holds the first block of chunk 0 itself, kvtier loads the
-    rest of it (offset 1) and chunk 1; the read of chunk 0 fails."""
+    rest of it (offset 1) and chunk 1; the read of chunk 0 fails while the step computes chunk 2."""
     e = engines(chunk_size=32, max_num_batched_tokens=128)
-    p = A + B + C + D + [5]
-    store(e, "w", p)
+    stored = A + B + C + D
+    store(e, "w", stored + [5])
     e.add("h", A + [3])  # the engine's prefix cache now holds block A
     e.run()
-    e.store.fail_read = fail_once([e.manager.keys(p)[0]])
+    e.store.fail_read = fail_once([e.manager.keys(stored)[0]])
+    p = stored + tokens(5, 32) + [6]
     e.add("a", p)
     e.run()
     assert e.store.failed_reads == 1

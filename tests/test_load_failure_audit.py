@@ -19,7 +19,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from sched_harness import Engine, EngineSpec, fail_once, run_mix, tokens  # noqa: E402
+from sched_harness import Engine, EngineSpec, fail_once, tokens  # noqa: E402
+from sched_mixes import run_mix  # noqa: E402
 
 A, B, C, D = tokens(1, 16), tokens(2, 16), tokens(3, 16), tokens(4, 16)
 

@@ -18,7 +18,7 @@ and asserted at each transition):
   engine computes exactly that token. Saves cover only full
   prompt chunks computed by the engine, each once, in prompt order.
 - Every step's metadata carries its block tables and token ranges
-  (:func:`step_blocks`, all requests), from which the worker refuses to store a
+  (``validity.step_blocks``, all requests), from which the worker refuses to store a
   chunk computed over a block that failed to load (``validity.py``). When vLLM
   reports invalid blocks it has rewound each request holding them; chunks past
   a request's new ``num_computed_tokens`` are planned again, so what the worker
@@ -46,7 +46,8 @@ from kvtier.integrations.vllm.kv_events import BlockEventTranslator, TierChanges
 from kvtier.integrations.vllm.modes import LookupIndex, close_scheduler_index, open_scheduler_index
 from kvtier.integrations.vllm.pd import PDSettings, RemotePrefill
 from kvtier.integrations.vllm.pd_scheduler import PDScheduler
-from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, StepBlocks, TransferSpec
+from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, TransferSpec
+from kvtier.integrations.vllm.validity import step_blocks
 from kvtier.storage.types import LookupResult
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -430,22 +431,3 @@ class KVTierScheduler:
             close_scheduler_index(self._index)
         self._index = None
 
-
-def step_blocks(scheduler_output: "SchedulerOutput") -> StepBlocks:
-    """The block tables and token ranges of a step, for the worker's validity check (every request)."""
-    out = StepBlocks(gone=list(scheduler_output.finished_req_ids or ()) + list(scheduler_output.preempted_req_ids or ()))
-    scheduled = scheduler_output.num_scheduled_tokens
-    for new in scheduler_output.scheduled_new_reqs:
-        out.tables[new.req_id] = list(new.block_ids[0]) if new.block_ids else []
-        start = new.num_computed_tokens
-        out.computing[new.req_id] = (start, start + scheduled.get(new.req_id, 0))
-    cached = scheduler_output.scheduled_cached_reqs
-    for i, req_id in enumerate(cached.req_ids):
-        new_blocks = cached.new_block_ids[i]
-        if req_id in cached.resumed_req_ids:
-            out.tables[req_id] = list(new_blocks[0]) if new_blocks else []
-        elif new_blocks and new_blocks[0]:
-            out.appended[req_id] = list(new_blocks[0])
-        start = cached.num_computed_tokens[i]
-        out.computing[req_id] = (start, start + scheduled.get(req_id, 0))
-    return out

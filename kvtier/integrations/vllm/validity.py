@@ -30,9 +30,12 @@ table per live request.
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from kvtier.integrations.vllm.types import StepBlocks, TransferSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.v1.core.sched.output import SchedulerOutput
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -164,3 +167,23 @@ class BlockValidity:
                 log.warning("kvtier: request %s saves blocks its block table does not hold; not stored", r)
             return False
         return self._first_bad(r, pos + 1) is None
+
+
+def step_blocks(scheduler_output: "SchedulerOutput") -> StepBlocks:
+    """The block tables and token ranges of one engine step, for every request (vLLM's scheduler output)."""
+    out = StepBlocks(gone=list(scheduler_output.finished_req_ids or ()) + list(scheduler_output.preempted_req_ids or ()))
+    scheduled = scheduler_output.num_scheduled_tokens
+    for new in scheduler_output.scheduled_new_reqs:
+        out.tables[new.req_id] = list(new.block_ids[0]) if new.block_ids else []
+        start = new.num_computed_tokens
+        out.computing[new.req_id] = (start, start + scheduled.get(new.req_id, 0))
+    cached = scheduler_output.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        new_blocks = cached.new_block_ids[i]
+        if req_id in cached.resumed_req_ids:
+            out.tables[req_id] = list(new_blocks[0]) if new_blocks else []
+        elif new_blocks and new_blocks[0]:
+            out.appended[req_id] = list(new_blocks[0])
+        start = cached.num_computed_tokens[i]
+        out.computing[req_id] = (start, start + scheduled.get(req_id, 0))
+    return out

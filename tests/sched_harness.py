@@ -77,6 +77,7 @@ class EngineSpec:
     chunk_size: int = 16
     cpu_chunks: int = 256
     extra: dict[str, Any] = field(default_factory=dict)
+    sibling: bool = False  # kvtier second under vLLM's MultiConnector, after sched_sibling.SiblingConnector
 
 
 def _layer_names(g: Geometry) -> list[str]:
@@ -97,13 +98,20 @@ def build_config(spec: EngineSpec, engine_id: str) -> tuple[Any, Any]:
     extra = {"model_id": "sched-harness", "chunk_size": spec.chunk_size,
              "cpu_capacity": spec.cpu_chunks * chunk_bytes, **spec.extra}
     knobs = (g, spec.num_blocks, spec.max_num_batched_tokens, spec.max_num_seqs, spec.max_model_len,
-             spec.async_scheduling)
+             spec.async_scheduling, spec.sibling)
     if knobs not in _CONFIGS:
         _CONFIGS[knobs] = _build_vllm_config(spec)
     vc, kcc = _CONFIGS[knobs]
     vc.kv_transfer_config.engine_id = engine_id
-    vc.kv_transfer_config.kv_connector_extra_config = extra
     vc.kv_transfer_config.kv_load_failure_policy = "recompute"
+    if spec.sibling:
+        vc.kv_transfer_config.kv_connector_extra_config = {"connectors": [
+            {"kv_connector": "SiblingConnector", "kv_connector_module_path": "sched_sibling", "kv_role": "kv_both"},
+            {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+             "kv_role": "kv_both", "kv_connector_extra_config": extra, "kv_load_failure_policy": "recompute"},
+        ]}
+    else:
+        vc.kv_transfer_config.kv_connector_extra_config = extra
     return vc, kcc
 
 
@@ -117,9 +125,13 @@ def _build_vllm_config(spec: EngineSpec) -> tuple[Any, Any]:
     sc = SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                          max_model_len=spec.max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False)
     cc = CacheConfig(block_size=g.block_size, cache_dtype="auto", enable_prefix_caching=True)
-    kt = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
-                          kv_role="kv_both", kv_connector_extra_config={}, engine_id="unset",
-                          kv_load_failure_policy="recompute")
+    if spec.sibling:
+        kt = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", engine_id="unset",
+                              kv_connector_extra_config={"connectors": []}, kv_load_failure_policy="recompute")
+    else:
+        kt = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+                              kv_role="kv_both", kv_connector_extra_config={}, engine_id="unset",
+                              kv_load_failure_policy="recompute")
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kt,
                     device_config=DeviceConfig("cpu"))
     # vLLM's CPU platform turns async scheduling off (its model runner cannot overlap
@@ -169,7 +181,14 @@ class Engine:
         init_none_hash(sha256)
         self._block_hasher = get_request_block_hasher(g.block_size, sha256)
         # The worker half first: it owns the tiers; the scheduler half finds them in this process.
-        self.worker = KVTierConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        if spec.sibling:
+            from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+            self.worker = MultiConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+            self.kv_worker = self.worker.sub_connectors[1]
+        else:
+            self.worker = KVTierConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+            self.kv_worker = self.worker
         per_layer = spec.num_blocks * g.num_kv_heads * g.block_size * 2 * g.head_dim
         flat = torch.empty(g.num_layers * per_layer, dtype=torch.bfloat16)
         shape = (spec.num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_dim)
@@ -183,11 +202,11 @@ class Engine:
         self.sched = cls(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                          structured_output_manager=StructuredOutputManager(self.vllm_config),
                          block_size=g.block_size, log_stats=True)
-        self.connector = self.sched.connector
+        self.connector = self.sched.connector.sub_connectors[1] if spec.sibling else self.sched.connector
         self.model = PoisonModel(g)
         self.audit = Audit(self.model, g, spec.chunk_size)
-        self.store = FaultyStore(self.worker.worker.store, self.audit)
-        self.worker.worker.store = self.store
+        self.store = FaultyStore(self.kv_worker.worker.store, self.audit)
+        self.kv_worker.worker.store = self.store
         self.manager = self.store._inner
         self._rng = np.random.default_rng(7)
         self._fresh: list[int] = []
@@ -211,6 +230,7 @@ class Engine:
         self.transfer_params: dict[str, dict[str, Any]] = {}  # kv_transfer_params a request finished with
         self.preemptions = 0
         self.hooks: list[Callable[["Engine", Any], None]] = []  # called with each SchedulerOutput
+        self.expect_foreign = False  # another connector loads blocks (MultiConnector tests)
 
     # -- requests ---------------------------------------------------------------------------
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 1,
@@ -315,6 +335,11 @@ class Engine:
             elif nb:
                 rr.table.extend(nb[0])
             batch.append((rid, cached.num_computed_tokens[i], so.num_scheduled_tokens[rid]))
+        meta = so.kv_connector_metadata
+        blocks = getattr(meta, "blocks", None)
+        # kvtier is the only connector here: any block it takes for another's load is a
+        # misdetection that would silently cost saves.
+        assert blocks is None or not blocks.unverified or self.expect_foreign, f"foreign loads {blocks.unverified}"
         conn = self.worker
         conn.bind_connector_metadata(so.kv_connector_metadata)
         if so.has_sync_kv_loads:

@@ -31,7 +31,7 @@ class MixResult:
 
 def check_mirror(engine: Engine) -> int:
     """Requests whose block table, as kvtier's worker mirrors it, differs from the runner's."""
-    worker = engine.worker.worker
+    worker = engine.kv_worker.worker
     return sum(1 for rid, rr in engine._reqs.items() if worker.mirrored_table(rid) != rr.table)
 
 

@@ -77,3 +77,37 @@ def test_saves_of_an_unknown_request_are_not_trusted_while_blocks_are_bad() -> N
 def test_block_size_must_be_positive() -> None:
     with pytest.raises(ValueError):
         BlockValidity(0)
+
+
+def test_blocks_another_connector_loads_are_bad_until_verified() -> None:
+    from kvtier.integrations.vllm.validity import ForeignLoads
+
+    fl = ForeignLoads()
+    v = BlockValidity(BS)
+    step = StepBlocks(tables={"a": [1, 2]}, computing={"a": (16, 32)}, unverified=[1])
+    n = fl.fill(step)
+    v.begin_step(step)
+    assert kept(v, save("a", (1,), (2,))) == 0  # block 1 not known good yet
+    fl.on_output([n], invalid=set())
+    nxt = StepBlocks()
+    fl.fill(nxt)
+    assert nxt.verified == [1]
+    v.begin_step(nxt)
+    assert 1 not in v.bad and 2 in v.bad  # 2 was computed while 1 was in doubt: stays bad
+
+
+def test_an_invalid_block_taints_what_its_holders_computed_after_it() -> None:
+    from kvtier.integrations.vllm.validity import ForeignLoads
+
+    fl = ForeignLoads()
+    v = BlockValidity(BS)
+    step = StepBlocks(tables={"a": [1, 2, 3], "b": [1, 4]}, computing={"a": (0, 48), "b": (16, 32)}, unverified=[7])
+    n = fl.fill(step)
+    v.begin_step(step)
+    v.settle()
+    fl.on_output([n], invalid={1, 7})  # vLLM reports 1 (another connector) and 7 invalid
+    nxt = StepBlocks()
+    fl.fill(nxt)
+    assert nxt.invalid == [1, 7] and nxt.verified == []
+    v.begin_step(nxt)
+    assert {1, 2, 3, 4, 7} <= v.bad

@@ -193,6 +193,35 @@ def test_pd_decode_leg_whose_load_fails(engines, sync_load_bytes) -> None:
     assert e.wrong_outputs() == []
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+@pytest.mark.parametrize("fails", [True, False], ids=["sibling-fails", "sibling-loads"])
+def test_a_sibling_connectors_load_is_never_trusted_before_it_is_known(engines, async_scheduling, fails) -> None:
+    """kvtier second under vLLM's MultiConnector: the other connector loads A for a (sync), b
+    takes the block as a local hit. Whether that load fails reaches kvtier only after the step;
+    nothing computed over it may be stored before then, and after a failure not before vLLM's
+    recompute."""
+    from sched_sibling import SiblingConnector
+
+    SiblingConnector.plan = {"a": (16, fails)}
+    try:
+        e = engines(max_num_batched_tokens=128, async_scheduling=async_scheduling, sibling=True)
+        e.expect_foreign = True
+        a, b = A + B + [7], A + C + [8]
+        e.add("a", a)
+        e.add("b", b)
+        e.run()
+        assert any(rid == "b" for _, rid, _ in e.audit.wrong_reads) == fails
+        assert e.audit.bad_commits == [] and e.audit.unknown_commits == []
+        assert e.audit.check_store(e.manager) == []
+        # After a failure vLLM recomputes and kvtier stores b's chunk 1 then; after a good
+        # load it is not stored (computed while the load was not known to be good).
+        assert e.manager.contains(e.manager.keys(b)[1]) == fails
+        if not async_scheduling:
+            assert e.wrong_outputs() == []
+    finally:
+        SiblingConnector.plan = {}
+
+
 # -- the audit itself is broken on purpose ----------------------------------------------------------
 def _item2(e: Engine) -> None:
     prompt = tokens(9, 80)

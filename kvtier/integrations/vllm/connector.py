@@ -235,6 +235,10 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
 
+    def build_connector_worker_meta(self) -> Any:
+        """The step this output reports (the scheduler side matches failures to steps by it)."""
+        return self.worker.build_worker_meta() if self.worker is not None else None
+
     def get_kv_connector_kv_cache_events(self) -> Any:
         """This step's tier changes (kvtier keys + tier), carried to the scheduler side by vLLM."""
         return self.worker.get_kv_cache_events() if self.worker is not None else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -50,6 +50,11 @@ class StepBlocks:
     appended: dict[str, list[int]] = field(default_factory=dict)  # blocks added to a known table
     gone: list[str] = field(default_factory=list)  # finished or preempted since the last step
     computing: dict[str, tuple[int, int]] = field(default_factory=dict)  # tokens [start, end) computed
+    # Loads kvtier did not plan (another connector under vLLM's MultiConnector): blocks it
+    # fills this step, unverified until its output; then failed (``invalid``) or ``verified``.
+    unverified: list[int] = field(default_factory=list)
+    invalid: list[int] = field(default_factory=list)  # vLLM's invalid blocks since the last step (any connector)
+    verified: list[int] = field(default_factory=list)  # unverified blocks whose step reported no failure
 
 
 @dataclass
@@ -59,9 +64,21 @@ class KVTierMetadata(KVConnectorMetadata):
     loads: list[TransferSpec] = field(default_factory=list)
     saves: list[TransferSpec] = field(default_factory=list)
     blocks: StepBlocks | None = None  # None: nothing is saved (kv_role consumer, saving off)
+    step: int = 0  # this step's number (the worker echoes it in KVTierWorkerMeta)
     pd_holds: list["PDHold"] = field(default_factory=list)  # PD prefill: hold these after they finish
     pd_releases: list[str] = field(default_factory=list)  # PD prefill: end these holds (aborted)
     idle: bool = False  # the step schedules no tokens: the engine only waits for async loads
+
+
+@dataclass
+class KVTierWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, per step: which steps' forwards this output reports (``KVTierMetadata.step``)."""
+
+    steps: tuple[int, ...] = ()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        steps = other.steps if isinstance(other, KVTierWorkerMeta) else ()
+        return KVTierWorkerMeta(tuple(sorted(set(self.steps) | set(steps))))
 
 
 @dataclass

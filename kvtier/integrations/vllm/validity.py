@@ -8,6 +8,14 @@ position while reading only right KV. A stored chunk must have been computed
 over right KV only: every block of its request from the first up to the chunk's
 last one must hold right KV after the step's forward (:meth:`BlockValidity.clean`).
 
+Blocks another connector loads (vLLM's MultiConnector) are held bad from the step
+that loads them until that step's output reports no failure for them
+(:class:`ForeignLoads`, on the scheduler side): a failure of another connector
+reaches kvtier only after the step. Chunks computed over them in that window are
+not stored (their KV may be right, but kvtier cannot know yet). Every block vLLM
+reports invalid, whichever connector failed, is marked bad with every block after
+it in each table holding it.
+
 The worker learns of its own failed loads at once, before any forward reads
 those blocks, whatever the scheduler side knows: under vLLM's async scheduling
 step k+1 is planned before step k's failures reach the scheduler, and another
@@ -30,6 +38,7 @@ table per live request.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Iterable
 
 from kvtier.integrations.vllm.types import StepBlocks, TransferSpec
@@ -54,6 +63,7 @@ class BlockValidity:
         self._tables: dict[str, list[int]] = {}
         self._where: dict[int, dict[str, int]] = {}  # block -> {request: position in its table}
         self._computing: dict[str, tuple[int, int]] = {}
+        self._unverified: set[int] = set()  # bad until the step that loaded them reports no failure
         self._settled = True
         self._unknown_logged = False
 
@@ -69,6 +79,16 @@ class BlockValidity:
         for r, added in step.appended.items():
             if r in self._tables:
                 self._extend(r, added)
+        for b in step.verified:  # no longer unverified if loaded, failed or rewritten since
+            if b in self._unverified:
+                self._unverified.discard(b)
+                self.bad.discard(b)
+        for b in step.invalid:
+            self.bad.add(b)
+            for r, pos in self._where.get(b, {}).items():  # what its holders computed after it
+                self.bad.update(self._tables[r][pos:])
+        self.bad.update(step.unverified)
+        self._unverified.update(step.unverified)
         self._computing = dict(step.computing)
         self._settled = False
 
@@ -94,11 +114,15 @@ class BlockValidity:
     # -- loads -----------------------------------------------------------------------------
     def load_failed(self, blocks: Iterable[int]) -> None:
         """Blocks a load left unfilled (reported to vLLM for recompute)."""
+        blocks = list(blocks)
         self.bad.update(blocks)
+        self._unverified.difference_update(blocks)
 
     def loaded(self, blocks: Iterable[int]) -> None:
         """Blocks a load filled from a stored chunk."""
+        blocks = list(blocks)
         self.bad.difference_update(blocks)
+        self._unverified.difference_update(blocks)
 
     # -- the forward -----------------------------------------------------------------------
     def _first_bad(self, r: str, n: int) -> int | None:
@@ -125,7 +149,9 @@ class BlockValidity:
             if table is None or end <= start:
                 continue
             n = min(len(table), -(-end // bs))
-            self.bad.difference_update(table[-(-start // bs):n])  # rewritten whole: right unless it read wrong KV
+            rewritten = table[-(-start // bs):n]
+            self.bad.difference_update(rewritten)  # rewritten whole: right unless it read wrong KV
+            self._unverified.difference_update(rewritten)
             spans[r] = (start // bs, n)
         tainted: set[str] = set()
         changed = True
@@ -187,3 +213,40 @@ def step_blocks(scheduler_output: "SchedulerOutput") -> StepBlocks:
         start = cached.num_computed_tokens[i]
         out.computing[req_id] = (start, start + scheduled.get(req_id, 0))
     return out
+
+
+class ForeignLoads:
+    """Scheduler side: blocks loaded by another connector, until their step's output is known.
+
+    Each step's metadata is numbered (``KVTierMetadata.step``); the worker echoes the
+    number in its worker metadata, so the output that reports a step's failures is
+    matched to that step whatever the scheduler's step overlap. At most
+    ``max_steps`` steps wait (an output never reported leaves its blocks bad: saves
+    lost, nothing wrong stored).
+    """
+
+    def __init__(self, max_steps: int = 1024):
+        self._step = 0
+        self._pending: OrderedDict[int, list[int]] = OrderedDict()
+        self._invalid: set[int] = set()
+        self._verified: list[int] = []
+        self._max_steps = max_steps
+
+    def fill(self, blocks: StepBlocks) -> int:
+        """Give this step's metadata what the worker must learn; returns the step's number."""
+        self._step += 1
+        blocks.invalid, self._invalid = sorted(self._invalid), set()
+        blocks.verified, self._verified = self._verified, []
+        if blocks.unverified:
+            self._pending[self._step] = list(blocks.unverified)
+            while len(self._pending) > self._max_steps:
+                self._pending.popitem(last=False)
+        return self._step
+
+    def on_output(self, steps: Iterable[int], invalid: set[int]) -> None:
+        """An output of the steps ``steps`` with vLLM's ``invalid`` block ids (any connector)."""
+        self._invalid |= invalid
+        for step in steps:
+            for b in self._pending.pop(step, ()):
+                if b not in invalid:
+                    self._verified.append(b)

@@ -35,7 +35,7 @@ from kvtier.integrations.block_copy import load_blocks, save_blocks
 from kvtier.integrations.vllm.kv_events import TierChanges, WorkerTierFeed
 from kvtier.integrations.vllm.modes import close_worker_store, open_worker_store
 from kvtier.integrations.vllm.pd import PDSettings
-from kvtier.integrations.vllm.types import KVTierMetadata, TransferSpec
+from kvtier.integrations.vllm.types import KVTierMetadata, KVTierWorkerMeta, TransferSpec
 from kvtier.integrations.vllm.validity import BlockValidity
 from kvtier.integrations.vllm_layout import paged_views, stacked_view
 from kvtier.storage.backend import KVStore
@@ -82,6 +82,7 @@ class KVTierWorker:
         self._load_errors: set[int] = set()
         self._validity = BlockValidity(self.block_size)  # blocks that may hold wrong KV (guarded by _lock)
         self._step_seen: KVTierMetadata | None = None  # the metadata whose block changes were applied
+        self._step_reported_last: KVTierMetadata | None = None  # the last step echoed to the scheduler side
         self._lock = threading.Lock()  # guards the async-load sets, _load_errors and _validity
         self._load_ended = threading.Condition(self._lock)  # notified when an async load ends
         self._loader: ThreadPoolExecutor | None = None
@@ -170,6 +171,14 @@ class KVTierWorker:
             return meta.saves
         with self._lock:
             return self._validity.clean(meta.saves)
+
+    def build_worker_meta(self) -> KVTierWorkerMeta | None:
+        """This step's number, once, for the scheduler side (None when nothing is saved)."""
+        meta = self._step_seen
+        if meta is None or meta is self._step_reported_last or meta.blocks is None:
+            return None
+        self._step_reported_last = meta
+        return KVTierWorkerMeta((meta.step,))
 
     def mirrored_table(self, req_id: str) -> list[int] | None:
         """The block table of ``req_id`` as the validity check knows it (for tests)."""

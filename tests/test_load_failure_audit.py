@@ -222,6 +222,39 @@ def test_a_sibling_connectors_load_is_never_trusted_before_it_is_known(engines, 
         SiblingConnector.plan = {}
 
 
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync-pull", "async-pull"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_a_p2p_pull_that_fails_mid_load(engines, async_scheduling, async_load) -> None:
+    """Engine B finds a's chunks on peer A (one more lower tier) and pulls them into its engine
+    blocks; A's peer server stops between B's lookup and its load (B's pull fails), while b,
+    sharing a's prefix, is scheduled with it on B (with a synchronous pull b takes the blocks
+    being pulled as a local hit). Nothing wrong is stored on B."""
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        url = f"tcp://127.0.0.1:{sk.getsockname()[1]}"
+    peer_a = engines(extra={"peer_listen": url})
+    a, b = A + B + [7], A + C + [8]
+    store(peer_a, "w", a)
+    e = engines(max_num_batched_tokens=128, async_scheduling=async_scheduling,
+                extra={"peers": [url], "peer_timeout_s": 0.5, "async_load": async_load})
+
+    def stop_peer_before_the_load(eng: Engine, so: Any) -> None:
+        if so.kv_connector_metadata.loads and peer_a.manager.peer_server is not None:
+            peer_a.manager.peer_server.stop()
+
+    e.hooks.append(stop_peer_before_the_load)
+    e.add("a", a)
+    e.add("b", b)
+    e.run()
+    assert e.hits("a").load_failures == 1
+    assert any(rid == "b" for _, rid, _ in e.audit.wrong_reads) == (not async_load)
+    assert_store_is_cold(e)
+    if not async_scheduling:
+        assert e.wrong_outputs() == []
+
+
 # -- the audit itself is broken on purpose ----------------------------------------------------------
 def _item2(e: Engine) -> None:
     prompt = tokens(9, 80)

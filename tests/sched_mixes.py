@@ -47,7 +47,7 @@ def run_mix(seed: int, async_scheduling: bool, p_fail: float = 0.3,
     rng = np.random.default_rng(seed)
     chunk = int(rng.choice([16, 32]))
     spec = EngineSpec(
-        num_blocks=int(rng.integers(12, 32)), max_num_batched_tokens=int(rng.choice([16, 32, 48, 96])),
+        num_blocks=int(rng.integers(10, 26)), max_num_batched_tokens=int(rng.choice([16, 32, 48, 96])),
         max_num_seqs=8, async_scheduling=async_scheduling, chunk_size=chunk, cpu_chunks=int(rng.integers(4, 64)),
     )
     eng = Engine(spec)
@@ -76,7 +76,7 @@ def run_mix(seed: int, async_scheduling: bool, p_fail: float = 0.3,
             if pending and (not eng.busy or rng.random() < 0.4):
                 for _ in range(int(rng.integers(1, 3))):
                     if pending:
-                        eng.add(f"r{n}", prompt(), max_tokens=int(rng.integers(1, 9)))
+                        eng.add(f"r{n}", prompt(), max_tokens=int(rng.choice([1, 2, 4, 8, 24])))
                         n += 1
                         pending -= 1
             if not eng.busy:

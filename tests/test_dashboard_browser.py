@@ -112,7 +112,7 @@ class Workload:
             if len(got.keys) < len(chain):
                 parent = chain[len(got.keys) - 1] if got.keys else None
                 for k in chain[len(got.keys):]:
-                    buf = c.open_write(k)
+                    buf = c.open_write(k, parent)
                     if buf is None:
                         break
                     buf[:] = 7

@@ -41,7 +41,7 @@ def prompt(seed: int, n: int) -> list[int]:
 def store(mgr: Any, keys: Sequence[bytes]) -> None:
     parent = None
     for k in keys:
-        buf = mgr.open_write(k)
+        buf = mgr.open_write(k, parent)
         assert buf is not None
         buf[:] = payload_for(k, CB)
         mgr.commit(k, parent)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvtier.index.keys import chain_parents
 from kvtier.protocol import (
     Abort,
     Clear,
@@ -127,7 +128,9 @@ class DataHandlers:
         n = _take_quota(h, reg, len(keys))  # beyond the client's quota: NO_ROOM (the client stops the chain)
         host = reg.host
         try:
-            got = host.manager.open_write_many(keys[:n], None if parents is None else parents[:n])
+            if parents is None:  # the wire's default: the keys are one chain in order, the first a head
+                parents = chain_parents(keys)
+            got = host.manager.open_write_many(keys[:n], parents[:n])
         except BaseException:
             _give_quota(h, n)
             raise

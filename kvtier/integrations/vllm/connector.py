@@ -134,6 +134,19 @@ class KVTierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         assert self.scheduler is not None
         self.scheduler.update_connector_output(connector_output)
+        invalid = connector_output.invalid_block_ids
+        manager = getattr(self, "_kv_cache_manager", None)
+        if invalid and manager is not None:
+            # Under the recompute policy vLLM keeps blocks that failed to load in its
+            # prefix cache for the request that recomputes them; if that request ends
+            # first (aborted), a later request would take the unfilled blocks as a
+            # local hit and compute over them. Take them out of the prefix cache: the
+            # requests holding them keep them; anyone else misses (kvtier may hit).
+            try:
+                manager.evict_blocks(set(invalid))
+            except Exception:  # never take the engine down
+                log.exception("kvtier: evicting %d blocks that failed to load from the prefix cache failed",
+                              len(invalid))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
@@ -221,6 +234,10 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self) -> Any:
+        """The step this output reports (the scheduler side matches failures to steps by it)."""
+        return self.worker.build_worker_meta() if self.worker is not None else None
 
     def get_kv_connector_kv_cache_events(self) -> Any:
         """This step's tier changes (kvtier keys + tier), carried to the scheduler side by vLLM."""

@@ -17,6 +17,12 @@ and asserted at each transition):
   but its last token (sync load, ``PDSettings.sync_load_bytes``); either way the
   engine computes exactly that token. Saves cover only full
   prompt chunks computed by the engine, each once, in prompt order.
+- Every step's metadata carries its block tables and token ranges
+  (``validity.step_blocks``, all requests), from which the worker refuses to store a
+  chunk computed over a block that failed to load (``validity.py``). When vLLM
+  reports invalid blocks it has rewound each request holding them; chunks past
+  a request's new ``num_computed_tokens`` are planned again, so what the worker
+  refused is stored once recomputed.
 
 Accounting (:class:`~kvtier.integrations.vllm.accounting.RequestLedger`): engine
 hit = ``num_computed_tokens`` at lookup; kvtier hit = tokens of loads sent to the
@@ -40,7 +46,8 @@ from kvtier.integrations.vllm.kv_events import BlockEventTranslator, TierChanges
 from kvtier.integrations.vllm.modes import LookupIndex, close_scheduler_index, open_scheduler_index
 from kvtier.integrations.vllm.pd import PDSettings, RemotePrefill
 from kvtier.integrations.vllm.pd_scheduler import PDScheduler
-from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, TransferSpec
+from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, KVTierWorkerMeta, TransferSpec
+from kvtier.integrations.vllm.validity import ForeignLoads, step_blocks
 from kvtier.storage.types import LookupResult
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,6 +70,7 @@ class _Tracker:
     pending_load: TransferSpec | None = None  # a sync load to send with this step's metadata
     loaded_blocks: dict[int, int] = field(default_factory=dict)  # engine block id -> chunk index loaded
     load_async: bool = False  # the last lookup asked vLLM for an asynchronous load
+    expected_computed: int = 0  # tokens computed when scheduled: the engine's hit, plus kvtier's load
     async_inflight: bool = False  # an async load was sent and its completion not yet seen
     request: Any = field(default=None, repr=False, compare=False)  # vLLM's Request (block hashes for KV events)
     lineage: bytes | None = None  # recorded parent of chunk 0: the salt's lineage marker (index/keys.py)
@@ -112,6 +120,7 @@ class KVTierScheduler:
         self._pd_confirm_next: list[str] = []  # PD decode legs whose sync load left with the last metadata
         # finished requests whose load outcome is not reported yet: req -> (block -> tier, async)
         self._unsettled: dict[str, tuple[dict[int, str], bool]] = {}
+        self._foreign = ForeignLoads()  # blocks other connectors load (vLLM's MultiConnector)
         self.events: BlockEventTranslator | None = None
         if kv_events:
             self.events = BlockEventTranslator(self.chunk_size, self.block_size, config.kv_events_map_chunks)
@@ -178,6 +187,7 @@ class KVTierScheduler:
                 return 0, False
             assert tr.pending_load is None and not tr.async_inflight, f"{tr.req_id}: looked up with a load planned"
             self.ledger.on_lookup(tr.req_id, len(tr.tokens), num_computed_tokens)
+            tr.expected_computed = num_computed_tokens
             # Never the whole prompt: the chunk holding the last token is left out
             # (except for a PD decode leg, whose last token vLLM computes after the load).
             candidates = tr.keys[: max(0, (len(tr.tokens) - 1) // self.chunk_size)]
@@ -232,6 +242,7 @@ class KVTierScheduler:
             parent = tr.keys[ci - 1] if ci else tr.lineage
             blocks_of_chunk = tuple(block_ids[first + offset : first + bpc])
             chunks.append(ChunkCopy(tr.keys[ci], blocks_of_chunk, offset, parent))
+        tr.expected_computed = hit
         spec = TransferSpec(request.request_id, chunks, is_async=tr.load_async)
         if tr.load_async:
             self._async_to_send.append(spec)  # not scheduled until the load completes: send it now
@@ -268,6 +279,10 @@ class KVTierScheduler:
         self._async_to_send = []
         if self.pd is not None:
             self.pd.end_step(meta)
+        if self.config.should_save:
+            meta.blocks = step_blocks(scheduler_output)
+            meta.blocks.unverified = self._foreign_loads(scheduler_output)
+            meta.step = self._foreign.fill(meta.blocks)
         for preempted in scheduler_output.preempted_req_ids or ():
             tr = self._trackers.get(preempted)
             if tr is not None:  # its blocks are freed; it is looked up again on resume
@@ -296,6 +311,22 @@ class KVTierScheduler:
                 tr, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0), meta
             )
         return meta
+
+    def _foreign_loads(self, scheduler_output: "SchedulerOutput") -> list[int]:
+        """Blocks of requests scheduled (new or resumed) with more computed tokens than the engine's
+        hit and kvtier's load: another connector loads them in this step (vLLM's MultiConnector)."""
+        out: list[int] = []
+        cached = scheduler_output.scheduled_cached_reqs
+        starts = [(n.req_id, n.num_computed_tokens, n.block_ids[0] if n.block_ids else [])
+                  for n in scheduler_output.scheduled_new_reqs]
+        starts += [(r, cached.num_computed_tokens[i], (cached.new_block_ids[i] or ([],))[0])
+                   for i, r in enumerate(cached.req_ids) if r in cached.resumed_req_ids]
+        bs = self.block_size
+        for req_id, computed, table in starts:
+            tr = self._trackers.get(req_id)
+            if tr is not None and computed > tr.expected_computed:
+                out.extend(table[tr.expected_computed // bs : -(-computed // bs)])
+        return out
 
     def _emit(self, tr: _Tracker, computed_after_step: int, meta: KVTierMetadata) -> None:
         """Add this step's load and save work for one request to ``meta``."""
@@ -344,9 +375,17 @@ class KVTierScheduler:
                 if self.pd is not None:
                     self.pd.confirm(tr)  # PD decode leg: the load is over, the prefiller may free
         invalid = set(connector_output.invalid_block_ids or ())
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self._foreign.on_output(worker_meta.steps if isinstance(worker_meta, KVTierWorkerMeta) else (), invalid)
         if invalid:
-            # vLLM recomputes from the first unfilled block; those chunks are not
-            # stored anywhere after all, so save them once they are recomputed.
+            # vLLM has rewound every request that holds an invalid block to recompute
+            # from there (a request sharing the blocks as a local prefix hit too, and
+            # under async scheduling a step already planned past it); the worker did
+            # not store what those requests computed over the gap (validity.py). Save
+            # each such chunk again once it is recomputed.
+            for tr in self._trackers.values():
+                if tr.request is not None:
+                    tr.saved_chunks = min(tr.saved_chunks, tr.request.num_computed_tokens // self.chunk_size)
             for tr in self._trackers.values():
                 failed = [tr.loaded_blocks[b] for b in invalid if b in tr.loaded_blocks]
                 if failed:
@@ -415,3 +454,4 @@ class KVTierScheduler:
         if self._index is not None:
             close_scheduler_index(self._index)
         self._index = None
+

@@ -6,6 +6,7 @@ Load it with::
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.integrations.vllm",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",  # a failed load is recomputed (vLLM's default "fail" errors)
         "kv_connector_extra_config": {"cpu_capacity": "4GiB", "disk_path": "/var/cache/kvtier"},
     })
 

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.integrations.vllm.extras import check_engine_extra_keys
+from kvtier.integrations.vllm.failure_policy import log_failure_policy
 from kvtier.integrations.vllm.kv_events import kv_events_enabled
 from kvtier.integrations.vllm.pd import PDSettings
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics, counter_delta, ledger_counters
@@ -77,7 +78,6 @@ class KVTierConnector(KVConnectorBase_V1):
                 "tensor_parallel_size=1 (one worker in that process)"
             )
         check_engine_extra_keys()
-        self._force_recompute_policy()
         self.namespace = namespace_from_vllm(vllm_config, self.config.chunk_size, self.config.model_id)
         self.chunk_size = self.namespace.chunk_size
         engine_id = str(self._kv_transfer_config.engine_id or "default")
@@ -89,6 +89,8 @@ class KVTierConnector(KVConnectorBase_V1):
             self.worker = KVTierWorker(self.config, self.namespace, engine_id, kv_events=kv_events, pd=self.pd)
         else:
             self.scheduler = KVTierScheduler(self.config, self.namespace, engine_id, kv_events=kv_events, pd=self.pd)
+        if role == KVConnectorRole.SCHEDULER:
+            log_failure_policy(self._kv_transfer_config)
         log.info(
             "kvtier connector (%s) ready: model=%s layout=%s chunk=%d tokens (%d bytes)",
             role.name,
@@ -98,20 +100,12 @@ class KVTierConnector(KVConnectorBase_V1):
             self.namespace.chunk_bytes,
         )
 
-    def _force_recompute_policy(self) -> None:
-        """vLLM's default ("fail") fails the whole request when a load fails; for a cache a
-        failed load is a miss, so the blocks are recomputed instead. The scheduler reads this
-        right after creating its connector (vLLM 0.32)."""
-        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") == "recompute":
-            return
-        try:
-            self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            log.info("kvtier: kv_load_failure_policy set to 'recompute' (a failed load is recomputed)")
-        except Exception:  # a frozen config: say what the user must set
-            log.warning(
-                "kvtier: set kv_transfer_config kv_load_failure_policy='recompute'; with 'fail' a "
-                "failed kvtier load fails the request instead of recomputing it"
-            )
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: kvtier is a best-effort cache (a save that does not happen is a later miss), so a
+        request vLLM preempts under async scheduling keeps its in-flight output (vLLM's base class
+        says so for caches; its CPU offload connectors answer False too)."""
+        return False
 
     @property
     def manager(self) -> Any:
@@ -138,6 +132,10 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
+
+    def has_pending_block_frees(self) -> bool:
+        """True while kvtier holds blocks of requests finished (aborted) mid-load (see the scheduler side)."""
+        return self.scheduler is not None and self.scheduler.has_pending_block_frees()
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         assert self.scheduler is not None

@@ -112,6 +112,8 @@ class KVTierScheduler:
         self._pd_confirm_next: list[str] = []  # PD decode legs whose sync load left with the last metadata
         # finished requests whose load outcome is not reported yet: req -> (block -> tier, async)
         self._unsettled: dict[str, tuple[dict[int, str], bool]] = {}
+        # finished (aborted) requests whose blocks an async load still fills: freed at its finished_sending
+        self._held_mid_load: set[str] = set()
         self.events: BlockEventTranslator | None = None
         if kv_events:
             self.events = BlockEventTranslator(self.chunk_size, self.block_size, config.kv_events_map_chunks)
@@ -328,6 +330,7 @@ class KVTierScheduler:
         if self.events is not None and isinstance(changes, TierChanges):
             self.events.update(changes.get_all_events())
         done = set(connector_output.finished_recving or ()) | set(connector_output.finished_sending or ())
+        self._held_mid_load -= set(connector_output.finished_sending or ())
         if self._pd_confirm_next and self.pd is not None:
             # A PD decode leg's sync load ran in the step this output reports (or, with
             # vLLM's async scheduling, the next one): the decoder's own lease keeps the
@@ -382,10 +385,19 @@ class KVTierScheduler:
             tiers = {b: tr.lookup.tiers[c] for b, c in tr.loaded_blocks.items()}
             self._unsettled[tr.req_id] = (tiers, tr.async_inflight)
         params = self.pd.finished(tr, request, block_ids) if self.pd is not None else None
+        if tr.async_inflight:
+            self._held_mid_load.add(tr.req_id)
         # An async load may still be writing into this request's blocks: keep them
         # until the worker reports the load over (as finished_sending). A PD prefill
         # leg's blocks are kept until the decoder confirms (pd_worker.py).
         return tr.async_inflight or tr.pd_marked, params
+
+    def has_pending_block_frees(self) -> bool:
+        """True while a finished request's blocks wait for its async load to end (they come back
+        with the worker's ``finished_sending`` for it, within the load's timeout): vLLM then waits
+        for them instead of preempting a running request. A PD prefill leg's held blocks do not
+        count (they wait on another engine, up to ``pd`` timeouts)."""
+        return bool(self._held_mid_load)
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource

@@ -26,11 +26,13 @@ import threading
 import time
 from typing import Any, Sequence
 
+import blake3
+
 from kvtier import protocol as P
 from kvtier.protocol import Backoff, ErrorCode, ProtocolError
 from kvtier.protocol.transport import check_socket_dir, private_runtime_dir
 from kvtier.service.lease_ops import LeaseManager, lookup_op, release_op
-from kvtier.service.listener import FrameServer, bind_unix, unlink_socket
+from kvtier.service.listener import FrameServer, bind_unix
 from kvtier.service.session import Holds
 from kvtier.storage.types import LookupResult
 
@@ -40,10 +42,16 @@ log = logging.getLogger(__name__)
 _MAX_CONNECTIONS = 16
 
 
-def socket_path(engine_id: str) -> str:
-    """Owner-only Unix socket of one engine's lookup endpoint (in a 0700 per-user directory)."""
-    safe = "".join(c for c in engine_id if c.isalnum() or c in "-_")[:64] or "engine"
-    return os.path.join(private_runtime_dir(), f"kvtier-lookup-{safe}.sock")
+def socket_path(instance: str) -> str:
+    """Owner-only Unix socket of one engine instance's lookup endpoint (in a 0700 per-user directory).
+
+    ``instance`` names one engine instance (``modes.engine_instance``: its engine id, vLLM's
+    per-instance id and its data-parallel rank). The file name is a digest of all of it, so
+    engines whose ids differ only in characters a file name cannot hold, or only after some
+    length, get their own sockets (a sanitised, cut id did not: "a.b" and "ab" shared one).
+    """
+    digest = blake3.blake3(instance.encode("utf-8")).hexdigest()[:32]
+    return os.path.join(private_runtime_dir(), f"kvtier-lookup-{digest}.sock")
 
 
 class LookupServer:
@@ -57,7 +65,8 @@ class LookupServer:
 
     Raises:
         UnsafeSocketDir: the directory is another user's or group/other-writable.
-        RuntimeError: a live endpoint already listens on ``path``.
+        RuntimeError: ``path`` exists: it is never replaced (the name is unique per engine
+            instance, so it is another process's socket, or this instance's twice).
         OSError: the socket cannot be bound.
     """
 
@@ -68,7 +77,8 @@ class LookupServer:
         self._lock = threading.Lock()
         self._open = 0
         self._frames: FrameServer[Holds] = FrameServer(self, "kvtier-lookup")
-        self._frames.listen(bind_unix(path))
+        self._unix = bind_unix(path, replace_stale=False)
+        self._frames.listen(self._unix.sock)
 
     # -- Endpoint --------------------------------------------------------------------------
     def open(self, sock: socket.socket, kind: str) -> Holds | None:
@@ -118,7 +128,7 @@ class LookupServer:
     def close(self) -> None:
         """Stop serving (ending every lease granted over a connection still open) and remove the socket."""
         self._frames.close()
-        unlink_socket(self.path)
+        self._unix.remove()  # only the file this endpoint created
 
 
 class LookupClient:

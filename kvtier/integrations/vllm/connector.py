@@ -22,6 +22,7 @@ from kvtier.integrations.vllm.extras import check_engine_extra_keys
 from kvtier.integrations.vllm.failure_policy import log_failure_policy
 from kvtier.integrations.vllm.kv_events import kv_events_enabled
 from kvtier.integrations.vllm.pd import PDSettings
+from kvtier.integrations.vllm.modes import engine_instance
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics, counter_delta, ledger_counters
 from kvtier.integrations.vllm.scheduler import KVTierScheduler
 from kvtier.integrations.vllm.types import KVTierMetadata
@@ -85,10 +86,13 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker: KVTierWorker | None = None
         self._reported = ledger_counters({}, {}, 0)  # ledger counters already sent as stats
         kv_events = kv_events_enabled(vllm_config)  # kvtier's tier changes go to vLLM's KV event publisher
+        instance = engine_instance(engine_id, vllm_config)  # both sides of this engine, no other engine
         if role == KVConnectorRole.WORKER:
-            self.worker = KVTierWorker(self.config, self.namespace, engine_id, kv_events=kv_events, pd=self.pd)
+            self.worker = KVTierWorker(self.config, self.namespace, engine_id, kv_events=kv_events, pd=self.pd,
+                                       instance=instance)
         else:
-            self.scheduler = KVTierScheduler(self.config, self.namespace, engine_id, kv_events=kv_events, pd=self.pd)
+            self.scheduler = KVTierScheduler(self.config, self.namespace, engine_id, kv_events=kv_events, pd=self.pd,
+                                             instance=instance)
         if role == KVConnectorRole.SCHEDULER:
             log_failure_policy(self._kv_transfer_config)
         log.info(

@@ -92,10 +92,11 @@ class KVTierScheduler:
     """
 
     def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str, kv_events: bool = False,
-                 pd: PDSettings | None = None):
+                 pd: PDSettings | None = None, instance: str | None = None):
         self.config = config
         self.namespace = namespace
         self.engine_id = engine_id
+        self.instance = instance  # modes.engine_instance: which worker's tiers this scheduler side uses
         self.chunk_size = namespace.chunk_size
         self.block_size = namespace.layout.block_size
         self.blocks_per_chunk = namespace.blocks_per_chunk
@@ -121,7 +122,7 @@ class KVTierScheduler:
     # -- index and leases ----------------------------------------------------------------------
     def _lookup_index(self) -> LookupIndex | None:
         if self._index is None and self.config.enabled:
-            self._index = open_scheduler_index(self.config, self.namespace, self.engine_id)
+            self._index = open_scheduler_index(self.config, self.namespace, self.engine_id, self.instance)
         return self._index
 
     def _drop_lease(self, tr: _Tracker) -> None:

@@ -60,7 +60,7 @@ class KVTierWorker:
     IDLE_WAIT_S = 0.025
 
     def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str, kv_events: bool = False,
-                 pd: PDSettings | None = None):
+                 pd: PDSettings | None = None, instance: str | None = None):
         self.config = config
         self.namespace = namespace
         self.block_size = namespace.layout.block_size
@@ -70,7 +70,7 @@ class KVTierWorker:
         self.tier_feed: WorkerTierFeed | None = None
         self.agent: Any = None  # kvtier.fleet.agent.FleetAgent with config.controller (embedded mode)
         if config.enabled:
-            self.store, self._lookup_server = open_worker_store(config, namespace, engine_id)
+            self.store, self._lookup_server = open_worker_store(config, namespace, engine_id, instance)
             self._start_fleet(kv_events)
         self._layers: list[np.ndarray] = []
         self._kv: np.ndarray | list[np.ndarray] = []  # stacked view if possible, else _layers

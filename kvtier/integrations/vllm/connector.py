@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.config import KVTierConfig, load_config
 from kvtier.integrations.vllm.extras import check_engine_extra_keys
 from kvtier.integrations.vllm.failure_policy import log_failure_policy
-from kvtier.integrations.vllm.kv_events import kv_events_enabled
+from kvtier.integrations.vllm.kv_events import group_specs, kv_events_enabled
 from kvtier.integrations.vllm.pd import PDSettings
 from kvtier.integrations.vllm.modes import engine_instance
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics, counter_delta, ledger_counters
@@ -92,7 +92,7 @@ class KVTierConnector(KVConnectorBase_V1):
                                        instance=instance)
         else:
             self.scheduler = KVTierScheduler(self.config, self.namespace, engine_id, kv_events=kv_events, pd=self.pd,
-                                             instance=instance)
+                                             instance=instance, event_groups=group_specs(kv_cache_config))
         if role == KVConnectorRole.SCHEDULER:
             log_failure_policy(self._kv_transfer_config)
         log.info(
@@ -170,7 +170,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def take_events(self) -> Iterable["KVCacheEvent"]:
-        """kvtier's tier changes since the last call as vLLM KV events (medium CPU/DISK/REMOTE)."""
+        """kvtier's tier changes since the last call as vLLM KV events (media CPU/STORAGE, see kv_events)."""
         return self.scheduler.take_events() if self.scheduler is not None else ()
 
     def check_invariants(self) -> None:

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import ChunkHasher, KeyNamespace
 from kvtier.integrations.vllm.accounting import RequestLedger
 from kvtier.integrations.vllm.extras import AdapterFingerprints, UnkeyableRequest, request_extras
-from kvtier.integrations.vllm.kv_events import BlockEventTranslator, TierChanges
+from kvtier.integrations.vllm.kv_events import FULL_ATTENTION, BlockEventTranslator, GroupSpec, TierChanges
 from kvtier.integrations.vllm.modes import LookupIndex, close_scheduler_index, open_scheduler_index
 from kvtier.integrations.vllm.pd import PDSettings, RemotePrefill
 from kvtier.integrations.vllm.pd_scheduler import PDScheduler
@@ -92,7 +92,8 @@ class KVTierScheduler:
     """
 
     def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str, kv_events: bool = False,
-                 pd: PDSettings | None = None, instance: str | None = None):
+                 pd: PDSettings | None = None, instance: str | None = None,
+                 event_groups: Sequence[GroupSpec] = FULL_ATTENTION):
         self.config = config
         self.namespace = namespace
         self.engine_id = engine_id
@@ -117,7 +118,8 @@ class KVTierScheduler:
         self._held_mid_load: set[str] = set()
         self.events: BlockEventTranslator | None = None
         if kv_events:
-            self.events = BlockEventTranslator(self.chunk_size, self.block_size, config.kv_events_map_chunks)
+            self.events = BlockEventTranslator(self.chunk_size, self.block_size, config.kv_events_map_chunks,
+                                               event_groups)
 
     # -- index and leases ----------------------------------------------------------------------
     def _lookup_index(self) -> LookupIndex | None:

@@ -123,3 +123,76 @@ def test_pending_block_frees_while_an_aborted_requests_async_load_runs(connector
     assert b.request_id not in eng.delayed_free
     assert not pair.scheduler.has_pending_block_frees()
     assert_quiescent(pair)
+
+
+# -- item 3: reset_cache -------------------------------------------------------------------------------
+def _stored_hit(pair: ConnectorPair, eng: FakeEngine, prompt: list[int]) -> int:
+    """Tokens a lookup of ``prompt`` would load now (through the scheduler side's index)."""
+    m = pair.worker.manager
+    keys = m.keys(prompt)[: (len(prompt) - 1) // CHUNK]
+    return pair.scheduler.scheduler._lookup_index().lookup_keys(keys, None).num_tokens
+
+
+@pytest.mark.parametrize("with_disk", [False, True], ids=["cpu", "cpu+disk"])
+def test_reset_cache_clears_the_engines_own_tiers(connectors, tmp_path: Path, with_disk: bool) -> None:
+    extra = extra_config(cpu_chunks=8, disk_dir=tmp_path / "disk", disk_chunks=8) if with_disk else extra_config(8)
+    pair = connectors(extra)
+    eng = FakeEngine(pair, GEOM, [], seed=5, knobs=SCRIPTED)
+    prompt = tokens_of(31, 3 * CHUNK + 1)
+    eng.serve(prompt)
+    assert pair.worker.manager.flush(10)
+    assert _stored_hit(pair, eng, prompt) == 3 * CHUNK
+    assert pair.scheduler.reset_cache() is True
+    assert _stored_hit(pair, eng, prompt) == 0
+    st = pair.worker.manager.stats()
+    assert st["cpu_chunks"] == 0 and (not with_disk or st["disk_chunks"] == 0), st
+    eng.serve(prompt)  # cached again afterwards
+    assert pair.worker.manager.flush(10)
+    assert _stored_hit(pair, eng, prompt) == 3 * CHUNK
+    assert_quiescent(pair)
+
+
+def test_reset_cache_over_the_lookup_endpoint(connectors, monkeypatch) -> None:
+    """vLLM's scheduler in another process than the worker: the reset goes over the lookup socket."""
+    from kvtier.integrations.vllm.scheduler import KVTierScheduler
+    from kvtier.storage import registry
+
+    pair = connectors(extra_config(cpu_chunks=8))
+    eng = FakeEngine(pair, GEOM, [], seed=6, knobs=SCRIPTED)
+    prompt = tokens_of(32, 3 * CHUNK + 1)
+    eng.serve(prompt)
+    w = pair.worker.worker
+    inst = pair.scheduler.scheduler.instance
+    monkeypatch.setattr(registry, "get", lambda name: None)  # the manager is in "another process"
+    remote = KVTierScheduler(w.config, w.namespace, "x", instance=inst)
+    try:
+        assert type(remote._lookup_index()).__name__ == "LookupClient"
+        assert remote.reset_cache() is True
+        assert pair.worker.manager.stats()["cpu_chunks"] == 0
+    finally:
+        remote.shutdown()
+    monkeypatch.undo()
+    assert _stored_hit(pair, eng, prompt) == 0
+
+
+@pytest.mark.parametrize("shared", ["remote", "peer"])
+def test_reset_cache_answers_false_and_keeps_everything_when_a_shared_tier_would_still_serve(
+        connectors, tmp_path: Path, shared: str) -> None:
+    fs = tmp_path / "shared-fs"
+    fs.mkdir()
+    extra = extra_config(cpu_chunks=8, remote_url=f"fs://{fs}") if shared == "remote" else \
+        extra_config(cpu_chunks=8, peers=["tcp://127.0.0.1:9"])
+    pair = connectors(extra)
+    eng = FakeEngine(pair, GEOM, [], seed=7, knobs=SCRIPTED)
+    prompt = tokens_of(33, 3 * CHUNK + 1)
+    eng.serve(prompt)
+    assert pair.worker.manager.flush(10)
+    assert pair.scheduler.reset_cache() is False
+    assert _stored_hit(pair, eng, prompt) == 3 * CHUNK  # nothing cleared
+    if shared == "remote":  # with reset_shared the engine may clear this model's chunks there too
+        pair2 = connectors(extra_config(cpu_chunks=8, remote_url=f"fs://{fs}", reset_shared=True))
+        assert _stored_hit(pair2, eng, prompt) == 3 * CHUNK  # the shared tier serves the other engine
+        assert pair2.scheduler.reset_cache() is True
+        assert _stored_hit(pair2, eng, prompt) == 0
+        assert not list(fs.rglob("*.kvc"))
+    assert_quiescent(pair)

@@ -7,7 +7,8 @@ owner-only Unix socket; the scheduler calls it through :class:`LookupClient`.
 Both speak :mod:`kvtier.protocol` (same framing, messages, tier table, error
 codes and back-off as the cache service) and the server answers with the cache
 server's own lookup/release code path (:mod:`kvtier.service.lease_ops`). Only
-``lookup``, ``release`` and ``health`` are served; there is no ``register`` and
+``lookup``, ``release``, ``health`` and ``clear`` (the connector's ``reset_cache``: this
+engine's own tiers) are served; there is no ``register`` and
 lease owners are not prefixed (the worker releases them by the same name).
 
 Failure rule: a call never blocks longer than ``timeout_s``; a failed call is a
@@ -106,6 +107,8 @@ class LookupServer:
                 out = {}
             elif isinstance(req, P.Health):
                 out = {"status": "ok", "pid": os.getpid()}
+            elif isinstance(req, P.Clear):
+                out = {"removed": self.manager.clear()}  # type: ignore[attr-defined]
             else:
                 raise ProtocolError(ErrorCode.UNSUPPORTED, f"the lookup endpoint does not serve {req.OP!r}")
             reply = P.ok_reply(env.req_id, **out)
@@ -186,14 +189,26 @@ class LookupClient:
         """End ``lease_owner``'s lease (when unreachable, the dropped connection already ended it)."""
         self._call(P.ReleaseLease(lease_owner), None)
 
+    def clear(self, timeout_s: float = 60.0) -> dict[str, int] | None:
+        """Remove this namespace's chunks from every tier of the worker's manager (it flushes its
+        write-behind first, so this may take up to ``timeout_s`` seconds).
+
+        Returns:
+            Chunks removed per tier, or None when the call failed (nothing is known removed).
+        """
+        reply = self._call(P.Clear(), None, timeout_s=timeout_s)
+        removed = None if reply is None else reply.get("removed")
+        return dict(removed) if isinstance(removed, dict) else None
+
     def close(self) -> None:
         with self._lock:
             self._disconnect()
 
     # -- one call ------------------------------------------------------------------------------
-    def _call(self, req: P.Request, owner: str | None) -> dict[str, Any] | None:
-        deadline = time.monotonic() + self.timeout_s
-        if not self._lock.acquire(timeout=self.timeout_s):
+    def _call(self, req: P.Request, owner: str | None, timeout_s: float | None = None) -> dict[str, Any] | None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        if not self._lock.acquire(timeout=timeout_s):
             return None
         try:
             if self._backoff.waiting():

@@ -137,6 +137,11 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
 
+    def reset_cache(self) -> bool:
+        """Clear this engine's namespace in every tier it owns, or answer False (see
+        :meth:`KVTierScheduler.reset_cache`; the worker side has nothing to reset)."""
+        return self.scheduler.reset_cache() if self.scheduler is not None else True
+
     def has_pending_block_frees(self) -> bool:
         """True while kvtier holds blocks of requests finished (aborted) mid-load (see the scheduler side)."""
         return self.scheduler is not None and self.scheduler.has_pending_block_frees()

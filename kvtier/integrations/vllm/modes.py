@@ -33,6 +33,10 @@ class LookupIndex(Protocol):
 
     def release(self, lease_owner: str) -> None: ...
 
+    def clear(self) -> dict[str, int] | None:
+        """Remove this namespace's chunks from every tier; chunks removed per tier (None: failed)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -420,6 +420,57 @@ class KVTierScheduler:
                 out[src] = out.get(src, 0) + n
         return out
 
+    def shared_tiers(self) -> list[str]:
+        """Tiers holding this engine's chunks that other engines use too (what ``reset_cache`` must
+        not clear unless ``reset_shared``), or can never clear (peers: other instances' caches)."""
+        c = self.config
+        out = [f"peer {p}" for p in c.peers] + ([f"peers named by {c.peer_discovery}"] if c.peer_discovery else [])
+        if not c.reset_shared:
+            if c.server:
+                out.append(f"the kvtier server {c.server}")
+            if c.remote_url:
+                out.append(f"the remote tier {self._remote_name()}")
+        return out
+
+    def _remote_name(self) -> str:
+        from kvtier.config import mask_url
+
+        return mask_url(self.config.remote_url or "")
+
+    def reset_cache(self) -> bool:
+        """Clear what this engine's namespace holds in every tier it owns (vLLM's
+        ``reset_prefix_cache(reset_connector=True)``, the server's ``/reset_prefix_cache?reset_external=true``).
+
+        Owned: the embedded CPU and disk tiers; with ``reset_shared`` also the remote tier and the
+        kvtier server's tiers (this model's chunks only; engines sharing them lose them too).
+        When a tier another engine or instance uses would still serve this engine's hits (a
+        remote tier or kvtier server without ``reset_shared``, or peers), nothing is cleared and
+        the answer is False (a partial clear would only slow the next requests: the hits stay).
+        Chunks being read stay (and their ancestors); write-behind is flushed first.
+
+        Returns:
+            True when every tier that could serve a hit was cleared; False otherwise (logged).
+        """
+        if not self.config.enabled:
+            return True
+        shared = self.shared_tiers()
+        if shared:
+            log.warning("kvtier: reset_cache refused, nothing cleared: %s would still serve this engine's chunks "
+                        "(set reset_shared to clear a remote tier or kvtier server too; peers are other "
+                        "instances' caches)", ", ".join(shared))
+            return False
+        try:
+            index = self._lookup_index()
+            removed = index.clear() if index is not None else None  # type: ignore[union-attr]
+        except Exception:  # kvtier must never take the engine down
+            log.exception("kvtier: reset_cache failed")
+            return False
+        if not removed:  # None (lookup endpoint) or {} (kvtier server): the call failed; a clear names "cpu"
+            log.warning("kvtier: reset_cache: the tiers did not answer; nothing is known cleared")
+            return False
+        log.info("kvtier: reset_cache cleared %s", ", ".join(f"{t}: {n} chunks" for t, n in removed.items()) or "nothing")
+        return True
+
     def take_events(self) -> list[Any]:
         """vLLM KV events of kvtier's tiers since the last call (empty unless ``kv_events``)."""
         return self.events.take() if self.events is not None else []

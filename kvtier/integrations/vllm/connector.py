@@ -15,11 +15,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.integrations.vllm.extras import check_engine_extra_keys
 from kvtier.integrations.vllm.failure_policy import log_failure_policy
+from kvtier.integrations.vllm.groups import kv_groups
 from kvtier.integrations.vllm.kv_events import group_specs, kv_events_enabled
 from kvtier.integrations.vllm.pd import PDSettings
 from kvtier.integrations.vllm.modes import engine_instance
@@ -55,12 +57,18 @@ def _ensure_log_handler(level: str) -> None:
     logger.addHandler(handler)
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtier's vLLM v1 KV connector (CPU tier plus lower tiers, embedded or in a shared server).
 
+    Supports vLLM's hybrid KV cache manager (``SupportsHMA``): models with full-attention and
+    sliding-window KV cache groups keep it on, and a hit restores every group exactly
+    (:mod:`kvtier.integrations.vllm.groups`).
+
     Raises:
-        ValueError: tensor-parallel size > 1 in embedded mode, or the engine keys its
-            blocks on an input kvtier cannot key (see ``extras.check_engine_extra_keys``).
+        ValueError: tensor-parallel size > 1 in embedded mode, the engine keys its blocks on an
+            input kvtier cannot key (see ``extras.check_engine_extra_keys``), or a KV cache
+            group kvtier cannot restore (Mamba / linear attention state; PD or CUDA KV with
+            several groups).
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
@@ -81,6 +89,9 @@ class KVTierConnector(KVConnectorBase_V1):
         check_engine_extra_keys()
         self.namespace = namespace_from_vllm(vllm_config, self.config.chunk_size, self.config.model_id)
         self.chunk_size = self.namespace.chunk_size
+        self.groups = kv_groups(kv_cache_config, self.namespace.layout.block_size)
+        if self.groups.multi and self.pd.role != "off":
+            raise ValueError("kvtier: PD (pd_role) is not supported for hybrid models (several KV cache groups)")
         engine_id = str(self._kv_transfer_config.engine_id or "default")
         self.scheduler: KVTierScheduler | None = None
         self.worker: KVTierWorker | None = None
@@ -89,10 +100,11 @@ class KVTierConnector(KVConnectorBase_V1):
         instance = engine_instance(engine_id, vllm_config)  # both sides of this engine, no other engine
         if role == KVConnectorRole.WORKER:
             self.worker = KVTierWorker(self.config, self.namespace, engine_id, kv_events=kv_events, pd=self.pd,
-                                       instance=instance)
+                                       instance=instance, groups=self.groups)
         else:
             self.scheduler = KVTierScheduler(self.config, self.namespace, engine_id, kv_events=kv_events, pd=self.pd,
-                                             instance=instance, event_groups=group_specs(kv_cache_config))
+                                             instance=instance, event_groups=group_specs(kv_cache_config),
+                                             groups=self.groups)
         if role == KVConnectorRole.SCHEDULER:
             log_failure_policy(self._kv_transfer_config)
         log.info(
@@ -136,6 +148,19 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: the request finished in every KV cache group (kvtier keeps every group's
+        blocks together: an async load still writing into them holds them all)."""
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """Learn the null block's id (vLLM fills sliding-window slots out of the window with it)."""
+        null = getattr(getattr(gpu_block_pool, "null_block", None), "block_id", None)
+        if self.scheduler is not None and isinstance(null, int):
+            self.scheduler.null_block = null
 
     def reset_cache(self) -> bool:
         """Clear this engine's namespace in every tier it owns, or answer False (see
@@ -225,6 +250,16 @@ class KVTierConnector(KVConnectorBase_V1):
             return None, None
         meta = self._step_meta()
         return self.worker.get_finished(finished_req_ids, idle=meta is not None and meta.idle)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """``get_finished`` plus, for hybrid models, the async loads that failed (``failed_recving``:
+        vLLM 0.32 takes no block-level errors with several KV cache groups)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.worker.take_failed_recving(recving, sending) if self.worker is not None else set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()

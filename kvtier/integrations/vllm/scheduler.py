@@ -36,10 +36,12 @@ from kvtier.config import KVTierConfig
 from kvtier.index.keys import ChunkHasher, KeyNamespace
 from kvtier.integrations.vllm.accounting import RequestLedger
 from kvtier.integrations.vllm.extras import AdapterFingerprints, UnkeyableRequest, request_extras
+from kvtier.integrations.vllm.groups import KVGroups
 from kvtier.integrations.vllm.kv_events import FULL_ATTENTION, BlockEventTranslator, GroupSpec, TierChanges
 from kvtier.integrations.vllm.modes import LookupIndex, close_scheduler_index, open_scheduler_index
 from kvtier.integrations.vllm.pd import PDSettings, RemotePrefill
 from kvtier.integrations.vllm.pd_scheduler import PDScheduler
+from kvtier.integrations.vllm.reset import reset_tiers
 from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, TransferSpec
 from kvtier.storage.types import LookupResult
 
@@ -66,6 +68,9 @@ class _Tracker:
     async_inflight: bool = False  # an async load was sent and its completion not yet seen
     request: Any = field(default=None, repr=False, compare=False)  # vLLM's Request (block hashes for KV events)
     lineage: bytes | None = None  # recorded parent of chunk 0: the salt's lineage marker (index/keys.py)
+    # hybrid models (groups.py): block ids of KV cache groups 1.. (``block_ids`` is group 0's)
+    more_blocks: list[list[int]] = field(default_factory=list)
+    no_more_loads: bool = False  # hybrid: a load of this request failed; later lookups are misses
     # PD (pd_scheduler.py): keys then end with the partial chunk's key (pd_partial tokens)
     pd_prefill: bool = False  # a prefill leg (do_remote_decode)
     pd_marked: bool = False  # its hold was sent to the worker: request_finished keeps the blocks
@@ -93,8 +98,10 @@ class KVTierScheduler:
 
     def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str, kv_events: bool = False,
                  pd: PDSettings | None = None, instance: str | None = None,
-                 event_groups: Sequence[GroupSpec] = FULL_ATTENTION):
+                 event_groups: Sequence[GroupSpec] = FULL_ATTENTION, groups: KVGroups | None = None):
         self.config = config
+        self.groups = groups if groups is not None else KVGroups(block_size=namespace.layout.block_size)
+        self.null_block = 0  # vLLM's null block id (connector.bind_gpu_block_pool)
         self.namespace = namespace
         self.engine_id = engine_id
         self.instance = instance  # modes.engine_instance: which worker's tiers this scheduler side uses
@@ -179,7 +186,7 @@ class KVTierScheduler:
         tr = None
         try:
             tr = self._tracker(request)
-            if tr is None or not self.config.should_load:
+            if tr is None or not self.config.should_load or tr.no_more_loads:
                 return 0, False
             assert tr.pending_load is None and not tr.async_inflight, f"{tr.req_id}: looked up with a load planned"
             self.ledger.on_lookup(tr.req_id, len(tr.tokens), num_computed_tokens)
@@ -205,6 +212,8 @@ class KVTierScheduler:
                 return 0, False
             first = num_computed_tokens // self.chunk_size
             tr.load_async = self.config.async_load and any(t != "cpu" for t in res.tiers[first:])
+            # Hybrid models: always async, so a failed load is reported as the request (failed_recving)
+            tr.load_async = tr.load_async or self.groups.multi
             # PD: WAITING_FOR_REMOTE_KVS, unless the chunks are in memory here and small enough (pd.py)
             tr.load_async = tr.load_async or (tr.pd_remote is not None and not pd_sync)
             return res.num_tokens - num_computed_tokens, tr.load_async
@@ -225,7 +234,11 @@ class KVTierScheduler:
             if tr.lease_held:
                 self._drop_lease(tr)
             return
-        block_ids = blocks.get_block_ids()[0]
+        all_ids = blocks.get_block_ids()
+        block_ids = all_ids[0]
+        more = [self._no_null(ids) for ids in all_ids[1:]] if self.groups.multi else []
+        if more:
+            block_ids = self._no_null(block_ids)
         hit = tr.lookup.num_tokens
         start = hit - num_external_tokens  # block-aligned local hit
         assert start >= 0 and start % self.block_size == 0, f"{tr.req_id}: load starts at token {start}"
@@ -236,8 +249,10 @@ class KVTierScheduler:
             offset = max(0, start // bs - first)
             parent = tr.keys[ci - 1] if ci else tr.lineage
             blocks_of_chunk = tuple(block_ids[first + offset : first + bpc])
-            chunks.append(ChunkCopy(tr.keys[ci], blocks_of_chunk, offset, parent))
+            more_of_chunk = tuple(tuple(ids[first + offset : first + bpc]) for ids in more)
+            chunks.append(ChunkCopy(tr.keys[ci], blocks_of_chunk, offset, parent, more_of_chunk))
         spec = TransferSpec(request.request_id, chunks, is_async=tr.load_async)
+        assert tr.load_async or not self.groups.multi, f"{tr.req_id}: a sync load of a hybrid model"
         if tr.load_async:
             self._async_to_send.append(spec)  # not scheduled until the load completes: send it now
         else:
@@ -252,7 +267,7 @@ class KVTierScheduler:
         hit = tr.lookup.num_tokens
         for ci, ch in enumerate(spec.chunks, start=first):
             assert tr.keys[ci] == ch.key
-            tr.loaded_blocks.update((b, ci) for b in ch.block_ids)
+            tr.loaded_blocks.update((b, ci) for b in ch.block_ids if b >= 0)
             # Tokens this chunk's blocks load: a PD hit may end mid-block (the prompt's
             # last partial chunk), which must not count as a whole block of hits.
             at = (ci * self.blocks_per_chunk + ch.offset) * self.block_size
@@ -280,13 +295,16 @@ class KVTierScheduler:
                     tr.pending_load = None
                     self._drop_lease(tr)
                 tr.block_ids = []
+                tr.more_blocks = []
                 tr.loaded_blocks = {}
         for new in scheduler_output.scheduled_new_reqs:
             tr = self._trackers.get(new.req_id)
             if tr is None:
                 continue
             tr.block_ids = list(new.block_ids[0]) if new.block_ids else []
-            self._emit(tr, new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0), meta)
+            tr.more_blocks = [list(ids) for ids in new.block_ids[1:]] if new.block_ids else []
+            self._emit(tr, new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0), meta,
+                       new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tr = self._trackers.get(req_id)
@@ -295,14 +313,26 @@ class KVTierScheduler:
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 tr.block_ids = list(new_blocks[0]) if new_blocks else []
+                tr.more_blocks = [list(ids) for ids in new_blocks[1:]] if new_blocks else []
             elif new_blocks:
                 tr.block_ids.extend(new_blocks[0])
+                for g, ids in enumerate(new_blocks[1:]):
+                    if g < len(tr.more_blocks):
+                        tr.more_blocks[g].extend(ids)
+                    else:
+                        tr.more_blocks.append(list(ids))
             self._emit(
-                tr, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0), meta
+                tr, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0), meta,
+                cached.num_computed_tokens[i],
             )
         return meta
 
-    def _emit(self, tr: _Tracker, computed_after_step: int, meta: KVTierMetadata) -> None:
+    def _no_null(self, ids: Sequence[int]) -> list[int]:
+        """Block ids with vLLM's null block (a slot out of a sliding window) as -1: nothing to copy."""
+        return [-1 if b == self.null_block else b for b in ids]
+
+    def _emit(self, tr: _Tracker, computed_after_step: int, meta: KVTierMetadata,
+              computed_before_step: int = 0) -> None:
         """Add this step's load and save work for one request to ``meta``."""
         if tr.pending_load is not None:
             self._hand_over(tr, tr.pending_load)
@@ -314,12 +344,16 @@ class KVTierScheduler:
             return
         full = min(computed_after_step, len(tr.tokens)) // self.chunk_size
         full = min(full, len(tr.keys), len(tr.block_ids) // self.blocks_per_chunk)
+        if self.groups.multi:
+            full = self.groups.saveable_chunks((tr.block_ids, *tr.more_blocks), tr.saved_chunks, full,
+                                               self.blocks_per_chunk, computed_before_step, self.null_block)
         if full <= tr.saved_chunks:
             return
         bpc = self.blocks_per_chunk
         chunks = [
             ChunkCopy(
-                tr.keys[ci], tuple(tr.block_ids[ci * bpc : (ci + 1) * bpc]), parent=tr.keys[ci - 1] if ci else tr.lineage
+                tr.keys[ci], tuple(tr.block_ids[ci * bpc : (ci + 1) * bpc]), parent=tr.keys[ci - 1] if ci else tr.lineage,
+                more_blocks=tuple(tuple(ids[ci * bpc : (ci + 1) * bpc]) for ids in tr.more_blocks),
             )
             for ci in range(tr.saved_chunks, full)
         ]
@@ -343,6 +377,8 @@ class KVTierScheduler:
                 if tr is not None:
                     self.pd.confirm(tr)
             self._pd_confirm_next = []
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            self._hybrid_load_failed(req_id)
         for req_id in connector_output.finished_recving or ():
             tr = self._trackers.get(req_id)
             if tr is not None:
@@ -370,6 +406,20 @@ class KVTierScheduler:
         # Sync outcomes arrive in the output of the step that ran them; async ones no later
         # than the output reporting the request finished.
         self._unsettled = {r: v for r, v in self._unsettled.items() if v[1] and r not in done}
+
+    def _hybrid_load_failed(self, req_id: str) -> None:
+        """A hybrid model's async load failed (``failed_recving``): vLLM recomputes the request from
+        its first token (recompute policy); nothing it loaded counts, and it is not looked up again."""
+        tr = self._trackers.get(req_id)
+        if tr is not None:
+            if tr.loaded_blocks and tr.lookup is not None:
+                cut = min(tr.loaded_blocks.values())
+                self._account_failure(req_id, {b: tr.lookup.tiers[c] for b, c in tr.loaded_blocks.items()})
+                tr.saved_chunks = min(tr.saved_chunks, cut)
+            tr.loaded_blocks = {}
+            tr.no_more_loads = True
+        elif req_id in self._unsettled:
+            self._account_failure(req_id, dict(self._unsettled[req_id][0]))
 
     def _account_failure(self, req_id: str, tier_of_failed_block: dict[int, str]) -> None:
         by_tier: dict[str, int] = {}
@@ -420,56 +470,12 @@ class KVTierScheduler:
                 out[src] = out.get(src, 0) + n
         return out
 
-    def shared_tiers(self) -> list[str]:
-        """Tiers holding this engine's chunks that other engines use too (what ``reset_cache`` must
-        not clear unless ``reset_shared``), or can never clear (peers: other instances' caches)."""
-        c = self.config
-        out = [f"peer {p}" for p in c.peers] + ([f"peers named by {c.peer_discovery}"] if c.peer_discovery else [])
-        if not c.reset_shared:
-            if c.server:
-                out.append(f"the kvtier server {c.server}")
-            if c.remote_url:
-                out.append(f"the remote tier {self._remote_name()}")
-        return out
-
-    def _remote_name(self) -> str:
-        from kvtier.config import mask_url
-
-        return mask_url(self.config.remote_url or "")
-
     def reset_cache(self) -> bool:
-        """Clear what this engine's namespace holds in every tier it owns (vLLM's
-        ``reset_prefix_cache(reset_connector=True)``, the server's ``/reset_prefix_cache?reset_external=true``).
-
-        Owned: the embedded CPU and disk tiers; with ``reset_shared`` also the remote tier and the
-        kvtier server's tiers (this model's chunks only; engines sharing them lose them too).
-        When a tier another engine or instance uses would still serve this engine's hits (a
-        remote tier or kvtier server without ``reset_shared``, or peers), nothing is cleared and
-        the answer is False (a partial clear would only slow the next requests: the hits stay).
-        Chunks being read stay (and their ancestors); write-behind is flushed first.
-
-        Returns:
-            True when every tier that could serve a hit was cleared; False otherwise (logged).
-        """
+        """Clear what this engine's namespace holds in every tier it owns, or answer False
+        (:func:`kvtier.integrations.vllm.reset.reset_tiers`)."""
         if not self.config.enabled:
             return True
-        shared = self.shared_tiers()
-        if shared:
-            log.warning("kvtier: reset_cache refused, nothing cleared: %s would still serve this engine's chunks "
-                        "(set reset_shared to clear a remote tier or kvtier server too; peers are other "
-                        "instances' caches)", ", ".join(shared))
-            return False
-        try:
-            index = self._lookup_index()
-            removed = index.clear() if index is not None else None  # type: ignore[union-attr]
-        except Exception:  # kvtier must never take the engine down
-            log.exception("kvtier: reset_cache failed")
-            return False
-        if not removed:  # None (lookup endpoint) or {} (kvtier server): the call failed; a clear names "cpu"
-            log.warning("kvtier: reset_cache: the tiers did not answer; nothing is known cleared")
-            return False
-        log.info("kvtier: reset_cache cleared %s", ", ".join(f"{t}: {n} chunks" for t, n in removed.items()) or "nothing")
-        return True
+        return reset_tiers(self.config, self._lookup_index)
 
     def take_events(self) -> list[Any]:
         """vLLM KV events of kvtier's tiers since the last call (empty unless ``kv_events``)."""

@@ -22,9 +22,9 @@ import pytest
 
 from fake_vllm import make_kv_caches, make_vllm_config
 from kvtier.integrations.vllm.modes import engine_instance, open_scheduler_index
-from kvtier.service import unix_socket
+from kvtier.protocol import unix_socket
 from kvtier.service.lookup_endpoint import LookupClient, socket_path
-from kvtier.service.unix_socket import bind_unix
+from kvtier.protocol.unix_socket import bind_unix
 from test_connector_lifecycle import CHUNK, GEOM, extra_config, tokens_of
 
 ID_PAIRS = [("e", "e"), ("a.b", "ab"), ("x" * 64 + "-one", "x" * 64 + "-two")]
@@ -174,3 +174,49 @@ def test_a_dead_servers_stale_socket_is_still_replaced(runtime_dir: Path) -> Non
         stale.close()
         bind_unix(path, replace_stale=False)
     os.unlink(path)
+
+
+def test_shm_transfer_listener_is_bound_the_same_way(runtime_dir: Path, monkeypatch) -> None:
+    """The same defect in the P2P shm:// listener (a peer's transfer address): it probed, unlinked
+    on a refused connect (a listener between bind and listen) and unlinked its path at close."""
+    import errno
+
+    from kvtier.transfer.shm_listener import ShmListener
+
+    path = str(runtime_dir / "peer.sock")
+    in_window, release = threading.Event(), threading.Event()
+    real_listen = unix_socket._listen
+
+    def paused_listen(sock: socket.socket) -> None:
+        if threading.current_thread().name == "listener-a":
+            in_window.set()
+            assert release.wait(30)
+        real_listen(sock)
+
+    monkeypatch.setattr(unix_socket, "_listen", paused_listen)
+    got: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: got.setdefault("a", ShmListener(path, timeout_s=2)), name="listener-a")
+    t.start()
+    try:
+        assert in_window.wait(30)
+        ino = os.lstat(path).st_ino
+        with pytest.raises(OSError) as exc:
+            ShmListener(path, timeout_s=2)
+        assert exc.value.errno == errno.EADDRINUSE and os.lstat(path).st_ino == ino
+    finally:
+        release.set()
+        t.join(30)
+    a = got["a"]
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    other.bind(path + ".new")
+    os.rename(path + ".new", path)  # another process now owns the name
+    a.close()
+    assert os.path.lexists(path)
+    other.close()
+    os.unlink(path)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)
+    stale.close()  # a killed peer's socket: replaced, as before
+    b = ShmListener(path, timeout_s=2)
+    b.close()
+    assert not os.path.lexists(path)

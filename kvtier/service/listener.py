@@ -37,7 +37,7 @@ from kvtier.protocol import (
     recv_exact,
 )
 
-from kvtier.service.unix_socket import LISTEN_BACKLOG, UnixSocketFile, bind_unix
+from kvtier.protocol.unix_socket import LISTEN_BACKLOG, UnixSocketFile, bind_unix
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,8 @@ Invariants:
   that replaced it stays).
 - ``bind()`` never replaces a file silently. With ``replace_stale=False`` (an engine's lookup
   endpoint, whose name is unique per engine instance) an existing path is an error, whoever owns
-  it. With ``replace_stale=True`` (the ``kvtier server``'s fixed, user-chosen path) the binder
+  it. With ``replace_stale=True`` (the ``kvtier server``'s fixed, user-chosen path, a peer's
+  ``shm://`` transfer address) the binder
   first takes an exclusive ``flock`` on ``PATH.lock`` and keeps it for the socket's lifetime;
   an existing socket file is removed only when that lock was free (its creator is gone: the
   kernel drops a dead process's ``flock``) and nothing answers on it. A second server that
@@ -25,7 +26,7 @@ import socket
 import stat
 from dataclasses import dataclass
 
-from kvtier.protocol import make_socket_dir
+from kvtier.protocol.transport import make_socket_dir
 
 #: Listen backlog of every kvtier listener (connections the kernel queues before accept).
 LISTEN_BACKLOG = 512
@@ -90,13 +91,15 @@ def _listen(sock: socket.socket) -> None:
     sock.listen(LISTEN_BACKLOG)
 
 
-def bind_unix(path: str, replace_stale: bool = True) -> UnixSocketFile:
+def bind_unix(path: str, replace_stale: bool = True, private: bool = True) -> UnixSocketFile:
     """Listen on the Unix socket ``path``, owner-only (socket 0600, directory 0700).
 
     Args:
         path: the socket path.
         replace_stale: take ``PATH.lock`` and replace a stale socket of a dead process (see the
             module doc); False: an existing ``path`` is an error.
+        private: create the directory 0700 and refuse one others can write, and make the socket
+            0600; False: the directory and modes are the caller's (a transfer address it chose).
 
     Raises:
         UnsafeSocketDir: the directory is another user's or group/other-writable.
@@ -104,7 +107,8 @@ def bind_unix(path: str, replace_stale: bool = True) -> UnixSocketFile:
             (``replace_stale=False``) it exists.
         OSError: the socket cannot be bound.
     """
-    make_socket_dir(path)
+    if private:
+        make_socket_dir(path)
     lock_fd = None
     if replace_stale:
         lock_fd = _take_lock(path + ".lock")
@@ -126,7 +130,7 @@ def bind_unix(path: str, replace_stale: bool = True) -> UnixSocketFile:
             finally:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o077)
+        old = os.umask(0o077) if private else None
         try:
             sock.bind(path)
         except OSError as exc:
@@ -135,7 +139,8 @@ def bind_unix(path: str, replace_stale: bool = True) -> UnixSocketFile:
                 raise RuntimeError(f"{path} already exists (another process's socket: it is left alone)") from None
             raise
         finally:
-            os.umask(old)
+            if old is not None:
+                os.umask(old)
         st = os.lstat(path)
         bound = UnixSocketFile(path, sock, (st.st_dev, st.st_ino), lock_fd)
     except BaseException:
@@ -143,7 +148,8 @@ def bind_unix(path: str, replace_stale: bool = True) -> UnixSocketFile:
             os.close(lock_fd)
         raise
     try:
-        os.chmod(path, 0o600)
+        if private:
+            os.chmod(path, 0o600)
         _listen(sock)
     except BaseException:
         bound.remove()

@@ -211,3 +211,44 @@ def test_a_chunk_prefilled_across_steps_past_its_window_is_not_saved() -> None:
     finally:
         s.shutdown()
         w.shutdown()
+
+
+@dataclass
+class _Blocks:
+    ids: tuple[list[int], ...]
+
+    def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...]:
+        return tuple(list(x) for x in self.ids)
+
+
+def test_a_hybrid_hit_loads_async_every_group_and_a_failed_load_is_a_counted_miss() -> None:
+    from types import SimpleNamespace
+
+    w, s = _scheduler(window=40)
+    try:
+        m = w.manager
+        req = _Req("r4", tokens_of(6, 4 * 32 + 5))
+        for key in m.keys(req.prompt_token_ids)[:4]:
+            buf = m.open_write(key)
+            buf[:] = 1
+            m.commit(key)
+        assert s.get_num_new_matched_tokens(req, 0) == (128, True)  # hybrid: always async
+        null = s.scheduler.null_block
+        sw = [null] * 5 + [6, 7, 8, 9]  # out of the window of token 128: null
+        fa = list(range(20, 29))
+        s.update_state_after_alloc(req, _Blocks((sw, fa)), 128)
+        meta = s.build_connector_meta(_out([], CachedRequestData(), {}))
+        (load,) = meta.loads
+        assert load.is_async and [c.block_ids for c in load.chunks] == [(-1, -1), (-1, -1), (-1, 6), (7, 8)]
+        assert [c.more_blocks for c in load.chunks] == [((20, 21),), ((22, 23),), ((24, 25),), ((26, 27),)]
+        out = SimpleNamespace(finished_recving={"r4"}, finished_sending=set(), failed_recving={"r4"},
+                              invalid_block_ids=set(), kv_cache_events=None)
+        s.update_connector_output(out)
+        rec = s.scheduler.ledger.get("r4")
+        assert rec.kvtier_hit_tokens == 0 and rec.load_failures == 1 and rec.tiers == {}
+        assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # recomputed, not offered the hit again
+        s.request_finished_all_groups(req, (sw, fa))
+        s.check_invariants()
+    finally:
+        s.shutdown()
+        w.shutdown()

@@ -63,7 +63,7 @@ class _Tracker:
     lookup: LookupResult | None = None
     lease_held: bool = False  # see the module invariants
     pending_load: TransferSpec | None = None  # a sync load to send with this step's metadata
-    loaded_blocks: dict[int, int] = field(default_factory=dict)  # engine block id -> chunk index loaded
+    loaded_blocks: dict[int, int] = field(default_factory=dict)  # engine block id (hybrid: -1 - pos) -> chunk
     load_async: bool = False  # the last lookup asked vLLM for an asynchronous load
     async_inflight: bool = False  # an async load was sent and its completion not yet seen
     request: Any = field(default=None, repr=False, compare=False)  # vLLM's Request (block hashes for KV events)
@@ -267,7 +267,11 @@ class KVTierScheduler:
         hit = tr.lookup.num_tokens
         for ci, ch in enumerate(spec.chunks, start=first):
             assert tr.keys[ci] == ch.key
-            tr.loaded_blocks.update((b, ci) for b in ch.block_ids if b >= 0)
+            if self.groups.multi:  # block ids differ per group (and may be null): key by -(1 + block position)
+                pos = ci * self.blocks_per_chunk + ch.offset
+                tr.loaded_blocks.update((-1 - (pos + j), ci) for j in range(len(ch.block_ids)))
+            else:
+                tr.loaded_blocks.update((b, ci) for b in ch.block_ids)
             # Tokens this chunk's blocks load: a PD hit may end mid-block (the prompt's
             # last partial chunk), which must not count as a whole block of hits.
             at = (ci * self.blocks_per_chunk + ch.offset) * self.block_size

@@ -14,6 +14,7 @@ A socket is not thread-safe: use one subscriber from one thread.
 from __future__ import annotations
 
 import time
+from typing import Any
 from collections import deque
 from collections.abc import Iterator
 
@@ -36,6 +37,9 @@ class EventSubscriber:
         from_seq: if set (with a replay endpoint), the first message received also fetches
             every buffered batch from this seq on (a late joiner's catch-up).
         normalize: decode ``STORAGE`` mediums as ``DISK``.
+        credentials / server_key: this node's fleet credentials and the publisher's Z85 public key:
+            both sockets are CURVE clients (a kvtier publisher with credentials admits members with the
+            ``events`` role only); None: plain.
 
     Counters: ``received`` (batches delivered), ``gaps`` (seq jumps seen), ``replayed``
     (batches delivered from replay), ``missed`` (seqs never obtained), ``decode_errors``
@@ -44,7 +48,8 @@ class EventSubscriber:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None,
                  topic: str = "kv-events", replay_timeout_s: float = 1.0,
-                 from_seq: int | None = None, normalize: bool = True) -> None:
+                 from_seq: int | None = None, normalize: bool = True, credentials: Any = None,
+                 server_key: str | None = None) -> None:
         self._topic = topic.encode("utf-8")
         self._replay_endpoint = replay_endpoint
         self._replay_timeout_s = replay_timeout_s
@@ -58,12 +63,21 @@ class EventSubscriber:
         self.decode_errors = 0
         self.restarts = 0
         self._closed = False
+        self._curve = (credentials, server_key) if credentials is not None and server_key else None
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
+        self._secure(self._sub)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         self._sub.connect(endpoint)
         self._replay: zmq.Socket | None = None
+
+    def _secure(self, sock: zmq.Socket) -> None:
+        """CURVE client options on ``sock`` when this subscriber has credentials and a server key."""
+        if self._curve is not None:
+            from kvtier.protocol.trust import curve_client
+
+            curve_client(sock, self._curve[0].key, self._curve[1])
 
     @property
     def last_seq(self) -> int | None:
@@ -194,6 +208,7 @@ class EventSubscriber:
         if self._replay is None:
             assert self._replay_endpoint is not None
             self._replay = self._ctx.socket(zmq.DEALER)
+            self._secure(self._replay)
             self._replay.setsockopt(zmq.LINGER, 0)
             self._replay.connect(self._replay_endpoint)
         return self._replay

@@ -91,15 +91,15 @@ def _listen(sock: socket.socket) -> None:
     sock.listen(LISTEN_BACKLOG)
 
 
-def bind_unix(path: str, replace_stale: bool = True, private: bool = True) -> UnixSocketFile:
+def bind_unix(path: str, replace_stale: bool = True, private_dir: bool = True) -> UnixSocketFile:
     """Listen on the Unix socket ``path``, owner-only (socket 0600, directory 0700).
 
     Args:
         path: the socket path.
         replace_stale: take ``PATH.lock`` and replace a stale socket of a dead process (see the
             module doc); False: an existing ``path`` is an error.
-        private: create the directory 0700 and refuse one others can write, and make the socket
-            0600; False: the directory and modes are the caller's (a transfer address it chose).
+        private_dir: create the directory 0700 and refuse one others can write; False: the
+            directory is the caller's (a transfer address it chose). The socket is 0600 either way.
 
     Raises:
         UnsafeSocketDir: the directory is another user's or group/other-writable.
@@ -107,7 +107,7 @@ def bind_unix(path: str, replace_stale: bool = True, private: bool = True) -> Un
             (``replace_stale=False``) it exists.
         OSError: the socket cannot be bound.
     """
-    if private:
+    if private_dir:
         make_socket_dir(path)
     lock_fd = None
     if replace_stale:
@@ -130,7 +130,7 @@ def bind_unix(path: str, replace_stale: bool = True, private: bool = True) -> Un
             finally:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o077) if private else None
+        old = os.umask(0o077)
         try:
             sock.bind(path)
         except OSError as exc:
@@ -139,8 +139,7 @@ def bind_unix(path: str, replace_stale: bool = True, private: bool = True) -> Un
                 raise RuntimeError(f"{path} already exists (another process's socket: it is left alone)") from None
             raise
         finally:
-            if old is not None:
-                os.umask(old)
+            os.umask(old)
         st = os.lstat(path)
         bound = UnixSocketFile(path, sock, (st.st_dev, st.st_ino), lock_fd)
     except BaseException:
@@ -148,8 +147,7 @@ def bind_unix(path: str, replace_stale: bool = True, private: bool = True) -> Un
             os.close(lock_fd)
         raise
     try:
-        if private:
-            os.chmod(path, 0o600)
+        os.chmod(path, 0o600)
         _listen(sock)
     except BaseException:
         bound.remove()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import tempfile
 
 from kvtier.protocol.unix_socket import bind_unix
@@ -13,7 +14,8 @@ from kvtier.transfer.stream import accept_socket
 
 
 class ShmListener:
-    """Accepts :class:`ShmChannel` peers on a Unix socket (owner-only directory).
+    """Accepts :class:`ShmChannel` peers on a Unix socket (created 0600: only this user may connect;
+    the peer server also checks each peer's uid, ``SO_PEERCRED``).
 
     Args:
         path: socket path (default: ``shm.sock`` in a new private temporary directory).
@@ -29,11 +31,24 @@ class ShmListener:
         self.staging_bytes = staging_bytes
         try:
             # PATH.lock held while listening: a second listener starting while this one is between
-            # bind() and listen() refuses instead of unlinking its socket (kvtier.protocol.unix_socket)
-            self._unix = bind_unix(self.path, replace_stale=True, private=False)
+            # bind() and listen() refuses instead of unlinking its socket (kvtier.protocol.unix_socket).
+            # The socket is created 0600: only this user may connect (the peer server checks uids too).
+            self._unix = bind_unix(self.path, replace_stale=True, private_dir=False)
         except RuntimeError as exc:
             raise OSError(errno.EADDRINUSE, f"shm transfer address {self.path} is in use ({exc})") from None
         self._sock = self._unix.sock
+
+    kind = "shm"
+
+    @property
+    def socket(self) -> socket.socket:
+        """The listening socket (a :class:`~kvtier.transfer.peer_server.PeerServer` accepts on it itself)."""
+        return self._sock
+
+    def channel(self, sock: socket.socket) -> ShmChannel:
+        """The channel of an accepted connection whose handshake is done (blocking mode)."""
+        sock.setblocking(True)
+        return ShmChannel(sock, self.timeout_s, self.staging_bytes)
 
     def accept(self, timeout_s: float | None = None) -> ShmChannel:
         """The next peer, hellos exchanged.

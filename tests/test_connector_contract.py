@@ -181,7 +181,7 @@ def test_reset_cache_answers_false_and_keeps_everything_when_a_shared_tier_would
     fs = tmp_path / "shared-fs"
     fs.mkdir()
     extra = extra_config(cpu_chunks=8, remote_url=f"fs://{fs}") if shared == "remote" else \
-        extra_config(cpu_chunks=8, peers=["tcp://127.0.0.1:9"])
+        extra_config(cpu_chunks=8, peers=[f"shm://{tmp_path}/no-peer.sock"])
     pair = connectors(extra)
     eng = FakeEngine(pair, GEOM, [], seed=7, knobs=SCRIPTED)
     prompt = tokens_of(33, 3 * CHUNK + 1)

@@ -160,6 +160,12 @@ class KVTierConfig(BaseModel):
         None,
         description="Model identity in the key namespace; default: model name plus a fingerprint of its weights.",
     )
+    reset_shared: bool = Field(
+        False,
+        description="vLLM's reset_prefix_cache(reset_connector=True) also clears this model's chunks in the remote "
+        "tier and on the kvtier server, which other engines share (they lose them too); false: such an engine "
+        "clears nothing and answers False.",
+    )
     save: bool = Field(True, description="Store newly computed full prompt chunks.")
     load: bool = Field(True, description="Report hits and load cached chunks.")
     kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = Field(

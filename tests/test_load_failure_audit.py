@@ -224,16 +224,13 @@ def test_a_sibling_connectors_load_is_never_trusted_before_it_is_known(engines, 
 
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync-pull", "async-pull"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
-def test_a_p2p_pull_that_fails_mid_load(engines, async_scheduling, async_load) -> None:
+def test_a_p2p_pull_that_fails_mid_load(engines, tmp_path, async_scheduling, async_load) -> None:
     """Engine B finds a's chunks on peer A (one more lower tier) and pulls them into its engine
     blocks; A's peer server stops between B's lookup and its load (B's pull fails), while b,
     sharing a's prefix, is scheduled with it on B (with a synchronous pull b takes the blocks
-    being pulled as a local hit). Nothing wrong is stored on B."""
-    import socket
-
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        url = f"tcp://127.0.0.1:{sk.getsockname()[1]}"
+    being pulled as a local hit). Nothing wrong is stored on B. (The peer is shm://: TCP peers
+    need fleet keys, tested in test_fleet_trust_peers.py; the pull path after the transport is the same.)"""
+    url = f"shm://{tmp_path}/peer-a.sock"
     peer_a = engines(extra={"peer_listen": url})
     a, b = A + B + [7], A + C + [8]
     store(peer_a, "w", a)

@@ -9,7 +9,8 @@ engine hash stands for which chain key from ``BlockStored.token_ids`` and
 whatever their seeds.
 
 Per backend it keeps ``chain key -> set of mediums`` (``GPU``: engine-resident; ``CPU``,
-``DISK``, ``REMOTE``: kvtier tiers). ``BlockRemoved`` removes a medium (all of them when it
+``DISK``, ``REMOTE``: offload tiers, named from each event's medium and locality by
+:func:`kvtier.events.schema.normalize_medium`). ``BlockRemoved`` removes a medium (all of them when it
 names none), ``AllBlocksCleared`` and :meth:`PrefixIndex.drop` (a restarted backend) forget
 everything of that backend. Blocks with extra hash inputs (LoRA, multimodal, cache salt) get
 those mixed into their key, so they never match a plain prompt.
@@ -175,7 +176,7 @@ class PrefixIndex:
                 return
             parent = known
         blocks.block_size = ev.block_size
-        medium = normalize_medium(ev.medium) or GPU
+        medium = normalize_medium(ev.medium, ev.locality) or GPU
         keys = chain_keys(ev.token_ids, ev.block_size, ev.lora_name, ev.extra_keys, parent)
         for h, k in zip(ev.block_hashes, keys):
             blocks.hash_key[h] = k
@@ -193,7 +194,7 @@ class PrefixIndex:
             blocks.hash_key.popitem(last=False)
 
     def _removed(self, blocks: _Blocks, st: dict[str, int], ev: BlockRemoved) -> None:
-        medium = normalize_medium(ev.medium)
+        medium = normalize_medium(ev.medium, ev.locality)
         for h in ev.block_hashes:
             k = blocks.hash_key.get(h)
             if k is None:

@@ -93,11 +93,16 @@ class DataHandlers:
         m = self.metrics
         m.lookups.inc()
         cs = reg.host.namespace.chunk_size
-        m.lookup_tokens.inc(cs * len(r.keys))
-        hit = {tier: cs * res.tiers.count(tier) for tier in set(res.tiers)}
+        # A request's repeated lookup (same owner, its lease still live: vLLM asks again after a
+        # failed block allocation) is not a new request: it adds only the hits it finds beyond
+        # the last answer (StorageManager.lookup_keys sets ``repeated``).
+        if not res.repeated:
+            m.lookup_tokens.inc(cs * len(r.keys))
+        new = res.tiers[res.repeated:]
+        hit = {tier: cs * new.count(tier) for tier in set(new)}
         for tier, n in hit.items():
             m.lookup_hit_tokens.labels(tier).inc(n)
-        if res.keys:  # the dashboard's hot prefixes: a hit chain is named by its last key (keys are chained)
+        if new:  # the dashboard's hot prefixes: a hit chain is named by its last key (keys are chained)
             nbytes = getattr(reg.host.manager, "chunk_bytes", 0) * len(res.keys)
             m.hot.observe(res.keys[-1], cs * len(res.keys), nbytes, hit)
         return {"tiers": codes}

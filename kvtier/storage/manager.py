@@ -320,7 +320,9 @@ class StorageManager:
         tier when the faster tiers miss (bounded by that tier's timeout).
         """
         self.leases.reap()
+        before: tuple[bytes, ...] = ()
         if lease_owner is not None:
+            before = self.leases.keys_of(lease_owner)  # this owner's live lease: an earlier lookup of its request
             # Pin first, then check: a chunk seen present cannot be evicted before
             # the lease covers it. The lease is narrowed to the hits below.
             self.leases.grant(lease_owner, keys)
@@ -334,8 +336,9 @@ class StorageManager:
         if lease_owner is not None:
             self.leases.grant(lease_owner, hit_keys)
         self.touch_chain(hit_keys)
-        self.counters.add(lookups=1)
-        return LookupResult(len(hit_keys) * self.namespace.chunk_size, hit_keys, tiers)
+        repeated = _common_prefix(before, hit_keys)
+        self.counters.add(lookups=1, lookup_hit_tokens=(len(hit_keys) - repeated) * self.namespace.chunk_size)
+        return LookupResult(len(hit_keys) * self.namespace.chunk_size, hit_keys, tiers, repeated=repeated)
 
     def release(self, lease_owner: str) -> None:
         """End ``lease_owner``'s lease (load done, request finished or aborted)."""
@@ -585,3 +588,11 @@ def _register_cpu_memory(cpu: CpuTier, lower: Sequence[LowerTier]) -> None:
         register = getattr(tier, "register_host_memory", None)
         if callable(register):
             register(int(first.ctypes.data), cpu.pool.capacity_bytes)
+def _common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    """Leading entries ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -34,6 +34,9 @@ class ChunkCopy:
     block_ids: tuple[int, ...]
     offset: int = 0
     parent: bytes | None = None  # key of the previous chunk of the prompt
+    #: hybrid models (several KV cache groups): groups 1.. block ids for the same positions as
+    #: ``block_ids`` (group 0's); a load skips the null block (out of a sliding window). Empty: one group.
+    more_blocks: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass

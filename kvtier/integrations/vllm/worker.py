@@ -31,7 +31,8 @@ import numpy as np
 
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import KeyNamespace
-from kvtier.integrations.block_copy import load_blocks, save_blocks
+from kvtier.integrations.block_copy import load_blocks, load_blocks_grouped, save_blocks, save_blocks_grouped
+from kvtier.integrations.vllm.groups import KVGroups
 from kvtier.integrations.vllm.kv_events import TierChanges, WorkerTierFeed
 from kvtier.integrations.vllm.modes import close_worker_store, open_worker_store
 from kvtier.integrations.vllm.pd import PDSettings
@@ -65,8 +66,11 @@ class KVTierWorker:
     IDLE_WAIT_S = 0.025
 
     def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str, kv_events: bool = False,
-                 pd: PDSettings | None = None):
+                 pd: PDSettings | None = None, instance: str | None = None, groups: KVGroups | None = None):
         self.config = config
+        # Hybrid models: each layer's blocks come from its KV cache group's table (groups.py)
+        self.groups = groups if groups is not None else KVGroups(block_size=namespace.layout.block_size)
+        self._layer_groups: list[int] = []
         self.namespace = namespace
         self.block_size = namespace.layout.block_size
         self.blocks_per_chunk = namespace.blocks_per_chunk
@@ -75,7 +79,7 @@ class KVTierWorker:
         self.tier_feed: WorkerTierFeed | None = None
         self.agent: Any = None  # kvtier.fleet.agent.FleetAgent with config.controller (embedded mode)
         if config.enabled:
-            self.store, self._lookup_server = open_worker_store(config, namespace, engine_id)
+            self.store, self._lookup_server = open_worker_store(config, namespace, engine_id, instance)
             self._start_fleet(kv_events)
         self._layers: list[np.ndarray] = []
         self._kv: np.ndarray | list[np.ndarray] = []  # stacked view if possible, else _layers
@@ -89,6 +93,7 @@ class KVTierWorker:
         self._async_active: set[str] = set()  # submitted, completion not yet reported
         self._async_done: set[str] = set()  # finished, to report in get_finished
         self._finished_while_loading: set[str] = set()  # vLLM finished them mid-load
+        self._failed_async: set[str] = set()  # hybrid models: async loads that failed, for failed_recving
         self._pd_orphans: set[str] = set()  # PD holds with no PD worker: reported once finished
         self._torch: Any = None  # gpu.steps.TorchSteps: torch copies, layer by layer (CUDA engines)
         self._torch_saving = False  # this step's saves were handed to _torch
@@ -139,6 +144,13 @@ class KVTierWorker:
         if self.store is None:
             return
         try:
+            if self.groups.multi:  # hybrid model: per-layer views, each copied with its group's block ids
+                if torch_path or any(t.device.type != "cpu" for t in kv_caches.values()):
+                    raise ValueError("hybrid models (several KV cache groups) are supported on CPU KV only")
+                self._layers = paged_views(kv_caches, self.namespace.layout)
+                self._kv = self._layers
+                self._layer_groups = self.groups.groups_of(list(kv_caches))
+                return
             if torch_path if torch_path is not None else any(t.device.type != "cpu" for t in kv_caches.values()):
                 from kvtier.integrations.vllm.gpu.steps import torch_steps_for
 
@@ -287,6 +299,9 @@ class KVTierWorker:
                 try:
                     if self._torch is not None:
                         self._torch.copy_chunk_in(handle.buffer, tuple(ch.block_ids), ch.offset)
+                    elif self.groups.multi:
+                        load_blocks_grouped(self._chunk_view(handle.buffer), self._layers, self._layer_groups,
+                                            (ch.block_ids, *ch.more_blocks), ch.offset, skip=-1)
                     else:
                         load_blocks(self._chunk_view(handle.buffer), self._kv, ch.block_ids, ch.offset)
                 except Exception:
@@ -302,8 +317,13 @@ class KVTierWorker:
             self._validity.loaded(b for ch in filled for b in ch.block_ids)
             if failed_at is not None:
                 # Everything from this chunk on is unfilled: vLLM recomputes it.
+                if self.groups.multi:
+                    # vLLM 0.32 cannot map block ids back to requests with several KV cache groups
+                    # (it raises): the request is reported in failed_recving and recomputed whole.
+                    self._failed_async.add(spec.req_id)
                 for later in spec.chunks[failed_at:]:
-                    self._load_errors.update(later.block_ids)
+                    if not self.groups.multi:
+                        self._load_errors.update(later.block_ids)
                     self._validity.load_failed(later.block_ids)
         if failed_at is None:
             return True
@@ -340,6 +360,19 @@ class KVTierWorker:
             self._torch_saving = True
             self._torch.set_saves(self._clean_saves(meta))
         self._torch.save_layer(layer_name)
+
+    def take_failed_recving(self, recving: set[str] | None, sending: set[str] | None = None) -> set[str]:
+        """Hybrid models: of the async loads reported finished (``recving``), those that failed
+        (vLLM's ``KVConnectorTransferResults.failed_recving``); empty with one KV cache group.
+        A request finished mid-load (reported in ``sending``) is included: vLLM ignores it (it is
+        not waiting), the scheduler side settles its accounting."""
+        done = set(recving or ()) | set(sending or ())
+        if not done:
+            return set()
+        with self._lock:
+            failed = self._failed_async & done  # a finished request's: only kvtier's accounting reads it
+            self._failed_async -= done
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -385,7 +418,11 @@ class KVTierWorker:
                 self.store.abort(ch.key)
                 continue
             try:
-                save_blocks(self._kv, self._chunk_view(buf), ch.block_ids)
+                if self.groups.multi:
+                    save_blocks_grouped(self._layers, self._layer_groups, self._chunk_view(buf),
+                                        (ch.block_ids, *ch.more_blocks))
+                else:
+                    save_blocks(self._kv, self._chunk_view(buf), ch.block_ids)
             except Exception:
                 log.exception("kvtier: saving chunk %s failed", ch.key.hex()[:16])
                 self.store.abort(ch.key)

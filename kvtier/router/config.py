@@ -99,9 +99,12 @@ class Weights:
     external_request_tokens: float = 512.0
 
     def medium(self, medium: str | None) -> float:
-        """The weight of a KV-event medium (``None``/``GPU``: engine; ``STORAGE`` = ``DISK``)."""
-        return {"CPU": self.cpu, "DISK": self.disk, "STORAGE": self.disk,
-                "REMOTE": self.remote}.get(medium or "GPU", self.gpu)
+        """The weight of an index medium (``None``/``GPU``: engine; ``STORAGE`` = ``DISK``); 0 for a
+        name it does not know (such blocks are never indexed: an unknown name weighs least)."""
+        if medium is None:
+            return self.gpu
+        return {"GPU": self.gpu, "CPU": self.cpu, "DISK": self.disk, "STORAGE": self.disk,
+                "REMOTE": self.remote}.get(medium.upper(), 0.0)
 
     def validate(self) -> None:
         """Raises RouterConfigError when a weight is out of range or the tiers are not ordered."""

@@ -8,11 +8,14 @@ backends of ``test_router`` and fails on the behaviour issue 24 found.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import httpx
 import pytest
-from test_router import BS, DOC, FakeBackend, _blocks, _complete, _router, _stored, _wait  # noqa: F401
+import uvicorn
+from fastapi import FastAPI, Request
+from test_router import BS, DOC, FakeBackend, _blocks, _complete, _free_port, _router, _stored, _wait
 
 from kvtier.events.codec import make_batch
 from kvtier.events.publisher import EventPublisher
@@ -74,3 +77,64 @@ def test_unknown_medium_does_not_outrank_a_known_tier(fleet) -> None:
         assert resp.json()["backend"] == "a" and resp.headers["x-kvtier-route-reason"] == "prefix"
         cands = c.get("/router/state").json()["decisions"][-1]["candidates"]
         assert {x["backend"]: x["hit_tokens"] for x in cands} == {"a": 8 * BS, "b": 0}
+
+
+# -- salted prompts: keyed the way the engine keys them --------------------------------------------
+
+
+def _vllm_extra_keys(salt: str, blocks: int) -> list[Any] | None:
+    """The per-block ``extra_keys`` vLLM 0.32 publishes for a request salted ``salt`` (its own code)."""
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.kv_events import _extra_keys
+
+    req = SimpleNamespace(cache_salt=salt, lora_request=None, mm_features=[], prompt_embeds=None)
+    return _extra_keys(req, 0, BS, blocks)
+
+
+def test_salted_prompt_routes_to_the_holder_of_its_salt(fleet) -> None:
+    backs, pubs, _ = fleet
+    ev = _stored(DOC, salt=9)
+    ev = BlockStored(**{f: getattr(ev, f) for f in ev.__struct_fields__ if f != "extra_keys"},
+                     extra_keys=_vllm_extra_keys("tenant-1", len(DOC) // BS))
+    assert ev.extra_keys is not None and ev.extra_keys[0] == ("tenant-1",)
+    with contextlib.closing(_router(backs, pubs)) as r, httpx.Client(base_url=r.url, timeout=10) as c:
+        pubs[1].publish([ev])  # b holds DOC under tenant-1's salt
+        _wait(lambda: _blocks(r, "b") == 8)
+        resp = _complete(c, DOC, cache_salt="tenant-1")
+        assert resp.json()["backend"] == "b" and resp.headers["x-kvtier-route-reason"] == "prefix"
+        assert int(resp.headers["x-kvtier-predicted-hit-tokens"]) == 8 * BS
+        for other in ({}, {"cache_salt": "tenant-2"}):  # another tenant (or none) never matches it
+            resp = _complete(c, DOC, **other)
+            assert resp.headers["x-kvtier-predicted-hit-tokens"] == "0", other
+        assert backs[1].requests[0]["cache_salt"] == "tenant-1"  # forwarded unchanged
+
+
+def test_salted_controller_lookup_asks_within_the_salt(fleet) -> None:
+    backs, _, _ = fleet
+    asked: list[str | None] = []
+    ctl = FastAPI()
+
+    @ctl.post("/lookup")
+    async def lookup(request: Request) -> dict[str, Any]:
+        salt = request.query_params.get("cache_salt")
+        asked.append(salt)
+        n = len(await request.body()) // 4 if salt == "t1" else 0
+        return {"instances": {"a": {"longest_matched": 0, "CPU": 0},
+                              "b": {"longest_matched": n, "CPU": n}}}
+
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(ctl, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    _wait(lambda: srv.started)
+    try:
+        with contextlib.closing(_router(backs, None, controller_url=f"http://127.0.0.1:{port}")) as r, \
+                httpx.Client(base_url=r.url, timeout=10) as c:
+            got = _complete(c, DOC, cache_salt="t1")
+            assert got.json()["backend"] == "b", (r.router.controller_last_error, asked)
+            assert _complete(c, DOC).headers["x-kvtier-predicted-hit-tokens"] == "0"
+        assert asked == ["t1", None]
+    finally:
+        srv.should_exit = True
+        th.join(10)

@@ -114,7 +114,7 @@ class Router:
         log.warning("kvtier router: KV events of %s restarted: dropping its routes", name)
 
     # -- deciding ---------------------------------------------------------------------------
-    async def _controller_rows(self, tokens: list[int]) -> dict[str, dict[str, int]]:
+    async def _controller_rows(self, tokens: list[int], salt: str | None = None) -> dict[str, dict[str, int]]:
         c = self.config
         if not c.controller_url or not tokens or self._probe_client is None:
             return {}
@@ -126,6 +126,7 @@ class Router:
         try:
             r = await self._probe_client.post(c.controller_url.rstrip("/") + "/lookup",
                                               content=np.asarray(tokens, dtype="<u4").tobytes(),
+                                              params={"cache_salt": salt} if salt else None,
                                               headers=headers, timeout=c.controller_timeout_s)
             r.raise_for_status()
             rows = r.json().get("instances", {})
@@ -135,11 +136,16 @@ class Router:
             return {}
         return rows if isinstance(rows, dict) else {}
 
-    async def candidates(self, tokens: list[int] | None) -> list[Candidate]:
-        """The healthy backends with their predicted hits and load for ``tokens``."""
+    async def candidates(self, tokens: list[int] | None, salt: str | None = None) -> list[Candidate]:
+        """The healthy backends with their predicted hits and load for ``tokens``.
+
+        ``salt`` (the request's ``cache_salt``) enters the first block's key as vLLM's does (its
+        event ``extra_keys`` carry ``(salt,)`` for block 0), so a salted prompt matches only
+        blocks stored under the same salt, and the controller is asked within that salt."""
         healthy = self.pool.healthy()
         w = self.config.weights
-        rows = await self._controller_rows(tokens) if tokens and self.config.policy == "kv-aware" else {}
+        rows = await self._controller_rows(tokens, salt) if tokens and self.config.policy == "kv-aware" else {}
+        extra = [(salt,)] if salt else None
         keys_by_bs: dict[int, list[bytes]] = {}
         out = []
         for b in healthy:
@@ -149,7 +155,7 @@ class Router:
                 bs = self.index.block_size(b.name)
                 if bs:
                     if bs not in keys_by_bs:
-                        keys_by_bs[bs] = chain_keys(tokens, bs)
+                        keys_by_bs[bs] = chain_keys(tokens, bs, extra_keys=extra)
                     m = self.index.match(b.name, keys_by_bs[bs], bs)
                     segments = [(end, w.medium(med)) for end, med in m.segments]
                     per_tier = {k.lower() if k != "GPU" else "engine": v for k, v in m.per_medium.items()}
@@ -167,9 +173,9 @@ class Router:
                                  last_assigned=self.load.last_assigned(b.name)))
         return out
 
-    async def decide(self, tokens: list[int] | None) -> Decision | None:
-        """Rank the healthy backends for a prompt (``None``: none healthy)."""
-        cands = await self.candidates(tokens)
+    async def decide(self, tokens: list[int] | None, salt: str | None = None) -> Decision | None:
+        """Rank the healthy backends for a prompt (``None``: none healthy); ``salt``: its ``cache_salt``."""
+        cands = await self.candidates(tokens, salt)
         if not cands:
             return None
         d = rank(self.config.policy, cands, self.config.weights.load, self._rr)
@@ -233,7 +239,8 @@ class Router:
             log.debug("kvtier router: routing without tokens: %s", exc)
             self.metrics.untokenized.inc()
             tokens = None
-        d = await self.decide(tokens)
+        salt = payload.get("cache_salt")
+        d = await self.decide(tokens, salt if isinstance(salt, str) and salt else None)
         if d is None:
             why = "; ".join(f"{b.name}: {b.last_error}" for b in self.pool.backends)
             return JSONResponse({"error": {"message": f"no healthy backend ({why})", "type": "ServiceUnavailable",

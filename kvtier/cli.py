@@ -413,7 +413,10 @@ def router(
     model: Optional[str] = typer.Option(None, "--model", help="Model folder (tokenizer, chat template)."),
     policy: str = typer.Option("kv-aware", "--policy", help="kv-aware, round-robin or least-loaded."),
     controller_url: Optional[str] = typer.Option(None, "--controller", help="Fleet controller URL for /lookup."),
-    controller_token: Optional[str] = typer.Option(None, "--controller-token", help="Its bearer token."),
+    controller_token: Optional[str] = typer.Option(
+        None, "--controller-token", help="Its bearer token (visible in ps: prefer the file or $KVTIER_CONTROLLER_TOKEN)."),
+    controller_token_file: Optional[Path] = typer.Option(
+        None, "--controller-token-file", help="File whose first line is the controller's bearer token."),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8100, "--port", help="Port of the OpenAI-compatible API (0: any free port)."),
     load_weight: float = typer.Option(0.5, "--load-weight", min=0.0, help="Score penalty per token of load."),
@@ -424,13 +427,15 @@ def router(
         RouterConfig,
         RouterConfigError,
         Weights,
+        controller_token_from,
         parse_backend,
     )
     from kvtier.router.tokenize import TokenizeError
 
     try:
+        token = controller_token_from(controller_token, controller_token_file)
         cfg = RouterConfig(backends=tuple(parse_backend(b) for b in backend), policy=policy, model=model,
-                           controller_url=controller_url, controller_token=controller_token,
+                           controller_url=controller_url, controller_token=token,
                            weights=Weights(load=load_weight)).validate()
         server = RouterServer(cfg, host=host, port=port)
     except (RouterConfigError, TokenizeError, OSError) as exc:

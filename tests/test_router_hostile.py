@@ -138,3 +138,45 @@ def test_salted_controller_lookup_asks_within_the_salt(fleet) -> None:
     finally:
         srv.should_exit = True
         th.join(10)
+
+
+# -- the controller token never needs argv -------------------------------------------------------
+
+
+def test_controller_token_from_file_or_env_not_only_argv(tmp_path, monkeypatch, caplog) -> None:
+    from typer.testing import CliRunner
+
+    import kvtier.router.app as app_mod
+    from kvtier.cli import app
+    from kvtier.router.config import RouterConfigError, controller_token_from
+
+    started: list[Any] = []
+
+    class NoServe:
+        url = "http://x"
+
+        def __init__(self, cfg: Any, host: str, port: int) -> None:
+            started.append(cfg)
+
+        def serve_forever(self) -> None:
+            return
+
+    monkeypatch.setattr(app_mod, "RouterServer", NoServe)
+    f = tmp_path / "tok"
+    f.write_text("from-file\n")
+    f.chmod(0o600)
+    args = ["router", "--backend", "http://127.0.0.1:1", "--controller", "http://127.0.0.1:2"]
+    monkeypatch.setenv("KVTIER_CONTROLLER_TOKEN", "from-env")
+    assert CliRunner().invoke(app, args).exit_code == 0
+    assert CliRunner().invoke(app, args + ["--controller-token-file", str(f)]).exit_code == 0
+    monkeypatch.delenv("KVTIER_CONTROLLER_TOKEN")
+    assert CliRunner().invoke(app, args).exit_code == 0
+    assert [c.controller_token for c in started] == ["from-env", "from-file", None]
+    (tmp_path / "empty").write_text("\n")
+    res = CliRunner().invoke(app, args + ["--controller-token-file", str(tmp_path / "empty")])
+    assert res.exit_code == 2 and "is empty" in res.output
+    with caplog.at_level("WARNING", logger="kvtier.router"):
+        assert controller_token_from("on-argv", None, {}) == "on-argv"
+    assert any("visible to every user" in m for m in caplog.messages)
+    with pytest.raises(RouterConfigError):
+        controller_token_from("a", f, {})

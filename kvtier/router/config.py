@@ -10,8 +10,17 @@ A backend on the command line is ``URL[=INSTANCE_ID][@EVENTS_ENDPOINT[,REPLAY_EN
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
+
+log = logging.getLogger("kvtier.router")
+
+#: Environment variable the router reads the controller's bearer token from (the controller's own).
+CONTROLLER_TOKEN_ENV = "KVTIER_CONTROLLER_TOKEN"
 
 #: Routing policies.
 POLICIES: tuple[str, ...] = ("kv-aware", "round-robin", "least-loaded")
@@ -71,6 +80,35 @@ def parse_backend(text: str) -> BackendSpec:
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise RouterConfigError(f"--backend {text!r}: expected an http(s)://host:port URL")
     return BackendSpec(url=url, instance_id=instance, events=events, replay=replay)
+
+
+def controller_token_from(argv_token: str | None, token_file: Path | None,
+                          environ: Mapping[str, str] = os.environ) -> str | None:
+    """The controller's bearer token: ``--controller-token`` (visible to every user in ``ps``
+    and ``/proc``: warned), else the first line of ``--controller-token-file``, else
+    ``$KVTIER_CONTROLLER_TOKEN``; ``None``: none given.
+
+    Raises:
+        RouterConfigError: both the flag and the file, an unreadable or empty file.
+    """
+    if argv_token is not None and token_file is not None:
+        raise RouterConfigError("give --controller-token or --controller-token-file, not both")
+    if argv_token is not None:
+        log.warning("kvtier router: --controller-token is visible to every user of this machine (ps, /proc); "
+                    "use --controller-token-file or $%s", CONTROLLER_TOKEN_ENV)
+        return argv_token or None
+    if token_file is not None:
+        try:
+            lines = token_file.read_text().splitlines()
+        except OSError as exc:
+            raise RouterConfigError(f"--controller-token-file {token_file}: {exc.strerror or exc}") from None
+        token = lines[0].strip() if lines else ""
+        if not token:
+            raise RouterConfigError(f"--controller-token-file {token_file} is empty")
+        if token_file.stat().st_mode & 0o077:
+            log.warning("kvtier router: token file %s is readable by other users; chmod 600 it", token_file)
+        return token
+    return environ.get(CONTROLLER_TOKEN_ENV) or None
 
 
 @dataclass(frozen=True)

@@ -180,3 +180,61 @@ def test_controller_token_from_file_or_env_not_only_argv(tmp_path, monkeypatch, 
     assert any("visible to every user" in m for m in caplog.messages)
     with pytest.raises(RouterConfigError):
         controller_token_from("a", f, {})
+
+
+# -- KV event frames are bounded -----------------------------------------------------------------
+
+
+def test_event_frames_beyond_the_bound_are_never_read(fleet) -> None:
+    import zmq
+
+    from kvtier.events.codec import encode_batch
+
+    backs, _, tmp_path = fleet
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.PUB)
+    endpoint = f"ipc://{tmp_path}/raw.sock"
+    raw.bind(endpoint)
+    big_tokens = [70_000] * (40_000 * BS)  # 0.64M token ids of 5 bytes: a 3.4 MB frame
+    big = encode_batch(make_batch([_stored(big_tokens, salt=5)]))
+    small = encode_batch(make_batch([_stored(DOC, salt=6)]))
+    assert len(big) > 1 << 20 > len(small)
+    from kvtier.router.config import BackendSpec, RouterConfig
+    from kvtier.router.server import RouterServer
+
+    cfg = RouterConfig(backends=(BackendSpec(url=backs[0].url, instance_id="a", events=endpoint),),
+                       events_max_message_bytes=1 << 20)
+    try:
+        with contextlib.closing(RouterServer(cfg, port=0).start()) as r:
+            seq = 0
+
+            def send(payload: bytes) -> None:
+                nonlocal seq
+                raw.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+                seq += 1
+
+            feed = r.router.feeds["a"]
+            for _ in range(250):  # bounded: until the subscriber has joined
+                send(small)
+                if feed.batches:
+                    break
+                threading.Event().wait(0.02)
+            _wait(lambda: feed.batches >= 1)
+            n = -1
+            while n != feed.batches:  # nothing more in flight
+                n = feed.batches
+                threading.Event().wait(0.3)
+            send(big)
+            for _ in range(250):  # two batches read after the big one's seq: it was read or dropped
+                send(small)
+                if feed.batches >= n + 2:
+                    break
+                threading.Event().wait(0.02)
+            assert feed.batches >= n + 2 and feed.stats()["disconnects"] >= 1  # cut, then read again
+            st = r.router.index.stats()["a"]
+            # every batch applied was a small one: the big frame never reached the index
+            assert st["stored"] == 8 * r.router.feeds["a"].batches, st
+            assert r.router.index.match("a", chain_keys(big_tokens[: 4 * BS], BS), BS).tokens == 0
+    finally:
+        raw.close(linger=0)
+        ctx.term()

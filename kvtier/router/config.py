@@ -171,6 +171,9 @@ class RouterConfig:
         controller_token: its bearer token (``None``: none).
         weights: score weights.
         events_topic: KV events topic to subscribe to (``""``: every topic; vLLM's default).
+        events_max_message_bytes: largest KV event frame read from a backend (bytes); a larger
+            one is dropped with its publisher's connection (a gap: replayed, else the backend's
+            routes are dropped).
         health_interval_s: seconds between ``GET /health`` probes of each backend.
         metrics_interval_s: seconds between ``GET /metrics`` polls of each backend.
         connect_timeout_s: connect timeout to a backend (a request then tries another one).
@@ -189,6 +192,7 @@ class RouterConfig:
     controller_token: str | None = None
     weights: Weights = field(default_factory=Weights)
     events_topic: str = ""
+    events_max_message_bytes: int = 16 << 20
     health_interval_s: float = 0.5
     metrics_interval_s: float = 0.5
     connect_timeout_s: float = 1.0
@@ -219,6 +223,8 @@ class RouterConfig:
                      "read_timeout_s", "controller_timeout_s"):
             if getattr(self, name) <= 0:
                 raise RouterConfigError(f"{name} must be > 0")
+        if self.events_max_message_bytes < 1:
+            raise RouterConfigError("events_max_message_bytes must be >= 1")
         if self.down_after_timeouts < 1 or self.decisions_kept < 1:
             raise RouterConfigError("down_after_timeouts and decisions_kept must be >= 1")
         self.weights.validate()

@@ -288,10 +288,14 @@ class EventFeed:
         endpoint: its PUB endpoint; ``replay``: its replay endpoint (``None``: none).
         topic: topic filter (``""``: all).
         on_restart: called (on the feed thread) when the publisher restarted.
+        max_message_bytes: largest event frame accepted (bytes; ``None``: the subscriber's
+            default, :data:`kvtier.events.subscriber.MAX_MESSAGE_BYTES`).
     """
 
     def __init__(self, index: PrefixIndex, backend: str, endpoint: str, replay: str | None = None,
-                 topic: str = "", on_restart: Callable[[str], None] | None = None) -> None:
+                 topic: str = "", on_restart: Callable[[str], None] | None = None,
+                 max_message_bytes: int | None = None) -> None:
+        self._max_message_bytes = max_message_bytes
         self._index = index
         self._backend = backend
         self._endpoint = endpoint
@@ -319,7 +323,8 @@ class EventFeed:
         from kvtier.events.subscriber import EventSubscriber
 
         try:
-            sub = EventSubscriber(self._endpoint, self._replay, topic=self._topic)
+            kw = {} if self._max_message_bytes is None else {"max_message_bytes": self._max_message_bytes}
+            sub = EventSubscriber(self._endpoint, self._replay, topic=self._topic, **kw)
         except Exception as exc:  # noqa: BLE001 - a bad endpoint: the backend is routed without events
             self.error = f"{type(exc).__name__}: {exc}"
             log.error("kvtier router: events of %s at %s: %s", self._backend, self._endpoint, self.error)

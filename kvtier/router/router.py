@@ -78,7 +78,8 @@ class Router:
         for b in c.backends:
             if b.events:
                 self.feeds[b.name] = EventFeed(self.index, b.name, b.events, b.replay, c.events_topic,
-                                               on_restart=self._on_feed_restart)
+                                               on_restart=self._on_feed_restart,
+                                               max_message_bytes=c.events_max_message_bytes)
         await asyncio.gather(*(asyncio.to_thread(f.start) for f in self.feeds.values()))
         # One probe round before serving, so a backend that is down at start is not tried first.
         await asyncio.gather(*(self.pool.probe(self._probe_client, b, c.health_timeout_s) for b in self.pool.backends))

@@ -238,3 +238,127 @@ def test_event_frames_beyond_the_bound_are_never_read(fleet) -> None:
     finally:
         raw.close(linger=0)
         ctx.term()
+
+
+# -- answers pass through as they come; a cut is a cut -------------------------------------------
+
+
+class AppBackend:
+    """A backend serving ``app`` (plus /health and /metrics) on a free loopback port."""
+
+    def __init__(self, app: FastAPI) -> None:
+        from fastapi.responses import PlainTextResponse, Response
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200)
+
+        @app.get("/metrics")
+        async def metrics() -> PlainTextResponse:
+            return PlainTextResponse("vllm:num_requests_running 0\n")
+
+        self.port = _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical",
+                                                   lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        _wait(lambda: self.server.started, 10)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.name = "x"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def _router_over(*backs: AppBackend):
+    from kvtier.router.config import BackendSpec, RouterConfig
+    from kvtier.router.server import RouterServer
+
+    cfg = RouterConfig(backends=tuple(BackendSpec(url=b.url) for b in backs), policy="round-robin")
+    return RouterServer(cfg, port=0).start()
+
+
+def test_non_streamed_answer_is_passed_through_not_held_whole() -> None:
+    from fastapi.responses import StreamingResponse
+
+    release = threading.Event()
+    app = FastAPI()
+    part = b'{"choices": [{"text": "' + b"x" * 65536
+
+    @app.post("/v1/completions")
+    async def complete() -> Any:
+        async def gen():
+            yield part
+            while not release.is_set():  # the rest only once the client has the first part
+                await __import__("asyncio").sleep(0.01)
+            yield b'"}]}'
+        return StreamingResponse(gen(), media_type="application/json")
+
+    back = AppBackend(app)
+    try:
+        with contextlib.closing(_router_over(back)) as r, httpx.Client(base_url=r.url, timeout=10) as c:
+            with c.stream("POST", "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}) as resp:
+                got = b""
+                chunks = resp.iter_raw()
+                while len(got) < len(part):  # fails by read timeout when the router holds the answer
+                    got += next(chunks)
+                release.set()
+                got += b"".join(chunks)
+            assert got == part + b'"}]}' and resp.status_code == 200
+    finally:
+        release.set()
+        back.stop()
+
+
+def _cutting_app(stream: bool) -> FastAPI:
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def complete() -> Any:
+        async def gen():
+            if stream:
+                yield b'data: {"i": 0}\n\n'
+                yield b'data: {"i": 1}\n\n'
+            else:
+                yield b'{"choices": [{"text": "half'
+            await __import__("asyncio").sleep(0.05)
+            raise RuntimeError("backend died mid-answer")  # uvicorn closes the connection mid-body
+        headers = {} if stream else {"content-length": "4000"}
+        return StreamingResponse(gen(), media_type="text/event-stream" if stream else "application/json",
+                                 headers=headers)
+
+    return app
+
+
+@pytest.mark.parametrize("via", ["router", "pd-proxy"])
+def test_stream_cut_by_the_backend_reaches_the_client_as_an_error(via: str) -> None:
+    from kvtier.router.pd_proxy import PDProxyServer
+
+    back = AppBackend(_cutting_app(stream=True))
+    front = _router_over(back) if via == "router" else PDProxyServer([back.url], [back.url], port=0).start()
+    try:
+        lines: list[str] = []
+        with contextlib.closing(front), httpx.Client(base_url=front.url, timeout=10) as c:
+            with pytest.raises(httpx.RemoteProtocolError):  # incomplete body: never a clean end
+                with c.stream("POST", "/v1/completions", json={"prompt": [1], "stream": True}) as resp:
+                    for line in resp.iter_lines():
+                        lines.append(line)
+        data = [x for x in lines if x.startswith("data: ")]
+        assert data[:2] == ['data: {"i": 0}', 'data: {"i": 1}'], lines
+        assert "error" in data[-1] and "cut" in data[-1] and "[DONE]" not in "".join(lines)
+    finally:
+        back.stop()
+
+
+def test_non_streamed_answer_cut_by_the_backend_is_never_a_clean_finish() -> None:
+    back = AppBackend(_cutting_app(stream=False))
+    try:
+        with contextlib.closing(_router_over(back)) as r, httpx.Client(base_url=r.url, timeout=10) as c:
+            with pytest.raises(httpx.RemoteProtocolError):
+                c.post("/v1/completions", json={"prompt": [1]})
+            assert r.router.metrics.cut.labels(r.router.pool.backends[0].name)._value.get() == 1
+    finally:
+        back.stop()

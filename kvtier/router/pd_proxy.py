@@ -8,7 +8,8 @@ goes to a decoder (round robin), its answer (streamed or not) passed through.
 
 A prefiller that cannot be reached, answers an error or returns no
 ``kv_transfer_params`` is skipped: the decoder then computes the prompt itself
-(slower, same tokens). A decoder that cannot be reached answers 502. Answers carry
+(slower, same tokens). A decoder that cannot be reached answers 502; one that cuts its
+answer mid-way is passed on as a cut (:mod:`kvtier.router.passthrough`). Answers carry
 ``x-kvtier-prefill`` (the prefiller's URL, or "skipped") and ``x-kvtier-decode``.
 """
 
@@ -23,9 +24,10 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvtier.router.app_server import AppServer
+from kvtier.router.passthrough import PassThrough, StreamCut
 
 log = logging.getLogger("kvtier.router.pd")
 
@@ -125,12 +127,15 @@ def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: fl
             try:
                 async for chunk in resp.aiter_raw():
                     yield chunk
-            except httpx.HTTPError as exc:  # a stream cut mid-way ends early
+            except httpx.HTTPError as exc:  # surfaced to the client as a cut, never a clean finish
                 log.warning("pd-proxy: decoder %s stream cut: %s", durl, exc)
+                raise StreamCut(f"the decoder's answer was cut: {type(exc).__name__}") from None
             finally:
                 await resp.aclose()
 
-        return StreamingResponse(body_iter(), status_code=resp.status_code, media_type=media, headers=out_headers)
+        passed = {k: v for k, v in resp.headers.items() if k.lower() in ("content-length", "content-encoding")}
+        return PassThrough(body_iter(), status_code=resp.status_code, media_type=media,
+                           headers={**passed, **out_headers})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -246,11 +246,10 @@ class Router:
             why = "; ".join(f"{b.name}: {b.last_error}" for b in self.pool.backends)
             return JSONResponse({"error": {"message": f"no healthy backend ({why})", "type": "ServiceUnavailable",
                                            "code": 503}}, status_code=503)
-        stream = bool(payload.get("stream", False))
         headers = forward_headers(request.headers)
         n_tokens = len(tokens) if tokens else 0
         assert self._client is not None
-        fwd = await self.forwarder.forward(self._client, d, path, body, headers, stream, n_tokens)
+        fwd = await self.forwarder.forward(self._client, d, path, body, headers, n_tokens)
         self._record(path, tokens, d, fwd.served_by, fwd.attempts)
         if fwd.response is not None:
             return fwd.response

@@ -420,6 +420,10 @@ def router(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8100, "--port", help="Port of the OpenAI-compatible API (0: any free port)."),
     load_weight: float = typer.Option(0.5, "--load-weight", min=0.0, help="Score penalty per token of load."),
+    max_body_bytes: int = typer.Option(16 << 20, "--max-body-bytes", min=1, help="Largest request body (larger: 413)."),
+    max_prompt_tokens: Optional[int] = typer.Option(
+        None, "--max-prompt-tokens", min=1, help="Longest prompt in tokens (longer: 400); default: the backends' "
+        "max_model_len from /v1/models."),
 ) -> None:
     """OpenAI-compatible KV-aware proxy in front of N vLLM servers (routes each prompt to the best cached prefix net of load)."""
     from kvtier.router.app import RouterServer
@@ -436,7 +440,8 @@ def router(
         token = controller_token_from(controller_token, controller_token_file)
         cfg = RouterConfig(backends=tuple(parse_backend(b) for b in backend), policy=policy, model=model,
                            controller_url=controller_url, controller_token=token,
-                           weights=Weights(load=load_weight)).validate()
+                           weights=Weights(load=load_weight), max_body_bytes=max_body_bytes,
+                           max_prompt_tokens=max_prompt_tokens).validate()
         server = RouterServer(cfg, host=host, port=port)
     except (RouterConfigError, TokenizeError, OSError) as exc:
         typer.echo(f"kvtier router: {exc}", err=True)

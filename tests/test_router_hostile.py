@@ -362,3 +362,170 @@ def test_non_streamed_answer_cut_by_the_backend_is_never_a_clean_finish() -> Non
             assert r.router.metrics.cut.labels(r.router.pool.backends[0].name)._value.get() == 1
     finally:
         back.stop()
+
+
+# -- bodies, prompt lengths and the work a request makes the router do ---------------------------
+
+
+class _CharTok:
+    """One token per character; records every text it encodes; blocks on texts longer than
+    ``block_over`` characters until ``release`` is set (a slow tokenization, made deterministic)."""
+
+    def __init__(self, block_over: int | None = None) -> None:
+        self.encoded: list[int] = []
+        self.block_over = block_over
+        self.release = threading.Event()
+        self.blocked = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.encoded.append(len(text))
+        if self.block_over is not None and len(text) > self.block_over:
+            self.blocked += 1
+            assert self.release.wait(30), "never released"
+        return [ord(c) % 50_000 for c in text]
+
+    def apply_chat_template(self, conv: Any, **kw: Any) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in conv)
+
+
+def test_body_beyond_the_bound_is_413_before_it_is_read(fleet) -> None:
+    backs, _, _ = fleet
+    with contextlib.closing(_router(backs, None, max_body_bytes=1 << 20)) as r, \
+            httpx.Client(base_url=r.url, timeout=10) as c:
+        big = b'{"prompt": [' + b"1," * (600 << 10) + b'1]}'
+        resp = c.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert resp.status_code == 413 and "limit of 1048576 bytes" in resp.json()["error"]["message"]
+
+        def chunked():  # no Content-Length: refused once the bytes received pass the bound
+            for _ in range(40):
+                yield b" " * (64 << 10)
+
+        resp = c.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+        assert resp.status_code == 413
+        assert not backs[0].requests and not backs[1].requests
+        assert _complete(c, [1, 2, 3]).status_code == 200  # an ordinary one still goes through
+
+
+def test_prompt_beyond_the_context_is_400_and_costs_a_bounded_tokenization(fleet) -> None:
+    backs, _, _ = fleet
+    tok = _CharTok()
+    with contextlib.closing(_router(backs, None, tokenizer=tok, max_prompt_tokens=1000)) as r, \
+            httpx.Client(base_url=r.url, timeout=30) as c:
+        resp = _complete(c, list(range(1001)))  # token ids: counted
+        assert resp.status_code == 400 and "1001 tokens" in resp.json()["error"]["message"]
+        assert "context of 1000" in resp.json()["error"]["message"]
+        assert _complete(c, list(range(1000))).status_code == 200
+        resp = _complete(c, "x" * 3_000_000)  # a 3 MB text prompt
+        assert resp.status_code == 400 and "at least" in resp.json()["error"]["message"]
+        assert sum(tok.encoded) <= 16 * 1001, tok.encoded  # a few prefixes, never the 3 MB
+        tok.encoded.clear()
+        chat = {"messages": [{"role": "user", "content": "y" * 3_000_000}]}
+        resp = c.post("/v1/chat/completions", json=chat)
+        assert resp.status_code == 400 and sum(tok.encoded) <= 16 * 1001
+        assert _complete(c, "z" * 990).status_code == 200
+        assert len(backs[0].requests) + len(backs[1].requests) == 2  # only the two that fit
+        text = c.get("/metrics").text
+        assert 'kvtier_router_refused_total{status="400"} 3.0' in text
+
+
+def test_context_is_learned_from_the_backends_max_model_len() -> None:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "m", "max_model_len": 64}]}
+
+    @app.post("/v1/completions")
+    async def complete() -> dict[str, Any]:
+        return {"choices": [{"text": "ok"}]}
+
+    back = AppBackend(app)
+    try:
+        with contextlib.closing(_router_over(back)) as r, httpx.Client(base_url=r.url, timeout=10) as c:
+            assert r.router.max_prompt_tokens == 64
+            assert c.post("/v1/completions", json={"prompt": [1] * 65}).status_code == 400
+            assert c.post("/v1/completions", json={"prompt": [1] * 64}).status_code == 200
+    finally:
+        back.stop()
+
+
+def test_request_template_is_never_run_by_the_router(fleet) -> None:
+    backs, _, _ = fleet
+    calls: list[dict[str, Any]] = []
+
+    class Tok(_CharTok):
+        def apply_chat_template(self, conv: Any, **kw: Any) -> str:
+            calls.append(kw)
+            return super().apply_chat_template(conv, **kw)
+
+    with contextlib.closing(_router(backs, None, tokenizer=Tok())) as r, httpx.Client(base_url=r.url, timeout=10) as c:
+        loop = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+        msg = [{"role": "user", "content": "hi"}]
+        for body in ({"messages": msg, "chat_template": loop},
+                     {"messages": msg, "chat_template_kwargs": {"chat_template": loop}},
+                     {"messages": msg, "chat_template_kwargs": "not an object"}):
+            assert c.post("/v1/chat/completions", json=body).status_code == 200  # forwarded, routed on load
+        assert calls == []
+        assert c.post("/v1/chat/completions", json={"messages": msg}).status_code == 200 and len(calls) == 1
+
+
+def test_big_bodies_are_parsed_off_the_event_loop(fleet, monkeypatch) -> None:
+    import json as json_mod
+
+    import kvtier.router.request_body as rb
+
+    backs, _, _ = fleet
+    release = threading.Event()
+    parsing = threading.Event()
+    real_decoder, real_loads = rb._DECODER, json_mod.loads
+
+    def slow(decode):
+        def run(data, *a, **kw):
+            if len(data) > 1 << 20:
+                parsing.set()
+                assert release.wait(30)
+            return decode(data, *a, **kw)
+        return run
+
+    class SlowDecoder:
+        decode = staticmethod(slow(real_decoder.decode))
+
+    monkeypatch.setattr(rb, "_DECODER", SlowDecoder())
+    monkeypatch.setattr(json_mod, "loads", slow(real_loads))  # whichever parser the router uses
+    with contextlib.closing(_router(backs, None)) as r, httpx.Client(base_url=r.url, timeout=10) as c:
+        big = json_mod.dumps({"prompt": [1] * (1 << 20)}).encode()  # ~3 MB of token ids
+        out: list[int] = []
+        t = threading.Thread(target=lambda: out.append(c.post("/v1/completions", content=big).status_code))
+        t.start()
+        assert parsing.wait(10)
+        with httpx.Client(base_url=r.url, timeout=5) as c2:  # the loop still serves others meanwhile
+            assert c2.get("/health").status_code == 200
+            assert _complete(c2, [1, 2]).status_code == 200
+        release.set()
+        t.join(30)
+        assert out == [200]
+
+
+def test_large_prompts_never_make_small_ones_wait(fleet) -> None:
+    """Six 3 MB prompts whose tokenization does not end (until released) and ordinary 8 KiB
+    prompts: the small ones are served meanwhile (a lane of their own), the large ones queue
+    within the client's bound, and a client beyond its bound gets 429 at once."""
+    import concurrent.futures as cf
+
+    backs, _, _ = fleet
+    tok = _CharTok(block_over=100_000)
+    with contextlib.closing(_router(backs, None, tokenizer=tok)) as r, httpx.Client(base_url=r.url, timeout=60) as c:
+        with cf.ThreadPoolExecutor(8) as ex:
+            big = [ex.submit(_complete, c, "w" * 3_000_000) for _ in range(6)]
+            _wait(lambda: tok.blocked >= 2, 20)
+            with httpx.Client(base_url=r.url, timeout=10) as c2:
+                for i in range(5):  # fails by read timeout when a small prompt waits behind a large one
+                    assert _complete(c2, "s" * 8192 + str(i)).status_code == 200
+                r.router.admission._large.per_client_queue = 4  # a smaller queue, to see its bound
+                _wait(lambda: r.router.admission._large.clients.get("127.0.0.1") is not None
+                      and r.router.admission._large.clients["127.0.0.1"].users == 6, 20)
+                resp = _complete(c2, "v" * 200_000)
+                assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+            tok.release.set()
+            assert [f.result().status_code for f in big] == [200] * 6
+        assert r.router.admission._large.clients == {}  # nothing left behind

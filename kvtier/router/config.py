@@ -183,6 +183,10 @@ class RouterConfig:
         down_after_timeouts: consecutive probe timeouts that take a backend out (a refused
             connection takes it out at once).
         decisions_kept: routing decisions kept for ``/router/state``.
+        max_body_bytes: largest request body (bytes); larger is 413 before it is read.
+        max_prompt_tokens: longest prompt (tokens; a longer one is 400 before it is forwarded);
+            ``None``: the smallest ``max_model_len`` the backends' ``/v1/models`` report, once
+            known.
     """
 
     backends: tuple[BackendSpec, ...]
@@ -201,6 +205,8 @@ class RouterConfig:
     controller_timeout_s: float = 0.25
     down_after_timeouts: int = 2
     decisions_kept: int = 64
+    max_body_bytes: int = 16 << 20
+    max_prompt_tokens: int | None = None
 
     def validate(self) -> RouterConfig:
         """Check the settings; returns self.
@@ -223,6 +229,8 @@ class RouterConfig:
                      "read_timeout_s", "controller_timeout_s"):
             if getattr(self, name) <= 0:
                 raise RouterConfigError(f"{name} must be > 0")
+        if self.max_body_bytes < 1 or (self.max_prompt_tokens is not None and self.max_prompt_tokens < 1):
+            raise RouterConfigError("max_body_bytes and max_prompt_tokens must be >= 1")
         if self.events_max_message_bytes < 1:
             raise RouterConfigError("events_max_message_bytes must be >= 1")
         if self.down_after_timeouts < 1 or self.decisions_kept < 1:

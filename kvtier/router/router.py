@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import deque
@@ -21,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 
+from kvtier.router.admission import Admission, Refused
 from kvtier.router.config import RouterConfig
 from kvtier.router.forward import Forwarder, forward_headers
 from kvtier.router.load import LoadTracker
@@ -28,9 +28,15 @@ from kvtier.router.metrics import RouterMetrics
 from kvtier.router.pool import BackendPool
 from kvtier.router.prefix_index import EventFeed, PrefixIndex, chain_keys
 from kvtier.router.scoring import Candidate, Decision, rank, weighted_hit
-from kvtier.router.tokenize import PromptTokenizer, TokenizeError, Tokenizer
+from kvtier.router.request_body import BadBody, prepare
+from kvtier.router.tokenize import PromptTokenizer, PromptTooLong, Tokenizer
 
 log = logging.getLogger("kvtier.router")
+
+
+def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=headers)
 
 #: Tiers of the fleet controller's ``/lookup`` rows, weighed like the event media of the same name.
 _CONTROLLER_TIERS = ("CPU", "DISK", "REMOTE")
@@ -54,6 +60,10 @@ class Router:
         self.pool = BackendPool(config.backends, config.down_after_timeouts, on_down=[self._on_down])
         self.load = LoadTracker(names, config.weights, on_restart=self._on_restart)
         self.tokenizer = PromptTokenizer(tokenizer)
+        self.admission = Admission(config.max_body_bytes)
+        #: The model's context (tokens): ``config.max_prompt_tokens``, else learned from the
+        #: backends' ``/v1/models`` (``max_model_len``); ``None`` until known (not checked).
+        self.max_prompt_tokens: int | None = config.max_prompt_tokens
         self.metrics = RouterMetrics()
         self.forwarder = Forwarder(self.pool, self.load, self.metrics)
         self.decisions: deque[dict[str, Any]] = deque(maxlen=config.decisions_kept)
@@ -83,7 +93,10 @@ class Router:
         await asyncio.gather(*(asyncio.to_thread(f.start) for f in self.feeds.values()))
         # One probe round before serving, so a backend that is down at start is not tried first.
         await asyncio.gather(*(self.pool.probe(self._probe_client, b, c.health_timeout_s) for b in self.pool.backends))
+        if self.max_prompt_tokens is None:
+            await self._learn_context()
         self._tasks = [
+            asyncio.create_task(self._learn_context(forever=True)),
             asyncio.create_task(self.pool.run(self._probe_client, c.health_interval_s, c.health_timeout_s)),
             asyncio.create_task(self.load.run(self._probe_client, [(b.name, b.url) for b in c.backends],
                                               c.metrics_interval_s, c.health_timeout_s)),
@@ -102,6 +115,33 @@ class Router:
             if cl is not None:
                 await cl.aclose()
         self._client = self._probe_client = None
+        self.admission.close()
+
+    #: Seconds between attempts to learn the model's context from the backends.
+    LEARN_CONTEXT_EVERY_S = 5.0
+
+    async def _learn_context(self, forever: bool = False) -> None:
+        """Set :attr:`max_prompt_tokens` to the smallest ``max_model_len`` the healthy backends'
+        ``/v1/models`` report (vLLM's field); one round, or (``forever``) one every
+        :data:`LEARN_CONTEXT_EVERY_S` seconds until known."""
+        while self.max_prompt_tokens is None and self._probe_client is not None:
+            found: list[int] = []
+            for b in self.pool.healthy():
+                try:
+                    r = await self._probe_client.get(b.spec.url + "/v1/models")
+                    for m in r.json().get("data", []):
+                        n = m.get("max_model_len") if isinstance(m, dict) else None
+                        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                            found.append(n)
+                except (httpx.HTTPError, ValueError, AttributeError, TypeError):
+                    continue
+            if found:
+                self.max_prompt_tokens = min(found)
+                log.info("kvtier router: prompts beyond %d tokens (the backends' max_model_len) are refused",
+                         self.max_prompt_tokens)
+            if not forever:
+                return
+            await asyncio.sleep(self.LEARN_CONTEXT_EVERY_S)
 
     def _on_down(self, name: str) -> None:
         self.index.drop(name)
@@ -221,27 +261,29 @@ class Router:
 
     # -- forwarding -------------------------------------------------------------------------
     async def route(self, request: Request, path: str, chat: bool) -> Response:
-        """Tokenize, decide, forward (with one retry), record."""
-        body = await request.body()
+        """Read the body within its bound, parse and tokenize it off the loop (:mod:`.admission`),
+        decide, forward (with one retry), record. Refusals: 413 (body beyond ``max_body_bytes``),
+        429 (the client has too much work in progress), 400 (not a JSON object, or a prompt
+        beyond the model's context)."""
+        limit = self.max_prompt_tokens
         try:
-            payload: Any = json.loads(body)
-        except ValueError as exc:
-            payload = f"{type(exc).__name__}: {exc}"
-        if not isinstance(payload, dict):
-            return JSONResponse({"error": {"message": f"body is not a JSON object ({str(payload)[:200]})",
-                                           "type": "BadRequest", "code": 400}}, status_code=400)
-        tokens: list[int] | None
-        try:
-            if len(body) > 4096:
-                tokens = await asyncio.to_thread(self.tokenizer.chat if chat else self.tokenizer.completion, payload)
-            else:
-                tokens = (self.tokenizer.chat if chat else self.tokenizer.completion)(payload)
-        except TokenizeError as exc:
-            log.debug("kvtier router: routing without tokens: %s", exc)
+            body = await self.admission.read_body(request)
+            prep = await self.admission.run(request, len(body), lambda: prepare(body, chat, self.tokenizer, limit))
+        except Refused as exc:
+            self.metrics.refused.labels(str(exc.status)).inc()
+            return _error(exc.status, exc.message, "TooManyRequests" if exc.status == 429 else "PayloadTooLarge",
+                          exc.headers)
+        except BadBody as exc:
+            self.metrics.refused.labels("400").inc()
+            return _error(400, str(exc), "BadRequestError")
+        except PromptTooLong as exc:
+            self.metrics.refused.labels("400").inc()
+            return _error(400, f"{exc} (max_model_len {exc.limit}); shorten the prompt", "BadRequestError")
+        tokens, salt = prep.tokens, prep.salt
+        if tokens is None:
+            log.debug("kvtier router: routing without tokens: %s", prep.why_untokenized)
             self.metrics.untokenized.inc()
-            tokens = None
-        salt = payload.get("cache_salt")
-        d = await self.decide(tokens, salt if isinstance(salt, str) and salt else None)
+        d = await self.decide(tokens, salt)
         if d is None:
             why = "; ".join(f"{b.name}: {b.last_error}" for b in self.pool.backends)
             return JSONResponse({"error": {"message": f"no healthy backend ({why})", "type": "ServiceUnavailable",
@@ -276,6 +318,7 @@ class Router:
                         "events": self.feeds[n].stats() if n in self.feeds else None,
                         "events_silent": self.events_silent(n), "served": self._served.get(n, 0)} for n in pool}
         return {"policy": self.config.policy, "backends": backends, "decisions": list(self.decisions),
+                "bounds": {"max_prompt_tokens": self.max_prompt_tokens, **self.admission.stats()},
                 "controller": {"url": self.config.controller_url, "errors": self.controller_errors,
                                "last_error": self.controller_last_error}}
 

@@ -30,6 +30,7 @@ from kvtier.router.prefix_index import EventFeed, PrefixIndex, chain_keys
 from kvtier.router.scoring import Candidate, Decision, rank, weighted_hit
 from kvtier.router.request_body import BadBody, prepare
 from kvtier.router.tokenize import PromptTokenizer, PromptTooLong, Tokenizer
+from kvtier.urls import mask_url
 
 log = logging.getLogger("kvtier.router")
 
@@ -319,8 +320,8 @@ class Router:
                         "events_silent": self.events_silent(n), "served": self._served.get(n, 0)} for n in pool}
         return {"policy": self.config.policy, "backends": backends, "decisions": list(self.decisions),
                 "bounds": {"max_prompt_tokens": self.max_prompt_tokens, **self.admission.stats()},
-                "controller": {"url": self.config.controller_url, "errors": self.controller_errors,
-                               "last_error": self.controller_last_error}}
+                "controller": {"url": mask_url(self.config.controller_url or "") or None,
+                               "errors": self.controller_errors, "last_error": self.controller_last_error}}
 
     def metrics_text(self) -> bytes:
         """The Prometheus exposition of :attr:`metrics` (gauges refreshed first)."""

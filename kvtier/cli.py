@@ -223,6 +223,42 @@ ctl_app = typer.Typer(
     rich_markup_mode=HELP_MARKUP,
 )
 app.add_typer(ctl_app, name="ctl")
+keys_app = typer.Typer(
+    help="Fleet keys (README, the trust model): each instance, controller and router has its own; the "
+    "authorized-members file lists the public keys a node admits. Exit codes: 0 done, 2 usage error.",
+    no_args_is_help=True,
+)
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("new")
+def keys_new(
+    path: Path = typer.Argument(..., help="Where to write the key file (0600; its directory is created 0700)."),
+    name: str = typer.Option("", "--name", help="A label stored in the file (e.g. the instance's name)."),
+) -> None:
+    """Make a key pair; prints the members-file line of its public key (NAME PUBLIC_KEY)."""
+    from kvtier.protocol.trust import FleetKey, TrustError
+
+    try:
+        key = FleetKey.generate(name)
+        key.save(path)
+    except TrustError as exc:
+        typer.echo(f"kvtier keys: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"{name or path.stem} {key.public}")
+
+
+@keys_app.command("show")
+def keys_show(path: Path = typer.Argument(..., help="A key file made by `kvtier keys new` (or pyzmq).")) -> None:
+    """Print a key file's public key (what members files and controller_key take)."""
+    from kvtier.protocol.trust import FleetKey, TrustError
+
+    try:
+        key = FleetKey.load(path)
+    except TrustError as exc:
+        typer.echo(f"kvtier keys: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(key.public)
 
 _CTL_URL = typer.Option("http://127.0.0.1:7601", "--url", help="Controller HTTP URL.")
 _CTL_TOKEN = typer.Option(None, "--token", help="Bearer token (default $KVTIER_CONTROLLER_TOKEN).")
@@ -244,15 +280,27 @@ def controller(
         None, "--token", help="Bearer token for HTTP and agents (default $KVTIER_CONTROLLER_TOKEN); "
         "required when an address is beyond loopback."),
     op_deadline: float = typer.Option(10.0, "--op-deadline", min=0.01, help="Seconds an operation may take before it fails."),
+    key: Optional[Path] = typer.Option(
+        None, "--key", help="The controller's fleet key file (created 0600 if missing); with --members the agent "
+        "endpoint is CURVE-authenticated. Required beyond loopback."),
+    members: Optional[Path] = typer.Option(
+        None, "--members", help="Authorized-members file or directory: the instances' public keys that may register."),
 ) -> None:
     """Run the fleet controller: one HTTP API over every registered kvtier instance's cache."""
     from kvtier.controller.server import Controller, ControllerConfigError
+    from kvtier.protocol.trust import Credentials, TrustError
 
     try:
-        ctl = Controller(http_host=host, http_port=port, zmq_endpoint=zmq, token=token, op_deadline_s=op_deadline)
-        typer.echo(f"kvtier controller: HTTP on {host}:{port}, agents on {zmq}", err=True)
+        if (key is None) != (members is None):
+            raise ControllerConfigError("--key and --members go together (the controller's key, and who may register)")
+        creds = Credentials.from_paths(key, members) if key is not None and members is not None else None
+        ctl = Controller(http_host=host, http_port=port, zmq_endpoint=zmq, token=token, op_deadline_s=op_deadline,
+                         credentials=creds)
+        typer.echo(f"kvtier controller: HTTP on {host}:{port}, agents on {zmq}"
+                   + (f" (CURVE; controller key {creds.key.public}, {len(creds.members)} members)" if creds
+                      else " (open: loopback agents, no member keys)"), err=True)
         ctl.serve_forever()
-    except (ControllerConfigError, OSError) as exc:
+    except (ControllerConfigError, TrustError, OSError) as exc:
         typer.echo(f"kvtier controller: {exc}", err=True)
         raise typer.Exit(2) from None
     except ModuleNotFoundError as exc:

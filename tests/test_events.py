@@ -281,7 +281,7 @@ def test_round_trip_and_replay_after_injected_gap() -> None:
     from kvtier.events import EventPublisher, EventSubscriber
 
     lost: set[int] = set()
-    pub = EventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", topic="kv",
+    pub = EventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", topic="kv", plain=True,
                          data_parallel_rank=5, drop_filter=lambda seq: seq in lost)
     sub = EventSubscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint, topic="kv",
                           from_seq=0)
@@ -314,7 +314,7 @@ def test_gap_without_replay_is_counted_not_waited_for() -> None:
     from kvtier.events import EventPublisher, EventSubscriber
 
     drop: set[int] = set()
-    pub = EventPublisher("tcp://127.0.0.1:0", topic="", drop_filter=lambda s: s in drop)
+    pub = EventPublisher("tcp://127.0.0.1:0", topic="", drop_filter=lambda s: s in drop, plain=True)
     sub = EventSubscriber(pub.endpoint, topic="")
     try:
         connect_pair(pub, sub)
@@ -360,7 +360,7 @@ def test_subscriber_skips_malformed_messages_and_other_topics() -> None:
 def test_publish_after_close_and_unencodable_batches_are_dropped_and_counted() -> None:
     from kvtier.events import EventPublisher
 
-    pub = EventPublisher("tcp://127.0.0.1:0")
+    pub = EventPublisher("tcp://127.0.0.1:0", plain=True)
     assert pub.publish([]) is True
     pub.publish([BlockRemoved(block_hashes=[2**70], medium="CPU")])  # int hash > 64 bits
     end = time.monotonic() + 5
@@ -385,7 +385,7 @@ def test_full_queue_drops_without_blocking_and_counts() -> None:
         release.wait(5)
         return False
 
-    pub = EventPublisher("tcp://127.0.0.1:0", queue_size=1, drop_filter=stall)
+    pub = EventPublisher("tcp://127.0.0.1:0", queue_size=1, drop_filter=stall, plain=True)
     try:
         assert pub.publish([AllBlocksCleared()])
         assert entered.wait(5)
@@ -427,7 +427,7 @@ def test_subscriber_reads_vllms_publisher_and_replay_matches_ours(vkv) -> None:
                                      replay_endpoint=f"tcp://*:{rport}", topic="kv-events")
     except Exception as exc:  # noqa: BLE001 - a vLLM build needing more config
         pytest.skip(f"vLLM's ZmqEventPublisher cannot be built here: {exc!r}")
-    ours = EventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0",
+    ours = EventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", plain=True,
                           topic="kv-events")
     sub = EventSubscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}",
                           topic="kv-events", from_seq=0)

@@ -367,6 +367,55 @@ def test_cuda_registration_over_several_allocations(server) -> None:
         c.close()
 
 
+#: The engine of the kill test: registers ``argv[2]`` blocks of CUDA KV with the server at
+#: ``argv[1]``, stores one chunk from them, says so, and waits to be killed.
+KILLED_ENGINE = """
+import sys, time, torch
+from test_service_block_copy import NS, L, H, N, C, keys
+from service_helpers import connect
+from kvtier.service.kv_export import kv_register_request
+kv = torch.randint(0, 256, (L, int(sys.argv[2]), H, N, C), dtype=torch.uint8, device="cuda")
+c = connect(sys.argv[1], NS, "bc-cuda-killed")
+assert c.register_kv(kv_register_request([kv[i] for i in range(L)])) is not None
+torch.cuda.synchronize()
+assert c.store_blocks(keys("killed", 1), [[0, 1]]) == [None]
+print("registered", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_kv_of_a_killed_engine_is_released_by_the_server(server) -> None:
+    """The server's IPC mapping of an engine's KV dies with the engine's connection: the
+    device memory comes back after a ``kill -9`` (a mapping kept open would hold it)."""
+    import sys
+
+    _, sock = server
+    warm = torch.zeros(L, B, H, N, C, dtype=torch.uint8, device="cuda")  # the server's CUDA context first
+    c = connect(sock, NS, "bc-cuda-warm")
+    try:
+        assert c.register_kv(kv_register_request([warm[i] for i in range(L)])) is not None
+        assert c.release_kv() is True
+    finally:
+        c.close()
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    gib = 1 << 30
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen([sys.executable, "-c", KILLED_ENGINE, str(sock), str(gib // (L * H * N * C))],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        line = child.stdout.readline()  # type: ignore[union-attr]
+        assert "registered" in line, line + child.stdout.read(4000)  # type: ignore[union-attr]
+        assert free0 - torch.cuda.mem_get_info()[0] >= 0.9 * gib, "the engine's KV allocation does not show"
+    finally:
+        child.kill()
+        child.wait(30)
+    wait_until(lambda: torch.cuda.mem_get_info()[0] >= free0 - (128 << 20), 30,
+               "the killed engine's KV memory freed (the server released its IPC mapping)")
+
+
 def _registered(kv: ShmKV) -> Any:
     from kvtier.integrations.vllm.gpu.layout import KVLayout, RegisteredKV
 

@@ -14,6 +14,7 @@ A socket is not thread-safe: use one subscriber from one thread.
 from __future__ import annotations
 
 import time
+from typing import Any
 from collections import deque
 from collections.abc import Iterator
 
@@ -28,6 +29,8 @@ _END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: connection (a protocol error, after which ZeroMQ would not reconnect: the subscriber does,
 #: see ``disconnects``); the lost seqs are a gap (replay, else counted missed).
 MAX_MESSAGE_BYTES = 16 << 20
+#: Seconds between two re-dials of a dropped link.
+RELINK_EVERY_S = 1.0
 #: Receive high-water mark (message frames; 3 per batch) by default: with
 #: :data:`MAX_MESSAGE_BYTES`, at most ~256 MiB queued for a slow reader; beyond, the publisher
 #: drops (a gap, as above).
@@ -49,6 +52,9 @@ class EventSubscriber:
             (bytes, > 0; ZeroMQ ``MAXMSGSIZE``): a publisher never makes the subscriber hold
             more than that per frame.
         recv_hwm: frames queued before the publisher drops (ZeroMQ ``RCVHWM``, > 0).
+        credentials / server_key: this node's fleet credentials and the publisher's Z85 public key:
+            both sockets are CURVE clients (a kvtier publisher with credentials admits members with the
+            ``events`` role only); None: plain.
 
     Counters: ``received`` (batches delivered), ``gaps`` (seq jumps seen), ``replayed``
     (batches delivered from replay), ``missed`` (seqs never obtained), ``decode_errors``
@@ -59,8 +65,9 @@ class EventSubscriber:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None,
                  topic: str = "kv-events", replay_timeout_s: float = 1.0,
-                 from_seq: int | None = None, normalize: bool = True,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, recv_hwm: int = RECV_HWM) -> None:
+                 from_seq: int | None = None, normalize: bool = True, credentials: Any = None,
+                 server_key: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 recv_hwm: int = RECV_HWM) -> None:
         if max_message_bytes <= 0 or recv_hwm <= 0:
             raise ValueError(f"max_message_bytes and recv_hwm must be > 0, got {max_message_bytes}, {recv_hwm}")
         self._topic = topic.encode("utf-8")
@@ -79,15 +86,26 @@ class EventSubscriber:
         self.restarts = 0
         self.disconnects = 0
         self._endpoint = endpoint
+        self._relink_at = 0.0  # monotonic time before which a dropped link is not re-dialled
+        self._dropped = False
         self._closed = False
+        self._curve = (credentials, server_key) if credentials is not None and server_key else None
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
+        self._secure(self._sub)
         self._bound(self._sub)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sub.connect(endpoint)
         self._replay: zmq.Socket | None = None
+
+    def _secure(self, sock: zmq.Socket) -> None:
+        """CURVE client options on ``sock`` when this subscriber has credentials and a server key."""
+        if self._curve is not None:
+            from kvtier.protocol.trust import curve_client
+
+            curve_client(sock, self._curve[0].key, self._curve[1])
 
     @property
     def last_seq(self) -> int | None:
@@ -160,11 +178,12 @@ class EventSubscriber:
         """Connect again after the link dropped: ZeroMQ gives up on a link it cut for a protocol
         error (a frame over ``MAXMSGSIZE``), so without this one oversized frame would end the
         stream for good."""
-        dropped = False
         while self._monitor.poll(0):
             if self._monitor.recv_multipart()[0][:2] == zmq.EVENT_DISCONNECTED.to_bytes(2, "little"):
-                dropped = True
-        if dropped:
+                self._dropped = True
+        if self._dropped and time.monotonic() >= self._relink_at:
+            self._dropped = False
+            self._relink_at = time.monotonic() + RELINK_EVERY_S  # a publisher refusing us is not hammered
             self.disconnects += 1
             try:
                 self._sub.disconnect(self._endpoint)
@@ -242,6 +261,7 @@ class EventSubscriber:
         if self._replay is None:
             assert self._replay_endpoint is not None
             self._replay = self._ctx.socket(zmq.DEALER)
+            self._secure(self._replay)
             self._replay.setsockopt(zmq.LINGER, 0)
             self._bound(self._replay)
             self._replay.connect(self._replay_endpoint)

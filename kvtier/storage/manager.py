@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence, Union
 import numpy as np
 
 from kvtier.config import KVTierConfig
-from kvtier.index.keys import ChunkHasher, KeyNamespace
+from kvtier.index.keys import ChunkHasher, KeyNamespace, is_lineage
 from kvtier.memory.pool import ChunkPool, pins_by_default
 from kvtier.memory.shared_segment import SharedSegment, shared_chunk_pool
 from kvtier.storage.handles import CpuReadHandle
@@ -252,6 +252,32 @@ class StorageManager:
         for tier in self._local:
             if contains_many_safe(tier, [key])[0]:
                 return tier.kind
+        return None
+
+    def namespace_of(self, key: bytes) -> KeyNamespace | None:
+        """This manager's namespace if a local tier holds ``key``, else None (a peer server checks the
+        namespace against the asking member's ``models``)."""
+        return self.namespace if self.where(key) is not None else None
+
+    def lineage_of(self, key: bytes, max_steps: int = 1 << 16) -> bytes | None:
+        """The lineage marker (:meth:`KeyNamespace.lineage`: which ``cache_salt``) ``key``'s chain starts
+        from, following the parents the CPU and disk tiers recorded; None when an ancestor is not held
+        locally or a chain was stored without a marker (a peer server then refuses a salt-restricted member).
+        Cost: one dictionary lookup per ancestor."""
+        parent_of = [self.cpu.policy.parent_of] + [getattr(t, "parent_of") for t in self._local
+                                                    if hasattr(t, "parent_of")]
+        k: bytes | None = key
+        for _ in range(max_steps):
+            parent = None
+            for fn in parent_of:
+                parent = fn(k)
+                if parent is not None:
+                    break
+            if parent is None:
+                return None
+            if is_lineage(parent):
+                return parent
+            k = parent
         return None
 
     def contains(self, key: bytes) -> bool:

@@ -14,7 +14,8 @@ from kvtier.transfer.stream import accept_socket
 
 
 class ShmListener:
-    """Accepts :class:`ShmChannel` peers on a Unix socket (owner-only directory).
+    """Accepts :class:`ShmChannel` peers on a Unix socket (created 0600: only this user may connect;
+    the peer server also checks each peer's uid, ``SO_PEERCRED``).
 
     Args:
         path: socket path (default: ``shm.sock`` in a new private temporary directory).
@@ -32,10 +33,23 @@ class ShmListener:
         try:
             _remove_stale_socket(self.path)
             self._sock.bind(self.path)
-            self._sock.listen(16)
+            os.chmod(self.path, 0o600)  # only this user may connect (the peer server checks uids too)
+            self._sock.listen(128)
         except OSError:
             self._sock.close()
             raise
+
+    kind = "shm"
+
+    @property
+    def socket(self) -> socket.socket:
+        """The listening socket (a :class:`~kvtier.transfer.peer_server.PeerServer` accepts on it itself)."""
+        return self._sock
+
+    def channel(self, sock: socket.socket) -> ShmChannel:
+        """The channel of an accepted connection whose handshake is done (blocking mode)."""
+        sock.setblocking(True)
+        return ShmChannel(sock, self.timeout_s, self.staging_bytes)
 
     def accept(self, timeout_s: float | None = None) -> ShmChannel:
         """The next peer, hellos exchanged.

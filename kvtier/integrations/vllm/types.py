@@ -1,4 +1,4 @@
-"""Value types of the vLLM connector (leaf module: no kvtier imports).
+"""Value types of the vLLM connector (leaf module: no kvtier imports; vLLM optional).
 
 The scheduler side builds a :class:`KVTierMetadata` per engine step; vLLM hands
 it to the worker side, which copies the listed chunks between kvtier slots and
@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:  # pragma: no cover - the GPU copy path without vLLM (the device check)
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """Stand-in base where vLLM is not installed: the copy path's value types
+        (:class:`ChunkCopy`, :class:`TransferSpec`) are used without any connector."""
 
 
 @dataclass

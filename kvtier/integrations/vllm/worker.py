@@ -104,13 +104,15 @@ class KVTierWorker:
         if self.config.controller:
             try:
                 from kvtier.fleet.agent import FleetAgent, namespace_info, tier_infos
+                from kvtier.protocol.trust import credentials_from_config
                 from kvtier.storage.instance_ops import InstanceOps
 
                 info = namespace_info(self.namespace)
                 self.agent = FleetAgent(
                     self.config.controller, self.config.instance_id, "embedded",
                     {info.digest: (info, InstanceOps(manager))}, tier_infos(manager),
-                    token=self.config.controller_token,
+                    token=self.config.controller_token, credentials=credentials_from_config(self.config),
+                    controller_key=self.config.controller_key,
                 ).start()
                 log.info("kvtier: registering with controller %s as %s", self.config.controller, self.agent.instance_id)
             except Exception:

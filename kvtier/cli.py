@@ -472,6 +472,12 @@ def router(
     max_prompt_tokens: Optional[int] = typer.Option(
         None, "--max-prompt-tokens", min=1, help="Longest prompt in tokens (longer: 400); default: the backends' "
         "max_model_len from /v1/models."),
+    fleet_key: Optional[Path] = typer.Option(
+        None, "--fleet-key", help="The router's fleet key file (created 0600 if missing): it reads keyed KV event "
+        "streams with it."),
+    fleet_members: Optional[Path] = typer.Option(
+        None, "--fleet-members", help="Members file naming the publishers' keys: a backend whose INSTANCE_ID is a "
+        "member there has its events read over CURVE."),
 ) -> None:
     """OpenAI-compatible KV-aware proxy in front of N vLLM servers (routes each prompt to the best cached prefix net of load)."""
     from kvtier.router.app import RouterServer
@@ -489,7 +495,9 @@ def router(
         cfg = RouterConfig(backends=tuple(parse_backend(b) for b in backend), policy=policy, model=model,
                            controller_url=controller_url, controller_token=token,
                            weights=Weights(load=load_weight), max_body_bytes=max_body_bytes,
-                           max_prompt_tokens=max_prompt_tokens).validate()
+                           max_prompt_tokens=max_prompt_tokens,
+                           fleet_key=None if fleet_key is None else str(fleet_key),
+                           fleet_members=None if fleet_members is None else str(fleet_members)).validate()
         server = RouterServer(cfg, host=host, port=port)
     except (RouterConfigError, TokenizeError, OSError) as exc:
         typer.echo(f"kvtier router: {exc}", err=True)

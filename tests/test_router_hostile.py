@@ -529,3 +529,43 @@ def test_large_prompts_never_make_small_ones_wait(fleet) -> None:
             tok.release.set()
             assert [f.result().status_code for f in big] == [200] * 6
         assert r.router.admission._large.clients == {}  # nothing left behind
+
+
+# -- a keyed kvtier event stream: the router reads it with its fleet key -------------------------
+
+
+def test_router_reads_a_keyed_event_stream_with_its_fleet_key(tmp_path) -> None:
+    from kvtier.router.config import BackendSpec, RouterConfig
+    from kvtier.router.server import RouterServer
+    from kvtier.testing.fleet_keys import make_fleet
+
+    back = FakeBackend("srv").start()
+    fleet = make_fleet(tmp_path / "keys", ["srv", "router", "reader"],
+                       {"router": "roles=events", "reader": "roles=peer"})
+    pub = EventPublisher("tcp://127.0.0.1:0", credentials=fleet.credentials("srv"), topic="")
+    spec = BackendSpec(url=back.url, instance_id="srv", events=pub.endpoint)
+    keyed = RouterConfig(backends=(spec,), fleet_key=str(fleet.key_path("router")),
+                         fleet_members=str(fleet.members_path))
+    no_role = RouterConfig(backends=(spec,), fleet_key=str(fleet.key_path("reader")),
+                           fleet_members=str(fleet.members_path))
+    plain = RouterConfig(backends=(spec,))
+    routers = [RouterServer(cfg, port=0).start() for cfg in (keyed, plain, no_role)]
+    try:
+        assert [r.router.feeds["srv"].stats()["curve"] for r in routers] == [True, False, True]
+        for _ in range(200):  # bounded: until the keyed router has joined
+            pub.publish([_stored(DOC, salt=2)])
+            if routers[0].router.feeds["srv"].batches:
+                break
+            threading.Event().wait(0.02)
+        assert _blocks(routers[0], "srv") == 8
+        for _ in range(25):
+            pub.publish([_stored(DOC, salt=2)])
+            threading.Event().wait(0.02)
+        assert [r.router.feeds["srv"].batches for r in routers[1:]] == [0, 0]  # a plain SUB, a non-reader
+    finally:
+        for r in routers:
+            r.close()
+        pub.close()
+        back.stop()
+    with pytest.raises(Exception, match="go together"):
+        RouterConfig(backends=(spec,), fleet_key=str(fleet.key_path("router"))).validate()

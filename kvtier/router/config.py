@@ -187,6 +187,12 @@ class RouterConfig:
         max_prompt_tokens: longest prompt (tokens; a longer one is 400 before it is forwarded);
             ``None``: the smallest ``max_model_len`` the backends' ``/v1/models`` report, once
             known.
+        fleet_key / fleet_members: the router's fleet key file and a members file (see
+            :mod:`kvtier.protocol.trust`): a backend whose instance id names a member there has its
+            KV events read over CURVE with that member's public key (a ``kvtier server``'s keyed
+            stream admits the router if its own members file lists the router's key with the
+            ``events`` role); other backends' events (vLLM's publisher) are read plain. Both or
+            neither.
     """
 
     backends: tuple[BackendSpec, ...]
@@ -207,6 +213,8 @@ class RouterConfig:
     decisions_kept: int = 64
     max_body_bytes: int = 16 << 20
     max_prompt_tokens: int | None = None
+    fleet_key: str | None = None
+    fleet_members: str | None = None
 
     def validate(self) -> RouterConfig:
         """Check the settings; returns self.
@@ -231,6 +239,9 @@ class RouterConfig:
                 raise RouterConfigError(f"{name} must be > 0")
         if self.max_body_bytes < 1 or (self.max_prompt_tokens is not None and self.max_prompt_tokens < 1):
             raise RouterConfigError("max_body_bytes and max_prompt_tokens must be >= 1")
+        if (self.fleet_key is None) != (self.fleet_members is None):
+            raise RouterConfigError("--fleet-key and --fleet-members go together (the router's key, and the "
+                                    "publishers' keys by instance id)")
         if self.events_max_message_bytes < 1:
             raise RouterConfigError("events_max_message_bytes must be >= 1")
         if self.down_after_timeouts < 1 or self.decisions_kept < 1:

@@ -29,6 +29,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import blake3
 import msgspec
@@ -290,12 +291,16 @@ class EventFeed:
         on_restart: called (on the feed thread) when the publisher restarted.
         max_message_bytes: largest event frame accepted (bytes; ``None``: the subscriber's
             default, :data:`kvtier.events.subscriber.MAX_MESSAGE_BYTES`).
+        credentials / server_key: the router's fleet credentials and the publisher's public key
+            (a CURVE stream); ``None``: plain (vLLM's publisher).
     """
 
     def __init__(self, index: PrefixIndex, backend: str, endpoint: str, replay: str | None = None,
                  topic: str = "", on_restart: Callable[[str], None] | None = None,
-                 max_message_bytes: int | None = None) -> None:
+                 max_message_bytes: int | None = None, credentials: Any = None,
+                 server_key: str | None = None) -> None:
         self._max_message_bytes = max_message_bytes
+        self._curve = {"credentials": credentials, "server_key": server_key} if server_key else {}
         self._index = index
         self._backend = backend
         self._endpoint = endpoint
@@ -317,13 +322,16 @@ class EventFeed:
 
     def stats(self) -> dict[str, object]:
         """Batches applied, subscriber counters, last error."""
-        return {"endpoint": self._endpoint, "batches": self.batches, **self._sub_stats, "error": self.error}
+        return {"endpoint": self._endpoint, "curve": bool(self._curve), "batches": self.batches, **self._sub_stats,
+                "error": self.error}
 
     def _run(self) -> None:
         from kvtier.events.subscriber import EventSubscriber
 
         try:
-            kw = {} if self._max_message_bytes is None else {"max_message_bytes": self._max_message_bytes}
+            kw: dict[str, Any] = dict(self._curve)
+            if self._max_message_bytes is not None:
+                kw["max_message_bytes"] = self._max_message_bytes
             sub = EventSubscriber(self._endpoint, self._replay, topic=self._topic, **kw)
         except Exception as exc:  # noqa: BLE001 - a bad endpoint: the backend is routed without events
             self.error = f"{type(exc).__name__}: {exc}"

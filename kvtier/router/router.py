@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 
 from kvtier.router.admission import Admission, Refused
-from kvtier.router.config import RouterConfig
+from kvtier.router.config import BackendSpec, RouterConfig, RouterConfigError
 from kvtier.router.forward import Forwarder, forward_headers
 from kvtier.router.load import LoadTracker
 from kvtier.router.metrics import RouterMetrics
@@ -33,6 +33,22 @@ from kvtier.router.tokenize import PromptTokenizer, PromptTooLong, Tokenizer
 from kvtier.urls import mask_url
 
 log = logging.getLogger("kvtier.router")
+
+
+def _credentials(config: RouterConfig) -> Any:
+    """The router's fleet credentials (``fleet_key`` + ``fleet_members``), or None.
+
+    Raises:
+        RouterConfigError: unusable key or members file (the message says why).
+    """
+    if config.fleet_key is None or config.fleet_members is None:
+        return None
+    from kvtier.protocol.trust import Credentials, TrustError
+
+    try:
+        return Credentials.from_paths(config.fleet_key, config.fleet_members, name="router")
+    except TrustError as exc:
+        raise RouterConfigError(f"--fleet-key/--fleet-members: {exc}") from None
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -68,6 +84,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.forwarder = Forwarder(self.pool, self.load, self.metrics)
         self.decisions: deque[dict[str, Any]] = deque(maxlen=config.decisions_kept)
+        self.credentials = _credentials(config)
         self.feeds: dict[str, EventFeed] = {}
         self.controller_errors = 0
         self.controller_last_error: str | None = None
@@ -88,9 +105,11 @@ class Router:
         self._probe_client = httpx.AsyncClient(timeout=c.health_timeout_s)
         for b in c.backends:
             if b.events:
+                key = self._publisher_key(b)
                 self.feeds[b.name] = EventFeed(self.index, b.name, b.events, b.replay, c.events_topic,
                                                on_restart=self._on_feed_restart,
-                                               max_message_bytes=c.events_max_message_bytes)
+                                               max_message_bytes=c.events_max_message_bytes,
+                                               credentials=self.credentials, server_key=key)
         await asyncio.gather(*(asyncio.to_thread(f.start) for f in self.feeds.values()))
         # One probe round before serving, so a backend that is down at start is not tried first.
         await asyncio.gather(*(self.pool.probe(self._probe_client, b, c.health_timeout_s) for b in self.pool.backends))
@@ -143,6 +162,14 @@ class Router:
             if not forever:
                 return
             await asyncio.sleep(self.LEARN_CONTEXT_EVERY_S)
+
+    def _publisher_key(self, spec: BackendSpec) -> str | None:
+        """The public key of the member named like backend ``spec``'s instance id in the router's members
+        file (its KV events are then read over CURVE); ``None``: not listed, read plain."""
+        if self.credentials is None or not spec.instance_id:
+            return None
+        return next((m.public for m in self.credentials.members.current().values() if m.name == spec.instance_id),
+                    None)
 
     def _on_down(self, name: str) -> None:
         self.index.drop(name)

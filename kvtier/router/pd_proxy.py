@@ -94,6 +94,18 @@ def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str
     return out
 
 
+def _parse_and_prefill_leg(raw: bytes) -> tuple[dict[str, Any], bytes]:
+    """The client's body and its prefill leg, encoded (on a worker thread).
+
+    Raises:
+        ValueError: not JSON, or not an object.
+    """
+    body = json.loads(raw)
+    if not isinstance(body, dict):
+        raise ValueError("not a JSON object")
+    return body, json.dumps(prefill_body(body)).encode()
+
+
 def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 600.0,
                   connect_timeout_s: float = 5.0,
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> tuple[FastAPI, PDProxyStats]:
@@ -122,11 +134,11 @@ def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: fl
 
     app = FastAPI(title="kvtier pd-proxy", lifespan=lifespan)
 
-    async def prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, dict | None]:
+    async def prefill(path: str, content: bytes, headers: dict[str, str]) -> tuple[str, dict | None]:
         url = next(prefills)
         try:
             client = holder["c"]
-            req = client.build_request("POST", url + path, json=prefill_body(body), headers=headers)
+            req = client.build_request("POST", url + path, content=content, headers=headers)
             r = await client.send(req, stream=True)
             try:
                 raw = b""
@@ -147,29 +159,32 @@ def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: fl
 
     async def handle(path: str, request: Request) -> Response:
         stats.requests += 1
+        # The body is parsed and each leg encoded on the proxy's worker threads, never its event loop.
         try:
             raw = await admission.read_body(request)
-            body = await admission.run(request, len(raw), lambda: json.loads(raw))
-            if not isinstance(body, dict):
-                raise ValueError("not a JSON object")
+            body, pleg = await admission.run(request, len(raw), lambda: _parse_and_prefill_leg(raw))
         except Refused as exc:
             return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
         except ValueError as exc:
             return JSONResponse({"error": f"bad request body: {exc}"}, status_code=400)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        purl, params = await prefill(path, body, headers)
+        headers["content-type"] = "application/json"
+        purl, params = await prefill(path, pleg, headers)
         if params is None:
             stats.prefill_skipped += 1
             purl = "skipped"
         else:
             stats.prefilled += 1
             stats.last_params = params
-        body = decode_body(body, params)
+        try:
+            dleg = await admission.run(request, len(raw), lambda: json.dumps(decode_body(body, params)).encode())
+        except Refused as exc:
+            return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
         durl = next(decodes)
         out_headers = {"x-kvtier-prefill": purl, "x-kvtier-decode": durl}
         client = holder["c"]
         try:
-            req = client.build_request("POST", durl + path, json=body, headers=headers)
+            req = client.build_request("POST", durl + path, content=dleg, headers=headers)
             resp = await client.send(req, stream=True)
         except httpx.HTTPError as exc:
             stats.decode_failed += 1

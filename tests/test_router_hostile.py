@@ -569,3 +569,32 @@ def test_router_reads_a_keyed_event_stream_with_its_fleet_key(tmp_path) -> None:
         back.stop()
     with pytest.raises(Exception, match="go together"):
         RouterConfig(backends=(spec,), fleet_key=str(fleet.key_path("router"))).validate()
+
+
+def test_a_burst_of_ordinary_requests_from_one_client_is_queued_not_refused(fleet) -> None:
+    """A benchmark's 48 concurrent small prompts from one address wait their turn (2 tokenize at once)."""
+    import concurrent.futures as cf
+
+    backs, _, _ = fleet
+    tok = _CharTok(block_over=8)  # every prompt's tokenization waits until released
+    with contextlib.closing(_router(backs, None, tokenizer=tok)) as r, httpx.Client(base_url=r.url, timeout=60) as c:
+        with cf.ThreadPoolExecutor(48) as ex:
+            futs = [ex.submit(_complete, c, f"prompt number {i}") for i in range(48)]
+            _wait(lambda: r.router.admission._small.clients.get("127.0.0.1") is not None
+                  and r.router.admission._small.clients["127.0.0.1"].users == 48, 30)
+            assert tok.blocked == 2  # the client's bound: two at once
+            tok.release.set()
+            assert [f.result().status_code for f in futs] == [200] * 48
+
+
+def test_a_tokenizer_that_chokes_routes_on_load_never_500(fleet) -> None:
+    backs, _, _ = fleet
+
+    class Choking(_CharTok):
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            raise OverflowError("tokenizer internal error")
+
+    with contextlib.closing(_router(backs, None, tokenizer=Choking())) as r, httpx.Client(base_url=r.url, timeout=10) as c:
+        assert _complete(c, "any text").status_code == 200
+        assert c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}).status_code == 200
+        assert 'kvtier_router_untokenized_total 2.0' in c.get("/metrics").text

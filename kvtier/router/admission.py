@@ -8,8 +8,10 @@ stay free for everyone else, and a few huge prompts must not make ordinary ones 
 * Parsing the JSON (msgspec) and tokenizing run off the event loop, on the router's own
   threads, in two lanes: bodies up to :attr:`Admission.small_bytes` (an 8 KiB chat turn) on
   one pool, larger ones on another, so small prompts never queue behind large ones.
-* Per client (its address), at most ``per_client`` jobs of a lane run at once and at most
-  ``per_client_queue`` more wait; beyond that the request is answered 429 (``Retry-After``).
+* Per client (its address), at most ``per_client`` jobs of a lane run at once; at most
+  ``large_queue`` more large jobs wait (each holds a body of up to ``max_body_bytes``) and
+  ``small_queue`` small ones (a burst of a benchmark's concurrent requests fits); beyond that
+  the request is answered 429 (``Retry-After``).
 
 The tokenization itself is bounded by the model's context (:mod:`.tokenize`): a prompt
 longer than it costs about what the longest allowed prompt costs, then a 400.
@@ -107,7 +109,8 @@ class Admission:
         max_body_bytes: largest body (bytes, > 0).
         small_bytes: bodies up to this go to the small lane.
         per_client: jobs one client runs at once per lane (>= 1).
-        per_client_queue: jobs of one client waiting per lane before 429 (>= 0).
+        small_queue / large_queue: jobs of one client waiting in the small / large lane before 429
+            (>= 0).
         threads: threads of each lane (>= 1).
 
     Raises:
@@ -115,13 +118,14 @@ class Admission:
     """
 
     def __init__(self, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, small_bytes: int = SMALL_BYTES,
-                 per_client: int = 2, per_client_queue: int = 16, threads: int = 2) -> None:
-        if max_body_bytes < 1 or small_bytes < 0 or per_client < 1 or per_client_queue < 0 or threads < 1:
+                 per_client: int = 2, small_queue: int = 1024, large_queue: int = 64, threads: int = 2) -> None:
+        if (max_body_bytes < 1 or small_bytes < 0 or per_client < 1 or small_queue < 0 or large_queue < 0
+                or threads < 1):
             raise ValueError("admission bounds must be positive")
         self.max_body_bytes = max_body_bytes
         self.small_bytes = small_bytes
-        self._small = _Lane("small", threads, per_client, per_client_queue)
-        self._large = _Lane("large", threads, per_client, per_client_queue)
+        self._small = _Lane("small", threads, per_client, small_queue)
+        self._large = _Lane("large", threads, per_client, large_queue)
 
     async def read_body(self, request: Request) -> bytes:
         """The request body, at most :attr:`max_body_bytes`.

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from kvtier.router.tokenize import PromptTokenizer, TokenizeError
+from kvtier.router.tokenize import PromptTokenizer, PromptTooLong
 
 _DECODER = msgspec.json.Decoder()
 
@@ -59,6 +59,9 @@ def prepare(body: bytes, chat: bool, tokenizer: PromptTokenizer, limit: int | No
     salt = salt if isinstance(salt, str) and salt else None
     try:
         tokens = tokenizer.chat(payload, limit) if chat else tokenizer.completion(payload, limit)
-    except (TokenizeError, TypeError) as exc:  # a field of the wrong type is the backend's to answer
-        return Prepared(None, salt, str(exc))
+    except PromptTooLong:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a field of the wrong type, a tokenizer that chokes on the
+        # input: the request is routed on load and the backend answers it (never a router 500)
+        return Prepared(None, salt, f"{type(exc).__name__}: {exc}"[:300])
     return Prepared(tokens, salt)

@@ -526,13 +526,14 @@ def pd_proxy(
     decode: list[str] = typer.Option(..., "--decode", help="A decode instance's URL (repeatable; round robin)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8200, help="Port to listen on."),
+    max_body_bytes: int = typer.Option(16 << 20, "--max-body-bytes", min=1, help="Largest request body (larger: 413)."),
 ) -> None:
     """PD disaggregation proxy: each request is prefilled (max_tokens=1) on a prefiller, then decoded
     on a decoder with the prefiller's kv_transfer_params. Exit code 2: bad arguments or port in use."""
     from kvtier.router.pd_proxy import PDProxyServer
 
     try:
-        server = PDProxyServer(prefill, decode, host=host, port=port)
+        server = PDProxyServer(prefill, decode, host=host, port=port, max_body_bytes=max_body_bytes)
     except (ValueError, OSError) as exc:
         typer.echo(f"kvtier pd-proxy: {exc}", err=True)
         raise typer.Exit(2) from None

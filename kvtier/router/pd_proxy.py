@@ -236,6 +236,6 @@ class PDProxyServer(AppServer):
     """
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], host: str = "127.0.0.1", port: int = 8200,
-                 timeout_s: float = 600.0):
-        app, self.stats = create_pd_app(prefill_urls, decode_urls, timeout_s)
+                 timeout_s: float = 600.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        app, self.stats = create_pd_app(prefill_urls, decode_urls, timeout_s, max_body_bytes=max_body_bytes)
         super().__init__(app, host, port, "kvtier pd-proxy")

@@ -57,6 +57,7 @@ from pydantic import (
 )
 
 from kvtier.sizes import SIZE_FORMS, parse_size
+from kvtier.urls import mask_url
 from kvtier.tiers.policies import POLICIES
 
 ENV_PREFIX = "KVTIER_"
@@ -526,19 +527,6 @@ def validate_config(config: KVTierConfig, chunk_bytes: int | None = None) -> Non
     from kvtier.config_checks import validate_config as check
 
     check(config, chunk_bytes)
-
-
-def mask_url(url: str) -> str:
-    """``url`` with the password of its ``user:password@`` part replaced by ``***``."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    netloc, slash, path = rest.partition("/")
-    if "@" not in netloc:
-        return url
-    cred, _, host = netloc.rpartition("@")
-    user, colon, _ = cred.partition(":")
-    return f"{scheme}://{user}{':***' if colon else ''}@{host}{slash}{path}"
 
 
 def is_yaml(path: Path | str) -> bool:

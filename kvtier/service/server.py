@@ -162,6 +162,7 @@ class CacheServer:
                 self._http = MetricsHTTPServer(
                     o.metrics_host, o.metrics_port, self.metrics, self._health_state,
                     max_connections=o.http_max_connections, request_timeout_s=o.http_timeout_s, backlog=LISTEN_BACKLOG,
+                    token=o.token,
                 )
             except OSError as exc:
                 msg = f"--metrics-host/--metrics-port {o.metrics_host}:{o.metrics_port}: {exc.strerror}"

@@ -132,7 +132,9 @@ class RequestHits:
 @dataclass
 class PDHold:
     """Prefiller scheduler -> worker: keep ``req_id``'s blocks after it finishes (PD, see ``pd.py``);
-    ``keys`` are its stored chunks (full ones, then the partial one), leased while held."""
+    ``keys`` are its stored chunks (full ones, then the partial one), leased while held;
+    ``confirm_token`` the value a confirm must carry to end the hold (``kvtier_confirm``)."""
 
     req_id: str
     keys: list[bytes]
+    confirm_token: str = ""

@@ -79,3 +79,39 @@ def test_a_controller_pause_longer_than_the_agents_patience_is_no_outage() -> No
         agent.close()
         m.close()
         ctl.stop()
+
+
+def test_a_pause_of_the_controller_and_the_agent_together_expires_no_one(monkeypatch) -> None:
+    """The fleet soak's other finding: a machine-wide pause (CPU starvation) of about a second stops the
+    agent's heartbeats and the controller's endpoint alike; when the endpoint ran again first, its sweep
+    found the instance silent past 0.9 s and dropped it, although the controller had heard nothing from
+    anyone for that while. Time the endpoint was not running is no longer held against instances."""
+    ctl = Controller(http_port=0, zmq_endpoint="tcp://127.0.0.1:0").start()
+    m = StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB), NS)
+    agent = FleetAgent(ctl.zmq_url, "A", "embedded", {INFO.digest: (INFO, InstanceOps(m))}, tier_infos(m)).start()
+    try:
+        wait_until(lambda: agent.registered, 5.0)
+        registered_at = ctl.state.registry.get("A").registered_at
+        paused = {"until": 0.0}
+        real_send, real_poll = agent._send, ctl.endpoint._poll
+
+        def agent_send(sock, msg):  # the paused agent sends nothing
+            return False if time.monotonic() < paused["until"] + 0.1 else real_send(sock, msg)
+
+        def endpoint_poll(poller):  # the paused endpoint returns from one poll 1.2 s late
+            if paused.pop("stall", False):
+                time.sleep(1.2)
+            return real_poll(poller)
+
+        monkeypatch.setattr(agent, "_send", agent_send)
+        monkeypatch.setattr(ctl.endpoint, "_poll", endpoint_poll)
+        paused["until"] = time.monotonic() + 1.2
+        paused["stall"] = True
+        time.sleep(2.5)
+        assert ctl.endpoint.stalls >= 1
+        assert ctl.state.counters["expirations"] == 0
+        assert ctl.state.registry.get("A").registered_at == registered_at
+    finally:
+        agent.close()
+        m.close()
+        ctl.stop()

@@ -213,6 +213,10 @@ class _Collector:
             counters["seq_gaps"] = state.index.gaps
             counters["snapshots_applied"] = state.index.snapshots_applied
             counters["changes_applied"] = state.index.changes_applied
+        endpoint = getattr(self._c, "endpoint", None)
+        if endpoint is not None:  # times its thread was not running (not held against instances' silence)
+            counters["endpoint_stalls"] = endpoint.stalls
+            counters["endpoint_stalled_seconds"] = round(endpoint.stalled_s, 3)
         for name, value in sorted(counters.items()):
             yield CounterMetricFamily(f"kvtier_controller_{name}", f"Controller {name.replace('_', ' ')}", value=value)
         ops = GaugeMetricFamily("kvtier_controller_operations", "Tracked operations by state", labels=["state"])

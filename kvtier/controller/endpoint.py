@@ -48,6 +48,11 @@ log = logging.getLogger(__name__)
 
 #: Seconds between expiry/deadline sweeps.
 SWEEP_S = 0.05
+#: A poll that returns this much later than its timeout means the endpoint thread was not running
+#: (the process starved of CPU, or a pause of the interpreter): that time is not held against any
+#: instance's silence (:meth:`InstanceRegistry.excuse`). Found by the fleet soak: on a loaded machine a
+#: pause of everything for about a second expired instances whose agents had been paused too.
+STALL_S = 0.2
 
 
 class InstanceOpError(RuntimeError):
@@ -87,6 +92,9 @@ class Endpoint:
         self._waiting: dict[str, _Waiting] = {}
         self._wlock = threading.Lock()
         self.url = ""
+        #: Polls that returned more than ``STALL_S`` late, and the seconds they were late in all.
+        self.stalls = 0
+        self.stalled_s = 0.0
         state.on_drop.append(self._instance_dropped)
 
     def start(self) -> None:
@@ -181,7 +189,14 @@ class Endpoint:
         next_sweep = 0.0
         while not self._stop.is_set():
             try:
-                events = dict(poller.poll(self._poll_ms))
+                t0 = time.monotonic()
+                events = dict(self._poll(poller))
+                late = time.monotonic() - t0 - self._poll_ms / 1000
+                if late > STALL_S:
+                    with self.state.lock:
+                        self.state.registry.excuse(late)
+                    self.stalled_s += late
+                    self.stalls += 1
                 if sock in events:
                     for _ in range(1000):  # bounded burst, then serve the outbox
                         try:
@@ -201,6 +216,9 @@ class Endpoint:
                 log.warning("controller endpoint: %s", exc)
             except Exception:  # noqa: BLE001 - keep serving the fleet
                 log.exception("controller endpoint: unexpected error")
+
+    def _poll(self, poller: zmq.Poller) -> list[tuple[Any, int]]:
+        return poller.poll(self._poll_ms)
 
     def _on_frames(self, sock: zmq.Socket, frames: list[Any]) -> None:
         if len(frames) == 2:

@@ -9,7 +9,7 @@ server, held: the operator must still read the dashboard, ``operator_lockout``),
 success = 2xx). Kind 5: ``pd_client_params`` (the issue's input: ``kv_transfer_params`` naming
 the hostile's own host:port and engine/request ids, top level and in ``vllm_xargs``, with
 ``min_tokens=2``: success = the decoder received them, which the fake decoder records, or the
-hostile's listener was dialled), ``pd_big_body``. Kind 6: ``router_huge_prompts`` (six 3 MB text
+hostile's listener was dialled), ``pd_big_body``, ``pd_bad_json``. Kind 6: ``router_huge_prompts`` (six 3 MB text
 prompts at once, and token-id prompts beyond the context: success = forwarded, or ordinary
 requests stalled), ``router_big_body`` (42 MB, with a length and chunked), ``router_bad_json``
 (success = a 5xx or no answer), ``router_huge_answer`` (a 256 MB non-streamed answer read slowly:
@@ -249,19 +249,27 @@ BAD_BODIES: tuple[bytes, ...] = (
 )
 
 
-def router_bad_json(h: Hostile, t: Tally) -> None:
+def _bad_json(base: str, what: str, t: Tally) -> None:
+    """Every body of :data:`BAD_BODIES` to both completion routes of ``base``: a 5xx or no answer is a success."""
     for path in ("/v1/completions", "/v1/chat/completions"):
         for body in BAD_BODIES:
             t.act()
             try:
-                r = httpx.post(h.plan["router_url"] + path, content=body,
-                               headers={"content-type": "application/json"}, timeout=10.0)
+                r = httpx.post(base + path, content=body, headers={"content-type": "application/json"}, timeout=10.0)
                 t.saw(f"http_{r.status_code}")
                 if r.status_code >= 500:
-                    t.success(f"{path}: {body[:24]!r}... made the router answer {r.status_code}")
+                    t.success(f"{path}: {body[:24]!r}... made the {what} answer {r.status_code}")
             except httpx.HTTPError as exc:
                 t.saw(f"error_{type(exc).__name__}")
-                t.success(f"{path}: {body[:24]!r}... got no answer ({type(exc).__name__})")
+                t.success(f"{path}: {body[:24]!r}... got no answer from the {what} ({type(exc).__name__})")
+
+
+def pd_bad_json(h: Hostile, t: Tally) -> None:
+    _bad_json(h.plan["pd_url"], "PD proxy", t)
+
+
+def router_bad_json(h: Hostile, t: Tally) -> None:
+    _bad_json(h.plan["router_url"], "router", t)
 
 
 def router_huge_answer(h: Hostile, t: Tally) -> None:
@@ -338,6 +346,7 @@ HTTP_ATTACKS: dict[str, tuple[int, Callable[[Hostile, Tally], None], tuple[str, 
     "foreign_host": (4, foreign_host, ()),
     "pd_client_params": (5, pd_client_params, ()),
     "pd_big_body": (5, pd_big_body, ()),
+    "pd_bad_json": (5, pd_bad_json, ()),
     "router_huge_prompts": (6, router_huge_prompts, ("router_stall",)),
     "router_big_body": (6, router_big_body, ("router_stall", "rss_router")),
     "router_bad_json": (6, router_bad_json, ("router_stall",)),

@@ -53,3 +53,42 @@ def test_short_fleet_soak_runs_every_attack_and_nothing_gets_through(tmp_path: P
     for name in ("controller", "router", "inst-0"):
         assert rep["rss"][name]["samples"] >= 30 and rep["rss"][name]["max_bytes"] > 0, name
     assert _leftovers() <= before  # temp dirs (sockets, keys, logs, the hostile's poison store) removed
+
+
+def test_the_report_counts_a_run_as_a_success_by_what_it_saw_its_effects_or_leaked_secrets() -> None:
+    from dataclasses import dataclass
+
+    from kvtier.bench.soak_fleet_report import build_report
+
+    @dataclass
+    class Opts:
+        rss_allowance: int = 1 << 20
+
+    def tally(kind: int, effects: list[str], windows: list[list[float]], bodies: dict[str, str] | None = None):
+        return {"kind": kind, "effects": effects, "runs": len(windows), "actions": len(windows), "windows": windows,
+                "direct_successes": sum(int(w[2]) for w in windows), "bodies": bodies or {}}
+
+    hostile = {"attacks": {
+        "quiet": tally(1, ["drop_off"], [[0.0, 1.0, 0], [5.0, 6.0, 0]]),
+        "seen": tally(3, [], [[0.0, 1.0, 1], [2.0, 3.0, 0]]),
+        "effect": tally(2, ["drop_off"], [[10.0, 11.0, 0], [20.0, 21.0, 0]]),
+        "leaky": tally(4, [], [[0.0, 1.0, 0]], {"controller GET /": "... s3cret-token ..."}),
+        "pd_client_params": tally(5, [], [[0.0, 1.0, 0]]),
+    }}
+    monitor = {"events": [{"kind": "drop_off", "t": 12.5, "detail": "inst-0"}], "event_counts": {"drop_off": 1},
+               "counters": {"member_event_batches_inst-0": 3}}
+    clients = [{"index": 0, "lookup_ms": [[1.0, 2.0]], "loads": 5, "loads_by_source": {"peer": 2, "cpu": 3},
+                "mismatches": 0}]
+    rss = {"controller": [(float(t), 100 << 20) for t in range(20)], "router": [(float(t), 100 << 20) for t in range(20)]}
+    rss["router"][15] = (15.0, 300 << 20)  # above warm + allowance: an rss_router event at t=15
+    rep = build_report(Opts(), 30.0, clients, {"lookup_ms": [[1.0, 3.0]], "router_ms": [[1.0, 9.0]]}, monitor,
+                       hostile, rss, {"decode": {"marked": 2}}, [], {}, {}, ["s3cret-token"], {})
+    a = rep["attacks"]
+    assert a["quiet"]["successes"] == 0
+    assert a["seen"]["successes"] == 1  # the run that saw its aim achieved
+    assert a["effect"]["successes"] == 1 and a["effect"]["effect_events"] == {"drop_off": 1}  # 12.5 is within 11 + 2 s
+    assert a["leaky"]["successes"] == 1 and a["leaky"]["leaked_in"] == ["controller GET /"]
+    assert a["pd_client_params"]["successes"] == 2  # the fake decoder received client params twice
+    assert rep["kinds"]["2"] == {"attacks": 1, "attempts": 2, "successes": 1}
+    assert rep["failures"] == {"drop_off": 1, "rss_router": 1} and not rep["passed"]
+    assert rep["rss"]["router"]["max_bytes"] == 300 << 20 and rep["loads"]["via_p2p"] == 2

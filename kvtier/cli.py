@@ -82,6 +82,22 @@ def simulate(
         )
 
 
+@app.command("demo-mooncake")
+def demo_mooncake(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the runs, hit tokens and answer checks here (- for stdout)."),
+) -> None:
+    """Two `kvtier server`s over one Mooncake Store pool: a prefix stored through one is a hit through the other."""
+    import os
+
+    from kvtier.demo.mooncake_pool import main as mooncake_pool
+    from kvtier.integrations.vllm_engine import engine_env
+
+    os.environ.update(engine_env(os.environ))
+
+    with _json_target(json_path) as out:
+        _finish("demo-mooncake", lambda: mooncake_pool(["--json", str(out)] if out else []))
+
+
 @app.command("demo-server")
 def demo_server(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the runs, hit tokens and answer checks here (- for stdout)."),

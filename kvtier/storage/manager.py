@@ -113,6 +113,7 @@ class StorageManager:
             self.lower = list(lower(self.leases.is_pinned))
         else:
             self.lower = list(lower)
+        _register_cpu_memory(self.cpu, self.lower)
         self._prefixes = tier_prefixes(self.lower)
         queues = [config.disk_write_queue if t.kind in LOCAL_TIER_KINDS else config.remote_write_queue for t in self.lower]
         self.write_behind = WriteBehind(self.cpu, self.lower, queues, self.WRITE_BATCH)
@@ -560,3 +561,14 @@ def _cpu_shared_with_peers(config: KVTierConfig) -> bool:
     shared memory (``peer_listen = shm://...``) and its CPU memory need not be CUDA-pinned
     (a pinned pool keeps its private, page-locked memory; peers then get staged copies)."""
     return (config.peer_listen or "").startswith("shm://") and not pins_by_default()
+
+
+def _register_cpu_memory(cpu: CpuTier, lower: Sequence[LowerTier]) -> None:
+    """Tell each lower tier that moves bytes straight to and from host memory (an optional
+    ``register_host_memory(address, nbytes)``, e.g. the Mooncake tier) where the CPU tier's
+    slots lie: one contiguous region that lives as long as the manager."""
+    first = cpu.pool.view(0)
+    for tier in lower:
+        register = getattr(tier, "register_host_memory", None)
+        if callable(register):
+            register(int(first.ctypes.data), cpu.pool.capacity_bytes)

@@ -9,7 +9,7 @@ The entry-point name is the URL scheme (or plain name) that selects it:
 ``open_tier("mystore://host/x")`` calls ``MyStoreTier.from_url(url, **options)``;
 ``open_tier("mystore", **options)`` calls ``MyStoreTier(**options)``. kvtier's own
 tiers are registered the same way (redis, rediss, unix, redis+cluster,
-rediss+cluster, fs) and, for source checkouts where no package metadata is
+rediss+cluster, fs, mooncake) and, for source checkouts where no package metadata is
 installed, also found through the fallback table below. An installed entry
 point of the same name takes precedence over the fallback.
 
@@ -38,6 +38,7 @@ BUILTIN_TIERS: Mapping[str, str] = MappingProxyType(
         "redis+cluster": "kvtier.tiers.redis_tier:RedisTier",
         "rediss+cluster": "kvtier.tiers.redis_tier:RedisTier",
         "fs": "kvtier.tiers.fs_tier:FsTier",
+        "mooncake": "kvtier.tiers.mooncake_tier:MooncakeTier",
     }
 )
 

@@ -57,6 +57,7 @@ from pydantic import (
 )
 
 from kvtier.sizes import SIZE_FORMS, parse_size
+from kvtier.urls import mask_url
 from kvtier.tiers.policies import POLICIES
 
 ENV_PREFIX = "KVTIER_"
@@ -159,6 +160,12 @@ class KVTierConfig(BaseModel):
     model_id: str | None = Field(
         None,
         description="Model identity in the key namespace; default: model name plus a fingerprint of its weights.",
+    )
+    reset_shared: bool = Field(
+        False,
+        description="vLLM's reset_prefix_cache(reset_connector=True) also clears this model's chunks in the remote "
+        "tier and on the kvtier server, which other engines share (they lose them too); false: such an engine "
+        "clears nothing and answers False.",
     )
     save: bool = Field(True, description="Store newly computed full prompt chunks.")
     load: bool = Field(True, description="Report hits and load cached chunks.")
@@ -520,19 +527,6 @@ def validate_config(config: KVTierConfig, chunk_bytes: int | None = None) -> Non
     from kvtier.config_checks import validate_config as check
 
     check(config, chunk_bytes)
-
-
-def mask_url(url: str) -> str:
-    """``url`` with the password of its ``user:password@`` part replaced by ``***``."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    netloc, slash, path = rest.partition("/")
-    if "@" not in netloc:
-        return url
-    cred, _, host = netloc.rpartition("@")
-    user, colon, _ = cred.partition(":")
-    return f"{scheme}://{user}{':***' if colon else ''}@{host}{slash}{path}"
 
 
 def is_yaml(path: Path | str) -> bool:

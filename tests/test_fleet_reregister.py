@@ -115,3 +115,37 @@ def test_a_pause_of_the_controller_and_the_agent_together_expires_no_one(monkeyp
         agent.close()
         m.close()
         ctl.stop()
+
+
+def test_a_pause_while_frames_are_handled_expires_no_one(monkeypatch) -> None:
+    """The fleet soak's third finding: all three instances dropped off at once while their agents kept
+    sending heartbeats. The endpoint had read its frames on time, then was not running (the CPU, the GIL)
+    for about a second before its sweep: the heartbeats that arrived meanwhile waited unread in the
+    socket, and the sweep found every instance silent past 0.9 s. Time the thread was runnable but not
+    running while it handled frames (wall time minus its CPU time) is excused too."""
+    ctl = Controller(http_port=0, zmq_endpoint="tcp://127.0.0.1:0").start()
+    m = StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB), NS)
+    agent = FleetAgent(ctl.zmq_url, "A", "embedded", {INFO.digest: (INFO, InstanceOps(m))}, tier_infos(m)).start()
+    try:
+        wait_until(lambda: agent.registered, 5.0)
+        registered_at = ctl.state.registry.get("A").registered_at
+        real_send, real_thread_time = ctl.endpoint._send_outbox, ctl.endpoint._thread_time
+        paused = {"stall": False}
+
+        def send_outbox(sock):  # the endpoint is descheduled 1.2 s after reading its frames, before the sweep
+            if paused.pop("stall", False):
+                t_cpu = real_thread_time()
+                time.sleep(1.2)  # off CPU: what a starved thread's clocks show (its CPU time does not move)
+                assert real_thread_time() - t_cpu < 0.1
+            return real_send(sock)
+
+        monkeypatch.setattr(ctl.endpoint, "_send_outbox", send_outbox)
+        paused["stall"] = True
+        time.sleep(2.5)
+        assert "stall" not in paused and ctl.endpoint.stalls >= 1
+        assert ctl.state.counters["expirations"] == 0
+        assert ctl.state.registry.get("A").registered_at == registered_at
+    finally:
+        agent.close()
+        m.close()
+        ctl.stop()

@@ -48,11 +48,13 @@ log = logging.getLogger(__name__)
 
 #: Seconds between expiry/deadline sweeps.
 SWEEP_S = 0.05
-#: A poll that returns this much later than its timeout means the endpoint thread was not running
-#: (the process starved of CPU, or a pause of the interpreter): that time is not held against any
-#: instance's silence (:meth:`InstanceRegistry.excuse`). Found by the fleet soak: on a loaded machine a
-#: pause of everything for about a second expired instances whose agents had been paused too.
-STALL_S = 0.2
+#: Seconds of one loop turn in which the endpoint thread could not listen (its poll returned that much
+#: after its timeout, or, while it handled frames, it was runnable but not running: wall time minus the
+#: thread's CPU time) beyond which that time is not held against any instance's silence
+#: (:meth:`InstanceRegistry.excuse`). Found by the fleet soak: on a loaded machine a pause of everything
+#: for about a second expired instances whose agents had been paused too, and a pause between reading
+#: the frames and the sweep expired all three instances while their heartbeats waited unread.
+STALL_S = 0.05
 
 
 class InstanceOpError(RuntimeError):
@@ -92,7 +94,7 @@ class Endpoint:
         self._waiting: dict[str, _Waiting] = {}
         self._wlock = threading.Lock()
         self.url = ""
-        #: Polls that returned more than ``STALL_S`` late, and the seconds they were late in all.
+        #: Loop turns in which the thread could not listen for more than ``STALL_S``, and those seconds in all.
         self.stalls = 0
         self.stalled_s = 0.0
         state.on_drop.append(self._instance_dropped)
@@ -191,12 +193,8 @@ class Endpoint:
             try:
                 t0 = time.monotonic()
                 events = dict(self._poll(poller))
-                late = time.monotonic() - t0 - self._poll_ms / 1000
-                if late > STALL_S:
-                    with self.state.lock:
-                        self.state.registry.excuse(late)
-                    self.stalled_s += late
-                    self.stalls += 1
+                t1, cpu1 = time.monotonic(), self._thread_time()
+                late = max(0.0, t1 - t0 - self._poll_ms / 1000)  # the poll returned after its timeout
                 if sock in events:
                     for _ in range(1000):  # bounded burst, then serve the outbox
                         try:
@@ -206,6 +204,15 @@ class Endpoint:
                         self._on_frames(sock, frames)
                 self._send_outbox(sock)
                 now = time.monotonic()
+                # ...and the time this thread was runnable but not running while it handled frames (the
+                # CPU, the GIL or the state lock held elsewhere): frames that arrived meanwhile are unread,
+                # so without this the sweep below would expire instances whose heartbeats wait in the socket.
+                late += max(0.0, (now - t1) - (self._thread_time() - cpu1))
+                if late > STALL_S:
+                    with self.state.lock:
+                        self.state.registry.excuse(late)
+                    self.stalled_s += late
+                    self.stalls += 1
                 if now >= next_sweep:
                     next_sweep = now + SWEEP_S
                     self.state.sweep(now)
@@ -219,6 +226,10 @@ class Endpoint:
 
     def _poll(self, poller: zmq.Poller) -> list[tuple[Any, int]]:
         return poller.poll(self._poll_ms)
+
+    def _thread_time(self) -> float:
+        """CPU seconds this thread has run (``time.thread_time``; a seam for the tests)."""
+        return time.thread_time()
 
     def _on_frames(self, sock: zmq.Socket, frames: list[Any]) -> None:
         if len(frames) == 2:

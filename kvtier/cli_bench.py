@@ -152,6 +152,31 @@ def bench_soak(
     )
 
 
+@bench_app.command("soak-fleet")
+def bench_soak_fleet(
+    duration: float = typer.Option(600.0, help="Length of the measured run, seconds (10 minutes by default)."),
+    clients: int = typer.Option(3, help="Well-behaved client processes (1-32), each using every instance."),
+    rate: float = typer.Option(6.0, help="Requests per second of each client."),
+    lookup_rate: float = typer.Option(20.0, help="Controller /lookup calls per second."),
+    router_rate: float = typer.Option(5.0, help="Requests per second through the router."),
+    cpu_capacity: str = typer.Option("48MiB", help="Each instance's CPU pool, e.g. 48MiB."),
+    rss_allowance: str = typer.Option("128MiB", help="Controller and router RSS allowed above their warm level."),
+    router_model: Optional[str] = typer.Option(
+        None, help="Model folder whose tokenizer the router loads (default: the demo's SmolLM2 folder if "
+        "prepared; '' for none)."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write every measured number here ('-': stdout)."),
+    keep_logs: str = typer.Option("", "--keep-logs", help="Copy every process's log and JSON output to this folder."),
+    no_hostile: bool = typer.Option(False, "--no-hostile", help="The same fleet and load without the hostile client "
+                                    "(a baseline for the lookup and RSS figures)."),
+) -> None:
+    """A keyed fleet (3 servers, controller, router, PD proxy) under load while a hostile client runs every
+    issue-24 attack: attack successes, drop-offs, audited loads, lookup p99, controller/router RSS."""
+    from kvtier.bench.soak_fleet import soak_fleet_main
+
+    raise typer.Exit(soak_fleet_main(duration, clients, rate, lookup_rate, router_rate, cpu_capacity, rss_allowance,
+                                     router_model, json_path, keep_logs, not no_hostile))
+
+
 @bench_app.command("peers")
 def bench_peers(
     lmcache_python: Optional[Path] = typer.Option(None, "--lmcache-python", help="Python of the LMCache venv (default ../lmc-venv/bin/python)."),

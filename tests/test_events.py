@@ -316,6 +316,22 @@ def test_round_trip_and_replay_after_injected_gap() -> None:
     assert pub.published >= 5
 
 
+def test_a_wildcard_ipv4_endpoint_binds() -> None:
+    """``tcp://0.0.0.0:PORT`` (the README's kvtier server example) binds like ``tcp://*:PORT``; it used to
+    connect to 0.0.0.0 as to a forwarder, so the stream went nowhere and subscribers got nothing
+    (found by the fleet soak)."""
+    from kvtier.events import EventPublisher, EventSubscriber
+
+    port = free_port()
+    pub = EventPublisher(f"tcp://0.0.0.0:{port}", topic="kv", plain=True)
+    sub = EventSubscriber(f"tcp://127.0.0.1:{port}", topic="kv")
+    try:
+        connect_pair(pub, sub)
+    finally:
+        sub.close()
+        pub.close()
+
+
 def test_gap_without_replay_is_counted_not_waited_for() -> None:
     from kvtier.events import EventPublisher, EventSubscriber
 

@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from kvtier.controller.operations import BadRequest, UnknownInstance
+from kvtier.protocol.decoding import decode
 from kvtier.protocol.fleet import MAX_LOCATE_KEYS
 from kvtier.storage.types import TIER_KINDS
 
@@ -177,7 +178,7 @@ def _decode_lookup(body: bytes) -> _LookupBody:
             names it, e.g. ``tokens.3``), or not exactly one of tokens/keys.
     """
     try:
-        req = _LOOKUP_DECODER.decode(body)
+        req = decode(_LOOKUP_DECODER, body)
     except msgspec.ValidationError as exc:
         msg = str(exc)
         path = msg.rsplit(" - at `$", 1)
@@ -215,6 +216,10 @@ class _Collector:
             counters["seq_gaps"] = state.index.gaps
             counters["snapshots_applied"] = state.index.snapshots_applied
             counters["changes_applied"] = state.index.changes_applied
+        endpoint = getattr(self._c, "endpoint", None)
+        if endpoint is not None:  # times its thread was not running (not held against instances' silence)
+            counters["endpoint_stalls"] = endpoint.stalls
+            counters["endpoint_stalled_seconds"] = round(endpoint.stalled_s, 3)
         for name, value in sorted(counters.items()):
             yield CounterMetricFamily(f"kvtier_controller_{name}", f"Controller {name.replace('_', ' ')}", value=value)
         ops = GaugeMetricFamily("kvtier_controller_operations", "Tracked operations by state", labels=["state"])

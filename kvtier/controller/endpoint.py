@@ -48,6 +48,13 @@ log = logging.getLogger(__name__)
 
 #: Seconds between expiry/deadline sweeps.
 SWEEP_S = 0.05
+#: Seconds of one loop turn in which the endpoint thread could not listen (its poll returned that much
+#: after its timeout, or, while it handled frames, it was runnable but not running: wall time minus the
+#: thread's CPU time) beyond which that time is not held against any instance's silence
+#: (:meth:`InstanceRegistry.excuse`). Found by the fleet soak: on a loaded machine a pause of everything
+#: for about a second expired instances whose agents had been paused too, and a pause between reading
+#: the frames and the sweep expired all three instances while their heartbeats waited unread.
+STALL_S = 0.05
 
 
 class InstanceOpError(RuntimeError):
@@ -87,6 +94,9 @@ class Endpoint:
         self._waiting: dict[str, _Waiting] = {}
         self._wlock = threading.Lock()
         self.url = ""
+        #: Loop turns in which the thread could not listen for more than ``STALL_S``, and those seconds in all.
+        self.stalls = 0
+        self.stalled_s = 0.0
         state.on_drop.append(self._instance_dropped)
 
     def start(self) -> None:
@@ -181,7 +191,10 @@ class Endpoint:
         next_sweep = 0.0
         while not self._stop.is_set():
             try:
-                events = dict(poller.poll(self._poll_ms))
+                t0 = time.monotonic()
+                events = dict(self._poll(poller))
+                t1, cpu1 = time.monotonic(), self._thread_time()
+                late = max(0.0, t1 - t0 - self._poll_ms / 1000)  # the poll returned after its timeout
                 if sock in events:
                     for _ in range(1000):  # bounded burst, then serve the outbox
                         try:
@@ -191,6 +204,15 @@ class Endpoint:
                         self._on_frames(sock, frames)
                 self._send_outbox(sock)
                 now = time.monotonic()
+                # ...and the time this thread was runnable but not running while it handled frames (the
+                # CPU, the GIL or the state lock held elsewhere): frames that arrived meanwhile are unread,
+                # so without this the sweep below would expire instances whose heartbeats wait in the socket.
+                late += max(0.0, (now - t1) - (self._thread_time() - cpu1))
+                if late > STALL_S:
+                    with self.state.lock:
+                        self.state.registry.excuse(late)
+                    self.stalled_s += late
+                    self.stalls += 1
                 if now >= next_sweep:
                     next_sweep = now + SWEEP_S
                     self.state.sweep(now)
@@ -201,6 +223,13 @@ class Endpoint:
                 log.warning("controller endpoint: %s", exc)
             except Exception:  # noqa: BLE001 - keep serving the fleet
                 log.exception("controller endpoint: unexpected error")
+
+    def _poll(self, poller: zmq.Poller) -> list[tuple[Any, int]]:
+        return poller.poll(self._poll_ms)
+
+    def _thread_time(self) -> float:
+        """CPU seconds this thread has run (``time.thread_time``; a seam for the tests)."""
+        return time.thread_time()
 
     def _on_frames(self, sock: zmq.Socket, frames: list[Any]) -> None:
         if len(frames) == 2:

@@ -324,6 +324,12 @@ class InstanceRegistry:
         """:meth:`owner` for a sender named after the instance (in-process callers and tests)."""
         return self.owner(instance, epoch, None, now)
 
+    def excuse(self, seconds: float) -> None:
+        """Do not count ``seconds`` of silence against any record: the controller itself could not listen
+        for that long (its endpoint was not scheduled), so what it did not hear says nothing of them."""
+        for r in self._instances.values():
+            r.last_seen += seconds
+
     def expired(self, now: float | None = None) -> list[str]:
         """Ids silent for longer than ``expiry_s``, and ids whose member key was revoked."""
         now_m = time.monotonic() if now is None else now

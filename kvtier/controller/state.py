@@ -61,7 +61,7 @@ class FleetState:
         #: Called (outside the lock) with the id of every dropped instance (expired or restarted).
         self.on_drop: list[Callable[[str], None]] = []
         self.counters: dict[str, int] = {
-            "malformed_frames": 0, "refused_registrations": 0, "registrations": 0, "expirations": 0,
+            "malformed_frames": 0, "refused_registrations": 0, "registrations": 0, "reregistrations": 0, "expirations": 0,
             "resyncs_requested": 0, "unknown_sender_messages": 0, "health_dropped": 0,
         }
 
@@ -123,6 +123,7 @@ class FleetState:
                 self._notify_drop(inst)
 
     def _register(self, msg: Register, now_m: float, dropped: list[str], who: Sender) -> Ack | None:
+        old = self.registry.get(msg.instance)
         try:
             rec, replaced = self.registry.register(msg, now_m, who)
         except RegistrationError as exc:
@@ -137,8 +138,15 @@ class FleetState:
             return Ack(self.epoch, known=False, heartbeat_s=self.heartbeat_s, refused=str(exc), retry_s=exc.retry_s)
         if replaced:
             dropped.append(msg.instance)
-        self.index.add_instance(msg.instance, rec.tiers, list(rec.namespaces),
-                                {d: e.info.chunk_bytes for d, e in rec.namespaces.items()})
+        if old is not None and not replaced and old.tiers == rec.tiers and old.namespaces.keys() == rec.namespaces.keys():
+            # The same process (its owner, its epoch) registering again: an agent that found the controller
+            # silent for a while and reconnected. Its index stays served (the snapshot that follows every
+            # Register refreshes it); emptying it made a pause of the controller an outage of every instance.
+            rec.registered_at = old.registered_at
+            self.counters["reregistrations"] += 1
+        else:
+            self.index.add_instance(msg.instance, rec.tiers, list(rec.namespaces),
+                                    {d: e.info.chunk_bytes for d, e in rec.namespaces.items()})
         self.counters["registrations"] += 1
         self._resync_asked[msg.instance] = now_m
         self.counters["resyncs_requested"] += 1

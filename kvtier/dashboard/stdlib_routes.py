@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler
 from kvtier.dashboard.access import DashboardAccess, Denied, StreamSlots
 from kvtier.dashboard.assets import Assets
 from kvtier.dashboard.source import DashboardSource
+from kvtier.protocol.decoding import json_loads
 
 #: Largest ``POST /dashboard/login`` body read (bytes).
 MAX_LOGIN_BYTES = 8192
@@ -87,7 +88,7 @@ class DashboardRoutes:
             if not length.isdigit() or int(length) > MAX_LOGIN_BYTES:
                 raise Denied(413 if length.isdigit() else 411, f"a login body of at most {MAX_LOGIN_BYTES} bytes")
             try:
-                token = json.loads(h.rfile.read(int(length))).get("token")
+                token = json_loads(h.rfile.read(int(length))).get("token")
             except (ValueError, AttributeError):
                 raise Denied(400, 'the body must be {"token": "..."}') from None
             sid = self.access.login(token)

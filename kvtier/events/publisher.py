@@ -59,8 +59,9 @@ def _owner_only(endpoint: str) -> None:
 
 
 def _is_bind_endpoint(endpoint: str) -> bool:
-    """vLLM's rule (wildcard host, ipc, inproc: bind; otherwise connect), plus port 0: bind."""
-    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    """vLLM's rule (wildcard host, ipc, inproc: bind; otherwise connect), plus port 0 and the IPv4
+    wildcard ``0.0.0.0`` (an address nothing can be connected to on purpose): bind."""
+    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://", "tcp://0.0.0.0:"))
             or endpoint.endswith(":0"))
 
 
@@ -68,8 +69,8 @@ class EventPublisher:
     """A thread-safe, non-blocking KV event publisher (vLLM-compatible PUB + replay ROUTER).
 
     Args:
-        endpoint: PUB address; ``tcp://*:5557`` binds, ``tcp://host:5557`` connects (to a
-            forwarder), ``tcp://127.0.0.1:0`` binds an ephemeral port (see :attr:`endpoint`).
+        endpoint: PUB address; ``tcp://*:5557`` and ``tcp://0.0.0.0:5557`` bind, ``tcp://host:5557``
+            connects (to a forwarder), ``tcp://127.0.0.1:0`` binds an ephemeral port (see :attr:`endpoint`).
         replay_endpoint: ROUTER address for replay requests (always bound); ``None``: none.
         topic: topic frame of every message (vLLM's default is ``""``).
         buffer_batches: batches kept for replay.

@@ -44,6 +44,8 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
+from kvtier.protocol.decoding import decode
+
 #: Version of this message set; a ``Register`` with another version is refused.
 FLEET_PROTOCOL_VERSION = 1
 #: Default agent heartbeat period (seconds).
@@ -256,7 +258,7 @@ def decode_agent_message(frame: bytes) -> AgentMessage:
         FleetProtocolError: not msgpack, unknown ``type``, or a field of the wrong type.
     """
     try:
-        return _AGENT_DECODER.decode(frame)
+        return decode(_AGENT_DECODER, frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise FleetProtocolError(f"malformed agent message: {exc}") from exc
 
@@ -268,7 +270,7 @@ def decode_controller_message(frame: bytes) -> ControllerMessage:
         FleetProtocolError: not msgpack, unknown ``type``, or a field of the wrong type.
     """
     try:
-        return _CONTROLLER_DECODER.decode(frame)
+        return decode(_CONTROLLER_DECODER, frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise FleetProtocolError(f"malformed controller message: {exc}") from exc
 

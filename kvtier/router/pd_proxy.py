@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvtier.protocol.decoding import json_dumps, json_loads
 from kvtier.router.admission import DEFAULT_MAX_BODY_BYTES, Admission, Refused
 from kvtier.router.app_server import AppServer
 from kvtier.router.passthrough import PassThrough, StreamCut
@@ -100,10 +100,10 @@ def _parse_and_prefill_leg(raw: bytes) -> tuple[dict[str, Any], bytes]:
     Raises:
         ValueError: not JSON, or not an object.
     """
-    body = json.loads(raw)
+    body = json_loads(raw)
     if not isinstance(body, dict):
         raise ValueError("not a JSON object")
-    return body, json.dumps(prefill_body(body)).encode()
+    return body, json_dumps(prefill_body(body))
 
 
 def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 600.0,
@@ -151,7 +151,7 @@ def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: fl
             if r.status_code != 200:
                 log.warning("pd-proxy: prefiller %s answered %d; the decoder computes the prompt", url, r.status_code)
                 return url, None
-            params = json.loads(raw).get("kv_transfer_params")
+            params = json_loads(raw).get("kv_transfer_params")
             return url, params if isinstance(params, dict) else None
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             log.warning("pd-proxy: prefiller %s failed (%s); the decoder computes the prompt", url, exc)
@@ -177,7 +177,7 @@ def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: fl
             stats.prefilled += 1
             stats.last_params = params
         try:
-            dleg = await admission.run(request, len(raw), lambda: json.dumps(decode_body(body, params)).encode())
+            dleg = await admission.run(request, len(raw), lambda: json_dumps(decode_body(body, params)))
         except Refused as exc:
             return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
         durl = next(decodes)

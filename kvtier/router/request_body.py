@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from kvtier.protocol.decoding import decode
 from kvtier.router.tokenize import PromptTokenizer, PromptTooLong
 
 _DECODER = msgspec.json.Decoder()
@@ -50,7 +51,7 @@ def prepare(body: bytes, chat: bool, tokenizer: PromptTokenizer, limit: int | No
         PromptTooLong: the prompt has more than ``limit`` tokens.
     """
     try:
-        payload: Any = _DECODER.decode(body)
+        payload: Any = decode(_DECODER, body)
     except msgspec.DecodeError as exc:
         raise BadBody(f"body is not JSON ({str(exc)[:200]})") from None
     if not isinstance(payload, dict):

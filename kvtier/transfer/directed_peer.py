@@ -38,6 +38,8 @@ from typing import Any, Callable, Sequence
 import httpx
 import msgspec
 
+from kvtier.protocol.decoding import decode
+
 from kvtier.protocol.fleet import MAX_LOCATE_KEYS, LocateReply, PeerLocation
 from kvtier.serde.base import Buffer
 from kvtier.tiers.base import TierCounters, check_key
@@ -127,7 +129,7 @@ class DirectedPeerTier(ReadOnlyTier):
             r = self._http.post("/locate", json=body)
             if r.status_code != 200:
                 raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
-            reply = self._reply.decode(r.content)
+            reply = decode(self._reply, r.content)
         except (httpx.HTTPError, ValueError, msgspec.DecodeError, RuntimeError) as exc:
             self.locate_failures += 1
             self.counters.add(errors=1)

@@ -20,6 +20,8 @@ from typing import Union
 
 import msgspec
 
+from kvtier.protocol.decoding import decode
+
 from kvtier.transfer.errors import ProtocolError
 
 MAGIC = b"KVTX"
@@ -154,7 +156,7 @@ def decode_header(body: bytes | memoryview) -> Message:
             ``0 <= nbytes <= MAX_CHUNK_BYTES``, 8-byte checksum, non-negative counts).
     """
     try:
-        msg = _decoder.decode(body)
+        msg = decode(_decoder, body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"malformed frame header: {exc}") from None
     if isinstance(msg, Chunk):

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 import msgspec
 
+from kvtier.protocol.decoding import decode
 from kvtier.protocol.trust import Credentials, Member
 from kvtier.tiers.base import check_key
 from kvtier.transfer.channel import TransferChannel
@@ -43,6 +44,7 @@ from kvtier.transfer.peer_wire import MAX_KEYS, PeerReply, PeerRequest
 from kvtier.transfer.stream import peer_uid
 
 log = logging.getLogger("kvtier.transfer.peer")
+_REQUEST_DECODER = msgspec.msgpack.Decoder(PeerRequest)
 
 #: Largest handshake frame accepted (bytes): a Hello or a Proof is ~100 bytes.
 MAX_HANDSHAKE_FRAME = 4096
@@ -408,7 +410,7 @@ class PeerServer:
             link.member = member
         body = chan.recv_control(timeout_s=self.timeout_s)
         try:
-            req = msgspec.msgpack.decode(body, type=PeerRequest)
+            req = decode(_REQUEST_DECODER, body)
             if req.op not in ("contains", "get") or len(req.keys) > MAX_KEYS:
                 raise ValueError(f"bad request {req.op!r} with {len(req.keys)} keys")
             for k in req.keys:

@@ -24,6 +24,8 @@ from typing import Any, Callable, Sequence
 
 import msgspec
 
+from kvtier.protocol.decoding import decode
+
 from kvtier.serde.base import Buffer
 from kvtier.tiers.base import (
     ChunkWrite,
@@ -122,7 +124,7 @@ class PeerTier(ReadOnlyTier):
     def _ask(self, chan: TransferChannel, op: str, keys: list[bytes]) -> list[bool]:
         chan.send_control(msgspec.msgpack.encode(PeerRequest(op=op, keys=keys)), self.timeout_s)
         try:
-            found = self._reply.decode(chan.recv_control(self.timeout_s)).found
+            found = decode(self._reply, chan.recv_control(self.timeout_s)).found
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise TransferError(f"bad reply from the peer: {exc}") from None
         if len(found) != len(keys):

@@ -23,8 +23,10 @@ import msgspec
 
 from kvtier.integrations.vllm.pd import PDConfirm, PDSettings
 from kvtier.integrations.vllm.types import PDHold
+from kvtier.protocol.decoding import decode
 
 log = logging.getLogger("kvtier.vllm")
+_CONFIRM_DECODER = msgspec.msgpack.Decoder(PDConfirm)
 
 #: Largest confirm frame read (bytes; a confirm is ~100).
 MAX_CONFIRM_BYTES = 4096
@@ -96,7 +98,7 @@ class PDWorker:
             except zmq.Again:
                 return
             try:
-                msg = msgspec.msgpack.decode(raw, type=PDConfirm)
+                msg = decode(_CONFIRM_DECODER, raw)
             except msgspec.DecodeError:
                 self.refused += 1
                 self._warn(f"dropped a malformed confirm ({len(raw)} bytes)")

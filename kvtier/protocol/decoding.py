@@ -1,0 +1,62 @@
+"""Decoding bytes another process chose (JSON, msgpack), whatever their nesting depth.
+
+msgspec and the standard ``json`` module decode nested arrays and maps recursively and give up
+past the interpreter's recursion limit with ``RecursionError``, not their decode error: a body of
+about a thousand ``[`` is enough, and with a typed decoder (a msgspec Struct) the nesting may sit
+in a field the type does not even have (msgspec skips an unknown field by walking it). A caller
+that catches only ``msgspec.DecodeError`` / ``ValueError`` then lets a bad input through as an
+unexpected error: a 500 from the router or the PD proxy, a traceback per frame on the controller,
+an exception out of a vLLM worker's confirm drain. Every decode of what a client or a peer sent
+goes through here, so too deep is one more way of being malformed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol, TypeVar
+
+import msgspec
+
+T = TypeVar("T", covariant=True)
+
+
+class _Decoder(Protocol[T]):
+    def decode(self, buf: Any, /) -> T: ...
+
+
+def decode(decoder: _Decoder[T], data: Any) -> T:
+    """``decoder.decode(data)`` (a ``msgspec.json.Decoder`` or ``msgspec.msgpack.Decoder``).
+
+    Raises:
+        msgspec.DecodeError: not valid for the decoder, or nested too deeply to decode (what the
+            decoder raises besides, e.g. ``msgspec.ValidationError``, unchanged).
+    """
+    try:
+        return decoder.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError("nested too deeply to decode") from None
+
+
+def json_loads(data: bytes | str) -> Any:
+    """``json.loads(data)``.
+
+    Raises:
+        ValueError: not JSON (``json.JSONDecodeError``, ``UnicodeDecodeError``), or nested too deeply.
+    """
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to decode") from None
+
+
+def json_dumps(obj: Any) -> bytes:
+    """``json.dumps(obj)`` as UTF-8 bytes (``obj`` came from :func:`json_loads` of a client's body: the
+    encoder recurses too, and a document decoded near the limit may not encode from a deeper stack).
+
+    Raises:
+        ValueError: nested too deeply to encode, or a value JSON cannot hold.
+    """
+    try:
+        return json.dumps(obj).encode()
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to encode") from None

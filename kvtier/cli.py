@@ -22,7 +22,7 @@ app.add_typer(bench_app, name="bench")
 
 def _version(value: bool) -> None:
     if value:
-        from kvtier import __version__
+        from kvtier.version import __version__
 
         typer.echo(f"kvtier {__version__}")
         raise typer.Exit(0)

@@ -101,7 +101,7 @@ class ServerMetrics:
         config: "KVTierConfig | None" = None,
         tiers: "Callable[[], list[LowerTier]] | None" = None,
     ):
-        from kvtier import __version__
+        from kvtier.version import __version__
 
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry

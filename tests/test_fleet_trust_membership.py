@@ -34,7 +34,7 @@ from kvtier.protocol import fleet as F
 from kvtier.protocol.trust import FleetKey, curve_client
 from kvtier.storage.instance_ops import InstanceOps
 from kvtier.storage.manager import StorageManager
-from kvtier.testing.fleet_cluster import wait_until
+from conftest import wait_until
 from kvtier.testing.fleet_keys import FleetKeys, make_fleet
 
 NS = small_namespace()

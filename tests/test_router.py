@@ -23,6 +23,7 @@ from fastapi.responses import (
     StreamingResponse,
 )
 
+from conftest import free_port
 from kvtier.events.publisher import EventPublisher
 from kvtier.events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtier.router.app import RouterServer
@@ -41,18 +42,12 @@ from kvtier.router.tokenize import PromptTokenizer, TokenizeError
 BS = 16  # fake engine block size
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class FakeBackend:
     """A tiny vLLM look-alike: /v1/completions (+SSE), /v1/chat/completions, /health, /metrics."""
 
     def __init__(self, name: str, port: int | None = None, delay_s: float = 0.0) -> None:
         self.name = name
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.delay_s = delay_s
         self.requests: list[dict[str, Any]] = []
         self.running = 0
@@ -445,7 +440,7 @@ def test_round_robin_and_least_loaded(fleet) -> None:
 
 
 def test_no_healthy_backend_is_503_quickly(tmp_path: Path) -> None:
-    dead = BackendSpec(url=f"http://127.0.0.1:{_free_port()}", instance_id="dead")
+    dead = BackendSpec(url=f"http://127.0.0.1:{free_port()}", instance_id="dead")
     with contextlib.closing(RouterServer(RouterConfig(backends=(dead,)), port=0).start()) as r, \
             httpx.Client(base_url=r.url, timeout=10) as c:
         t = time.monotonic()
@@ -468,7 +463,7 @@ def test_controller_lookup_counts_kvtier_tiers(fleet) -> None:
         return {"instances": {"a": {"longest_matched": 0, "CPU": 0, "DISK": 0, "REMOTE": 0, "pinned": 0},
                               "b": {"longest_matched": n - 1, "CPU": 0, "DISK": n - 1, "REMOTE": 0, "pinned": 0}}}
 
-    port = _free_port()
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(ctl, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()

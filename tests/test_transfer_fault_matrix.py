@@ -29,11 +29,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import CHUNK, payload_for, small_namespace
+from conftest import CHUNK, free_port, payload_for, small_namespace, wait_until
 from fake_vllm import expected_kv
 from test_pd_protocol import CHUNK as PD_CHUNK
-from test_pd_protocol import GEOM, cluster, decode, free_port, req, tokens_of, wait_sending  # noqa: F401 (fixture)
-from service_helpers import wait_until
+from test_pd_protocol import GEOM, cluster, decode, req, tokens_of, wait_sending  # noqa: F401 (fixture)
 from transfer_helpers import CB, PeerProcess, peer_keys, store_chain
 from kvtier.config import KVTierConfig
 from kvtier.storage.manager import StorageManager
@@ -41,12 +40,6 @@ from kvtier.storage.manager import StorageManager
 #: Hang guard (seconds) of one pull or clean-up (peer timeouts here are 10 s; a dead peer is seen at once).
 HANG_S = 30.0
 NCHUNKS = 5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +51,7 @@ def _peer_keys(fleet, monkeypatch) -> None:
 @pytest.fixture(params=["tcp", "shm"])
 def url(request, tmp_path: Path) -> str:
     if request.param == "tcp":
-        return f"tcp://127.0.0.1:{_free_port()}"
+        return f"tcp://127.0.0.1:{free_port()}"
     return f"shm://{tmp_path}/peer.sock"
 
 

@@ -477,10 +477,23 @@ def router(
     model: Optional[str] = typer.Option(None, "--model", help="Model folder (tokenizer, chat template)."),
     policy: str = typer.Option("kv-aware", "--policy", help="kv-aware, round-robin or least-loaded."),
     controller_url: Optional[str] = typer.Option(None, "--controller", help="Fleet controller URL for /lookup."),
-    controller_token: Optional[str] = typer.Option(None, "--controller-token", help="Its bearer token."),
+    controller_token: Optional[str] = typer.Option(
+        None, "--controller-token", help="Its bearer token (visible in ps: prefer the file or $KVTIER_CONTROLLER_TOKEN)."),
+    controller_token_file: Optional[Path] = typer.Option(
+        None, "--controller-token-file", help="File whose first line is the controller's bearer token."),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8100, "--port", help="Port of the OpenAI-compatible API (0: any free port)."),
     load_weight: float = typer.Option(0.5, "--load-weight", min=0.0, help="Score penalty per token of load."),
+    max_body_bytes: int = typer.Option(16 << 20, "--max-body-bytes", min=1, help="Largest request body (larger: 413)."),
+    max_prompt_tokens: Optional[int] = typer.Option(
+        None, "--max-prompt-tokens", min=1, help="Longest prompt in tokens (longer: 400); default: the backends' "
+        "max_model_len from /v1/models."),
+    fleet_key: Optional[Path] = typer.Option(
+        None, "--fleet-key", help="The router's fleet key file (created 0600 if missing): it reads keyed KV event "
+        "streams with it."),
+    fleet_members: Optional[Path] = typer.Option(
+        None, "--fleet-members", help="Members file naming the publishers' keys: a backend whose INSTANCE_ID is a "
+        "member there has its events read over CURVE."),
 ) -> None:
     """OpenAI-compatible KV-aware proxy in front of N vLLM servers (routes each prompt to the best cached prefix net of load)."""
     from kvtier.router.app import RouterServer
@@ -488,14 +501,19 @@ def router(
         RouterConfig,
         RouterConfigError,
         Weights,
+        controller_token_from,
         parse_backend,
     )
     from kvtier.router.tokenize import TokenizeError
 
     try:
+        token = controller_token_from(controller_token, controller_token_file)
         cfg = RouterConfig(backends=tuple(parse_backend(b) for b in backend), policy=policy, model=model,
-                           controller_url=controller_url, controller_token=controller_token,
-                           weights=Weights(load=load_weight)).validate()
+                           controller_url=controller_url, controller_token=token,
+                           weights=Weights(load=load_weight), max_body_bytes=max_body_bytes,
+                           max_prompt_tokens=max_prompt_tokens,
+                           fleet_key=None if fleet_key is None else str(fleet_key),
+                           fleet_members=None if fleet_members is None else str(fleet_members)).validate()
         server = RouterServer(cfg, host=host, port=port)
     except (RouterConfigError, TokenizeError, OSError) as exc:
         typer.echo(f"kvtier router: {exc}", err=True)
@@ -524,13 +542,14 @@ def pd_proxy(
     decode: list[str] = typer.Option(..., "--decode", help="A decode instance's URL (repeatable; round robin)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8200, help="Port to listen on."),
+    max_body_bytes: int = typer.Option(16 << 20, "--max-body-bytes", min=1, help="Largest request body (larger: 413)."),
 ) -> None:
     """PD disaggregation proxy: each request is prefilled (max_tokens=1) on a prefiller, then decoded
     on a decoder with the prefiller's kv_transfer_params. Exit code 2: bad arguments or port in use."""
     from kvtier.router.pd_proxy import PDProxyServer
 
     try:
-        server = PDProxyServer(prefill, decode, host=host, port=port)
+        server = PDProxyServer(prefill, decode, host=host, port=port, max_body_bytes=max_body_bytes)
     except (ValueError, OSError) as exc:
         typer.echo(f"kvtier pd-proxy: {exc}", err=True)
         raise typer.Exit(2) from None

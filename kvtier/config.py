@@ -56,8 +56,9 @@ from pydantic import (
     model_validator,
 )
 
-from kvtier.config_base import ConfigError, mask_url, parse_address
+from kvtier.config_base import ConfigError, parse_address
 from kvtier.sizes import SIZE_FORMS, parse_size
+from kvtier.urls import mask_url
 from kvtier.tiers.policies import POLICIES
 
 ENV_PREFIX = "KVTIER_"
@@ -157,6 +158,12 @@ class KVTierConfig(BaseModel):
     model_id: str | None = Field(
         None,
         description="Model identity in the key namespace; default: model name plus a fingerprint of its weights.",
+    )
+    reset_shared: bool = Field(
+        False,
+        description="vLLM's reset_prefix_cache(reset_connector=True) also clears this model's chunks in the remote "
+        "tier and on the kvtier server, which other engines share (they lose them too); false: such an engine "
+        "clears nothing and answers False.",
     )
     save: bool = Field(True, description="Store newly computed full prompt chunks.")
     load: bool = Field(True, description="Report hits and load cached chunks.")

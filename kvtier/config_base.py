@@ -1,7 +1,6 @@
 """The primitives every settings reader shares, below the config model and every plane.
 
 - :class:`ConfigError`: the error of a refused setting or settings source.
-- :func:`mask_url`: a URL with its password hidden, for messages and logs.
 - :func:`parse_address`: the cache service's address forms (``unix:///path``, ``/path``,
   ``tcp://host:port``), checked by the config model and dialled by the service client.
 """
@@ -16,19 +15,6 @@ Address = tuple[str, Union[str, tuple[str, int]]]
 
 class ConfigError(ValueError):
     """A configuration value or source is invalid; the message names the key and the source."""
-
-
-def mask_url(url: str) -> str:
-    """``url`` with the password of its ``user:password@`` part replaced by ``***``."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    netloc, slash, path = rest.partition("/")
-    if "@" not in netloc:
-        return url
-    cred, _, host = netloc.rpartition("@")
-    user, colon, _ = cred.partition(":")
-    return f"{scheme}://{user}{':***' if colon else ''}@{host}{slash}{path}"
 
 
 def parse_address(address: str) -> Address:

@@ -245,7 +245,7 @@ def _disk_size(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
 
 
 def _remote_url(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
-    from kvtier.config_base import mask_url
+    from kvtier.urls import mask_url
     from kvtier.tiers.registry import available_tiers
 
     if v is None:

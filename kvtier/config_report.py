@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import ENV_PREFIX, KVTierConfig, is_yaml, load_config
-from kvtier.config_base import ConfigError, mask_url
+from kvtier.config_base import ConfigError
+from kvtier.urls import mask_url
 from kvtier.config_lmcache import LMCACHE_ENV, LmcacheTranslation, translate_lmcache
 
 #: Settings whose values are secrets (shown as ``***``).

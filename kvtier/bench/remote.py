@@ -92,7 +92,7 @@ def preflight(url: str) -> None:
         import redis
     except ImportError:
         raise BenchUsageError("bench remote needs redis-py: pip install 'kvtier[redis]'") from None
-    from kvtier.config_base import mask_url
+    from kvtier.urls import mask_url
     from kvtier.tiers.redis_tier import RedisTier
 
     shown = mask_url(url)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import socket
@@ -14,6 +13,7 @@ from urllib.parse import urlparse
 from kvtier.controller.endpoint import Endpoint
 from kvtier.controller.operations import DEFAULT_OP_DEADLINE_S, FleetOps
 from kvtier.controller.state import FleetState
+from kvtier.protocol.addresses import is_loopback
 from kvtier.protocol.fleet import DEFAULT_EXPIRY_S, DEFAULT_HEARTBEAT_S
 from kvtier.protocol.trust import Credentials
 
@@ -27,16 +27,6 @@ DEFAULT_ZMQ = "tcp://127.0.0.1:7600"
 
 class ControllerConfigError(ValueError):
     """The controller cannot start as configured (e.g. non-loopback address without a token)."""
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (a wildcard or other host is not)."""
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _zmq_host(endpoint: str) -> str:

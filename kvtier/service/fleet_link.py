@@ -4,7 +4,7 @@
 registration and every ``poll_s``): a new host's manager is added to the
 :class:`~kvtier.fleet.agent.FleetAgent` (role ``"server"``) and its tier changes
 are published as vLLM KV events (:mod:`kvtier.events`: chunk keys as block hashes,
-``block_size`` = the namespace's chunk size, medium ``CPU``/``DISK``/``REMOTE``);
+``block_size`` = the namespace's chunk size, vLLM 0.32 media and localities, ownership ``kvtier``);
 a released host is removed.
 
 The managers' listeners only append to a bounded deque; a relay thread turns the

@@ -15,7 +15,7 @@ import logging
 from typing import Callable
 
 from kvtier.config import KVTierConfig
-from kvtier.config_base import mask_url
+from kvtier.urls import mask_url
 from kvtier.index.keys import KeyNamespace
 from kvtier.serde.base import DTYPE_ITEMSIZE, ValueSpec
 from kvtier.tiers.base import LowerTier

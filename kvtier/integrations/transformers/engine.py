@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvtier.config import KVTierConfig
-from kvtier.index.keys import ChunkHasher, KeyNamespace
+from kvtier.index.keys import ChunkHasher, KeyNamespace, chain_parents
 from kvtier.integrations.transformers.layout import UnsupportedModel, hf_namespace
 from kvtier.integrations.transformers.payload import chunk_view, load_chunk, save_chunk
 from kvtier.storage.backend import KVStore
@@ -244,7 +244,7 @@ class KVTierHF:
         return stored
 
     def _store_row(self, layers: list[tuple[torch.Tensor, torch.Tensor]], row: int, pad: int, keys: list[bytes]) -> int:
-        bufs = self.store.open_write_many(keys)
+        bufs = self.store.open_write_many(keys, chain_parents(keys))
         stored, stop = 0, False
         for i, (key, buf) in enumerate(zip(keys, bufs)):
             parent = keys[i - 1] if i else None

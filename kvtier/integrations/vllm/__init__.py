@@ -6,6 +6,7 @@ Load it with::
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.integrations.vllm",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",  # a failed load is recomputed (vLLM's default "fail" errors)
         "kv_connector_extra_config": {"cpu_capacity": "4GiB", "disk_path": "/var/cache/kvtier"},
     })
 
@@ -19,7 +20,9 @@ Modules (the shape of vLLM's ``OffloadingConnector``):
   (embedded, in-process direct, RPC, kvtier server); ``extras``: LoRA and
   multimodal key inputs; ``accounting``: per-request hit records;
   ``inspection``: helpers for in-process engines (``request_hits``, ``flush_all``,
-  ``stats_all``).
+  ``stats_all``); ``groups``: KV cache groups of hybrid models (``SupportsHMA``);
+  ``reset``: what ``reset_cache`` may clear; ``failure_policy``: what a failed load
+  does under vLLM's ``kv_load_failure_policy``; ``kv_events``: tier changes as vLLM KV events.
 
 Scheduler side: looks up the longest cached prefix of each new prompt beyond
 what vLLM's own prefix cache holds, leases those chunks, and after block

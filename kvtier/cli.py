@@ -496,7 +496,7 @@ def router(
         "member there has its events read over CURVE."),
 ) -> None:
     """OpenAI-compatible KV-aware proxy in front of N vLLM servers (routes each prompt to the best cached prefix net of load)."""
-    from kvtier.router.app import RouterServer
+    from kvtier.router.server import RouterServer
     from kvtier.router.config import (
         RouterConfig,
         RouterConfigError,

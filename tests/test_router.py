@@ -26,7 +26,7 @@ from fastapi.responses import (
 from conftest import free_port
 from kvtier.events.publisher import EventPublisher
 from kvtier.events.schema import AllBlocksCleared, BlockRemoved, BlockStored
-from kvtier.router.app import RouterServer
+from kvtier.router.server import RouterServer
 from kvtier.router.config import (
     BackendSpec,
     RouterConfig,

@@ -220,6 +220,3 @@ class _StateCollector:
             g.add_metric([node], 1.0 if is_open else 0.0)
         yield g
 
-
-# The HTTP server moved to kvtier.service.http; re-exported for existing imports.
-from kvtier.service.http import MetricsHTTPServer  # noqa: E402,F401

@@ -58,9 +58,6 @@ ALLOWED_UPWARD: dict[str, str] = {
         "transfer/ by name; goes with the composition root (issue 25, item 1)"),
     "kvtier.tiers.registry -> kvtier.transfer.directed_peer": (
         "PEER_TARGETS, as above (the directed peer tier); issue 25, item 1"),
-    "kvtier.integrations.vllm.serve -> kvtier.demo.model": (
-        "the OpenAI-server launcher reads the demo's model folder; the launcher is tooling and belongs "
-        "in bench/ or demo/ (issue 25, item 5)"),
 }
 
 #: Import cycles that remain (the modules, sorted, joined by ``" <-> "``) -> why. Shrink only.

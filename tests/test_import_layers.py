@@ -70,10 +70,6 @@ ALLOWED_CYCLES: dict[str, str] = {
         "goes with the composition root (issue 25, item 1)"),
     "kvtier.bench.peers_baseline <-> kvtier.bench.peers_side": (
         "the baselines borrow the side's timing helpers; the side dispatches to them lazily"),
-    "kvtier.bench.remote <-> kvtier.bench.remote_mooncake": (
-        "remote_mooncake borrows remote's payload helpers; remote dispatches mooncake:// lazily"),
-    "kvtier.bench.soak <-> kvtier.bench.soak_report": (
-        "typing-only: the report names SoakOptions; soak calls the report"),
 }
 
 

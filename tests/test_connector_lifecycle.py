@@ -109,7 +109,16 @@ def assert_quiescent(pair: ConnectorPair) -> dict[str, int | float]:
     assert st["pinned_chunks"] == 0, st
     assert st["referenced_chunks"] == 0, st
     assert st["leases_expired"] == 0, "a lease was ended by its TTL, not by the request's lifecycle"
-    assert request_state(pair.scheduler.scheduler) == {}
+    sched = pair.scheduler.scheduler
+    left = request_state(sched)
+    if set(left) == {"_unsettled"} and not any(is_async for _, is_async in left["_unsettled"].values()):
+        # A request aborted between steps after its sync load ran is settled by the engine's next
+        # output (with async scheduling that output may still carry its failures); the run ended
+        # first. Deliver the empty output of an idle step, as vLLM's next step would.
+        from vllm.v1.outputs import KVConnectorOutput
+
+        sched.update_connector_output(KVConnectorOutput())
+    assert request_state(sched) == {}
     assert request_state(pair.worker.worker) == {}
     pair.scheduler.check_invariants()
     return st

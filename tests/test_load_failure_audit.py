@@ -305,6 +305,7 @@ def test_without_the_guard_wrong_chunks_are_stored(engines, monkeypatch, async_s
 MIXES = 100  # per scheduler: 200 in all
 
 
+@pytest.mark.slow  # random mixes on vLLM's real schedulers: ~37 s on 2 cores
 def test_random_mixes_never_store_a_chunk_that_differs_from_its_cold_kv() -> None:
     """200 mixes (sync and async scheduling): shared prefixes, a KV cache small enough to preempt,
     30% of chunk reads failing, aborts, prefix-cache resets. No chunk stored ever differs from its

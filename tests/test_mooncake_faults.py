@@ -79,6 +79,7 @@ def test_master_listens_on_loopback_only(master):
     assert addrs and all(a == "127.0.0.1" for a, _ in addrs), addrs
 
 
+@pytest.mark.slow  # a master killed and restarted: ~10 s on 2 cores
 def test_master_killed_mid_load_then_restarted(master):
     tier = _tier(master.url)
     try:

@@ -250,6 +250,7 @@ def _server_clean(srv) -> None:
     m.check_invariants()
 
 
+@pytest.mark.slow  # waits out a lease: ~29 s on 2 cores
 def test_pd_decoder_killed_mid_load_prefiller_frees_by_lease(cluster) -> None:  # noqa: F811 (fixture)
     """The decoder process dies while loading: the server drops its reads, the prefiller frees the request's
     blocks and store lease when pd_lease_s passes (no confirm), and a new decoder still gets the exact KV."""
@@ -277,6 +278,7 @@ def test_pd_decoder_killed_mid_load_prefiller_frees_by_lease(cluster) -> None:  
     assert np.array_equal(dec.kv(d, 0, length), expected_kv(prompt, None, GEOM))
 
 
+@pytest.mark.slow  # ~29 s on 2 cores
 def test_pd_prefiller_killed_while_holding_decoder_gets_exact_kv_or_recomputes(cluster) -> None:  # noqa: F811
     """The prefiller process dies after handing out its params (holding blocks and a store lease): the server
     drops its lease, the decoder loads KV identical to the prompt's (or recomputes), and its confirm to the dead

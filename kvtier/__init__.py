@@ -1,27 +1,16 @@
 """kvtier: tiered KV-cache storage for LLM inference engines.
 
-Layout:
-- ``kvtier.index``: chunk keys (prefix-chained blake3 digests) and namespaces.
-- ``kvtier.memory``: the pre-touched CPU slot pool.
-- ``kvtier.tiers``: CPU and disk tiers, eviction policies.
-- ``kvtier.storage``: the storage manager (lookup, leases, store/load), the entry point.
-- ``kvtier.integrations``: engine connectors (vLLM v1).
-- ``kvtier.demo``: the long-document QA demo on SmolLM2.
+The layers, lowest first (README, "Architecture"; ``tests/test_import_layers.py`` keeps them):
+``index`` (chunk keys), ``memory`` (slot pools), ``serde`` (codecs, the chunk record), ``tiers``
+(the CPU tier and every lower tier), ``config``, ``storage`` (the storage manager), ``protocol``
+(the control plane's messages), ``transfer`` / ``fleet`` / ``controller`` / ``events`` /
+``dashboard``, ``service`` (the cache service) and ``router``, ``integrations`` (engine
+connectors), ``runtime`` (the composition root that assembles tiers, pools and peer servers),
+then ``demo``, ``bench``, ``sim``, ``testing`` and the CLI.
+
+Importing ``kvtier`` imports nothing else: import the module you use.
 """
 
-from kvtier.config import ConfigError, KVTierConfig, load_config
-from kvtier.index.keys import ChunkHasher, KeyNamespace, LayoutSignature
-from kvtier.storage.manager import LookupResult, StorageManager
+from kvtier.version import __version__
 
-__version__ = "0.1.0"
-
-__all__ = [
-    "ChunkHasher",
-    "ConfigError",
-    "KVTierConfig",
-    "KeyNamespace",
-    "LayoutSignature",
-    "LookupResult",
-    "StorageManager",
-    "load_config",
-]
+__all__ = ["__version__"]

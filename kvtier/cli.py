@@ -22,7 +22,7 @@ app.add_typer(bench_app, name="bench")
 
 def _version(value: bool) -> None:
     if value:
-        from kvtier import __version__
+        from kvtier.version import __version__
 
         typer.echo(f"kvtier {__version__}")
         raise typer.Exit(0)
@@ -496,7 +496,7 @@ def router(
         "member there has its events read over CURVE."),
 ) -> None:
     """OpenAI-compatible KV-aware proxy in front of N vLLM servers (routes each prompt to the best cached prefix net of load)."""
-    from kvtier.router.app import RouterServer
+    from kvtier.router.server import RouterServer
     from kvtier.router.config import (
         RouterConfig,
         RouterConfigError,

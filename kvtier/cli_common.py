@@ -63,7 +63,7 @@ def finish(command: str, run: Callable[[], int]) -> NoReturn:
     """Run a command and exit with its code; a usage error (bad flag or setting, unreachable
     target, missing extra) is one line on stderr and exit code 2, never a traceback."""
     from kvtier.bench.common import BenchUsageError
-    from kvtier.config import ConfigError
+    from kvtier.config_base import ConfigError
 
     try:
         code = run()

@@ -27,7 +27,7 @@ Values that cannot work are refused with the key and its source named:
 durations must be positive and finite; addresses and URLs must parse; a tier
 capacity below the smallest possible chunk (``2 * chunk_size`` bytes: a key and
 a value of at least one byte per token) is an error. What needs the machine or
-the model is checked by :func:`validate_config` when the tiers open: the disk
+the model is checked by :func:`kvtier.config_checks.validate_config` when the tiers open: the disk
 path must be a creatable, writable directory, and each capacity must hold one
 chunk of the model's real size (below 1 MiB with the size still unknown: a
 warning).
@@ -56,6 +56,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvtier.config_base import ConfigError, parse_address
 from kvtier.sizes import SIZE_FORMS, parse_size
 from kvtier.urls import mask_url
 from kvtier.tiers.policies import POLICIES
@@ -64,6 +65,7 @@ ENV_PREFIX = "KVTIER_"
 #: ``KVTIER_*`` environment variables used by kvtier's own tooling, not settings (never refused).
 NON_SETTING_ENV = frozenset({
     "KVTIER_REDIS_STATE", "KVTIER_TEST_FAULTS_JSON_OUT",  # test tooling
+    "KVTIER_TEST_REQUIRE",  # tests/skip_guard.py: dependencies whose skips fail the run (.ci/run sets it)
     "KVTIER_DASHBOARD_TOKENIZER",  # the dashboard's hot-prefix text (kvtier.dashboard.source)
     "KVTIER_PEER_FREE_BYTES",  # bench peers: memory its child frees before a put
     "KVTIER_TEST_ARTIFACTS", "KVTIER_UPDATE_DOCS",  # browser tests' screenshots
@@ -87,10 +89,6 @@ SERVER_KEYS = frozenset(
 Size = Annotated[ByteSize, BeforeValidator(parse_size)]
 
 log = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A configuration value or source is invalid; the message names the key and the source."""
 
 
 class KVTierConfig(BaseModel):
@@ -296,8 +294,6 @@ class KVTierConfig(BaseModel):
     @classmethod
     def _server_address(cls, v: str | None) -> str | None:
         if v is not None:
-            from kvtier.protocol.transport import parse_address
-
             parse_address(v)
         return v
 
@@ -437,6 +433,10 @@ class KVTierConfig(BaseModel):
             raise ValueError(f"unknown codec {v!r}; choose one of {sorted(CODECS)}")
         return v
 
+    def source_of(self, key: str) -> str:
+        """Where setting ``key`` came from: a file, an environment variable, ``explicit setting`` or ``default``."""
+        return self._sources.get(key, "default" if key not in self.model_fields_set else "explicit setting")
+
     def describe(self, scope: Literal["engine", "server"] = "engine") -> str:
         """One line with the effective settings, for the start-up log (passwords in URLs masked).
 
@@ -511,22 +511,6 @@ def _check_transfer_url(key: str, url: str, listen: bool) -> str:
     if not colon or not host or "/" in host or not port.isdigit() or not low <= int(port) < 65536:
         raise ValueError(f"{key} {url!r}: expected {scheme}://HOST:PORT with a port in {low}-65535")
     return url
-
-
-def _source(config: KVTierConfig, key: str) -> str:
-    return config._sources.get(key, "default" if key not in config.model_fields_set else "explicit setting")
-
-
-def validate_config(config: KVTierConfig, chunk_bytes: int | None = None) -> None:
-    """Check what needs the machine or the model, when the tiers open (see
-    :func:`kvtier.config_checks.validate_config`).
-
-    Raises:
-        ConfigError: the message names the key, its source and the value.
-    """
-    from kvtier.config_checks import validate_config as check
-
-    check(config, chunk_bytes)
 
 
 def is_yaml(path: Path | str) -> bool:

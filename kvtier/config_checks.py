@@ -16,7 +16,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from kvtier.config import ConfigError, KVTierConfig, _source
+from kvtier.config import KVTierConfig
+from kvtier.config_base import ConfigError
 
 #: Below this a capacity is legal but almost surely a unit mistake (warned when the chunk size is unknown).
 WARN_CAPACITY_BYTES = 1 << 20
@@ -84,13 +85,13 @@ def validate_config(config: KVTierConfig, chunk_bytes: int | None = None) -> Non
             probe_dir(Path(config.disk_path))
         except OSError as exc:
             raise ConfigError(
-                f"invalid kvtier config: disk_path (from {_source(config, 'disk_path')}): "
+                f"invalid kvtier config: disk_path (from {config.source_of('disk_path')}): "
                 f"{config.disk_path} is not a creatable, writable directory: {exc.strerror or exc}"
             ) from None
         holder = lock_holder(Path(config.disk_path))
         if holder is not None:
             raise ConfigError(
-                f"invalid kvtier config: disk_path (from {_source(config, 'disk_path')}): {config.disk_path} "
+                f"invalid kvtier config: disk_path (from {config.source_of('disk_path')}): {config.disk_path} "
                 f"is in use by another process (pid {holder}); give each server or engine its own directory"
             )
     sizes = [("cpu_capacity", int(config.cpu_capacity))]
@@ -99,12 +100,12 @@ def validate_config(config: KVTierConfig, chunk_bytes: int | None = None) -> Non
     for key, value in sizes:
         if chunk_bytes is not None and value < chunk_bytes:
             raise ConfigError(
-                f"invalid kvtier config: {key} (from {_source(config, key)}): {value} B is below one chunk "
+                f"invalid kvtier config: {key} (from {config.source_of(key)}): {value} B is below one chunk "
                 f"({chunk_bytes} B for this model and chunk_size {config.chunk_size})"
             )
         if chunk_bytes is None and value < WARN_CAPACITY_BYTES:
             log.warning(
                 "kvtier config: %s (from %s) is only %d B; sizes are bytes (e.g. '4GiB'), "
                 "and a tier smaller than one chunk is refused when the model is known",
-                key, _source(config, key), value,
+                key, config.source_of(key), value,
             )

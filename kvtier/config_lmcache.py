@@ -103,7 +103,7 @@ class LmcacheTranslation:
             ConfigError: naming ``source`` (e.g. the file) and every refused key with its reason.
         """
         if self.refused:
-            from kvtier.config import ConfigError
+            from kvtier.config_base import ConfigError
 
             raise ConfigError(
                 f"{source}: kvtier cannot honour {len(self.refused)} LMCache key(s): "
@@ -245,7 +245,7 @@ def _disk_size(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
 
 
 def _remote_url(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
-    from kvtier.config import mask_url
+    from kvtier.urls import mask_url
     from kvtier.tiers.registry import available_tiers
 
     if v is None:
@@ -546,7 +546,7 @@ def translate_lmcache(doc: Mapping[str, Any]) -> LmcacheTranslation:
     Raises:
         ConfigError: ``doc`` is not a mapping of string keys.
     """
-    from kvtier.config import ConfigError
+    from kvtier.config_base import ConfigError
 
     if not isinstance(doc, Mapping) or not all(isinstance(k, str) for k in doc):
         raise ConfigError(f"an LMCache config must be a mapping of keys to values, got {type(doc).__name__}")
@@ -605,7 +605,7 @@ def read_lmcache_file(path: Path) -> tuple[dict[str, Any], LmcacheTranslation]:
         ConfigError: unreadable file, invalid YAML, not a mapping, or any refused key
             (the message names the file, each key and why).
     """
-    from kvtier.config import ConfigError
+    from kvtier.config_base import ConfigError
 
     try:
         import yaml

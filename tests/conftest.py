@@ -7,6 +7,8 @@ in float16 is 64 bytes per token, so a 32-token chunk is 2 KiB and a disk file
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -15,9 +17,48 @@ import pytest
 
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import ChunkHasher, KeyNamespace, LayoutSignature
+from kvtier.testing.redis_server import ping
+from skip_guard import pytest_configure, pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks)
 
 #: Tokens per chunk in the small namespace (two 16-token engine blocks).
 CHUNK = 32
+
+#: The CI's Redis servers (``.ci/redis.sh start``; ``scripts/test.sh`` starts them): a standalone
+#: server and the first node of a 3-node cluster, both on loopback.
+CI_REDIS = ("127.0.0.1", 6399)
+CI_REDIS_CLUSTER = ("127.0.0.1", 7100)
+REDIS_HINT = "start the CI servers with `bash .ci/redis.sh start` (scripts/test.sh does)"
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on at the time of the call (bind port 0, read it back)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(pred: Callable[[], object], timeout_s: float = 30.0, what: str = "condition", step_s: float = 0.01) -> float:
+    """Poll ``pred`` until it is true; returns the seconds it took.
+
+    A hang guard, never a speed check: ``timeout_s`` is generous. Raises AssertionError naming
+    ``what`` when it did not hold within ``timeout_s`` seconds.
+    """
+    t0 = time.monotonic()
+    while True:
+        if pred():
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"{what} not reached within {timeout_s} s")
+        time.sleep(step_s)
+
+
+def require_redis(cluster: bool = False) -> tuple[str, int]:
+    """The CI's Redis (or Redis Cluster) address; skips the test, naming Redis, when it does not answer PING
+    (``KVTIER_TEST_REQUIRE=redis`` turns that skip into a failure)."""
+    host, port = CI_REDIS_CLUSTER if cluster else CI_REDIS
+    if not ping(host, port):
+        pytest.skip(f"no Redis {'Cluster ' if cluster else ''}on {host}:{port}; {REDIS_HINT}")
+    return host, port
 
 
 def small_layout(**changes: object) -> LayoutSignature:
@@ -49,6 +90,20 @@ def payload_for(key: bytes, nbytes: int) -> np.ndarray:
     data = np.frombuffer(key * reps, dtype=np.uint8)[:nbytes].copy()
     data[: min(8, nbytes)] ^= np.arange(min(8, nbytes), dtype=np.uint8)
     return data
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every ``vllm`` test (it starts vLLM on the real model) is also ``slow``: ``-m "not slow"`` leaves it out."""
+    for item in items:
+        if item.get_closest_marker("vllm") is not None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """``redis://`` URL of the CI's standalone Redis, database 0 (skips without it: :func:`require_redis`)."""
+    host, port = require_redis()
+    return f"redis://{host}:{port}/0"
 
 
 @pytest.fixture

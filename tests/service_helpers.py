@@ -18,7 +18,7 @@ from kvtier.index.keys import KeyNamespace
 from kvtier.service.client import ServiceClient
 from kvtier.service.server import CacheServer, ServerOptions
 
-from conftest import CHUNK, payload_for, small_namespace
+from conftest import CHUNK, payload_for, small_namespace, wait_until  # noqa: F401 (re-exported)
 
 
 @pytest.fixture
@@ -49,16 +49,6 @@ def connect(path: str | Path, ns: KeyNamespace | None = None, client_id: str = "
     c = ServiceClient(str(path), ns or small_namespace(), client_id, **kw)  # type: ignore[arg-type]
     assert c.connected, "client did not connect"
     return c
-
-
-def wait_until(pred: Callable[[], bool], timeout_s: float = 30.0, what: str = "condition") -> None:
-    """Poll ``pred`` until true; fails the test after ``timeout_s`` (a hang guard, not a speed check)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout_s} s")
 
 
 def start_server_process(d: Path, cpu_chunks: int = 16, disk: bool = True) -> subprocess.Popen:

@@ -25,6 +25,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
+from conftest import free_port
 from kvtier.bench.common import BenchUsageError
 from kvtier.bench.serve import Target, parse_target, run_bench_serve
 from kvtier.bench.serve.client import (
@@ -169,15 +170,9 @@ def fake_app(instances: int = 1, corrupt: str | None = None, first_s: float = 0.
     return app
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Serving:
     def __init__(self, app: FastAPI):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

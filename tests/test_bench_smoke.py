@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import require_redis
 from kvtier.bench import miss_overhead, tiers
 from kvtier.bench.common import (
     PagedKV,
@@ -144,13 +145,9 @@ def test_remote_bench_tiny_counts_round_trips() -> None:
     """bench remote moves the bytes and really counts the tier's round trips (a moved module once made it 0)."""
     from kvtier.bench import remote
 
-    redis = pytest.importorskip("redis")
-    url = "redis://127.0.0.1:6399/0"
-    try:
-        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
-    except Exception:
-        pytest.skip("no Redis on 127.0.0.1:6399 (scripts/test.sh starts it)")
-    out = remote.measure(url, num_chunks=2, reps=1)
+    pytest.importorskip("redis")
+    host, port = require_redis()
+    out = remote.measure(f"redis://{host}:{port}/0", num_chunks=2, reps=1)
     assert out["exists_32_round_trips"] == 1
     for key in ("redis_put_ratio", "redis_get_ratio", "exists_32_us"):
         assert _positive(out[key]), key

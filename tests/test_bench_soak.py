@@ -23,6 +23,7 @@ def _soak_dirs() -> set[str]:
     return {n for n in os.listdir("/tmp") if n.startswith("kvsoak-")}
 
 
+@pytest.mark.slow  # a real soak, ~13 s on 2 cores
 def test_short_soak_reports_every_figure_and_every_attack(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     before = _soak_dirs()

@@ -104,7 +104,7 @@ def test_unknown_setting_in_a_file_or_override_suggests_the_closest(tmp_path: Pa
 
 def test_a_disk_path_kvtier_creates_is_owner_only(tmp_path: Path) -> None:
     """The directory that will hold users' cached KV is created 0700 at start (issue 14, item 1)."""
-    from kvtier.config import validate_config
+    from kvtier.config_checks import validate_config
 
     d = tmp_path / "new" / "cache"
     validate_config(load_config({"disk_path": d}, environ={}))
@@ -307,7 +307,7 @@ def test_sensible_values_still_pass(key: str, value: object) -> None:
 
 
 def test_disk_path_must_be_a_writable_directory(tmp_path: Path) -> None:
-    from kvtier.config import validate_config
+    from kvtier.config_checks import validate_config
 
     for bad in ("/proc/x", str(write(tmp_path / "a-file", "x")), "/proc/x/y/z"):
         cfg = load_config(environ={"KVTIER_DISK_PATH": bad})
@@ -321,7 +321,7 @@ def test_disk_path_must_be_a_writable_directory(tmp_path: Path) -> None:
 
 
 def test_capacity_below_one_real_chunk_is_refused_when_the_chunk_size_is_known(caplog) -> None:
-    from kvtier.config import validate_config
+    from kvtier.config_checks import validate_config
 
     cfg = load_config({"cpu_capacity": 4096, "chunk_size": 32}, environ={})
     validate_config(cfg, chunk_bytes=4096)
@@ -463,7 +463,7 @@ def test_a_disk_path_locked_by_another_process_is_refused(tmp_path: Path) -> Non
     import fcntl
     import os
 
-    from kvtier.config import validate_config
+    from kvtier.config_checks import validate_config
 
     ns_dir = tmp_path / "ns-0123"
     ns_dir.mkdir()

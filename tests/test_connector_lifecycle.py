@@ -144,6 +144,7 @@ def check_stress_coverage(eng: FakeEngine) -> None:
     assert s.local_hit_tokens > 0
 
 
+@pytest.mark.slow  # 10k requests: ~15 s on 2 cores
 def test_stress_cpu_tier_10k_requests(connectors) -> None:
     pair = connectors(extra_config(cpu_chunks=6))
     eng = run_stress(pair, seed=11, num_requests=10_000)

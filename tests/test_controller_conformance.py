@@ -18,15 +18,8 @@ import httpx
 import numpy as np
 import pytest
 
-from kvtier.testing.fleet_cluster import (
-    CHUNK,
-    FleetCluster,
-    FleetInstance,
-    free_port,
-    payload,
-    redis_reachable,
-    wait_until,
-)
+from conftest import free_port, require_redis, wait_until
+from kvtier.testing.fleet_cluster import CHUNK, FleetCluster, FleetInstance, payload
 
 KINDS = ["cpu", "disk", "fs", "redis"]
 CONVERGE_S = 3.0
@@ -35,8 +28,8 @@ CONVERGE_S = 3.0
 @pytest.fixture(scope="module", params=KINDS)
 def cluster(request, tmp_path_factory) -> Iterator[FleetCluster]:
     kind = request.param
-    if kind == "redis" and not redis_reachable():
-        pytest.skip("no Redis on 127.0.0.1:6399 (bash .ci/redis.sh start)")
+    if kind == "redis":
+        require_redis()
     c = FleetCluster(kind, tmp_path_factory.mktemp(f"fleet-{kind}"), n=3, cpu_chunks=16).start()
     yield c
     c.close()
@@ -94,7 +87,7 @@ def converged(c: FleetCluster, tokens: list[int], timeout_s: float = CONVERGE_S)
     """Wait until lookup's per-tier shape equals the truth read from the tiers."""
     try:
         return wait_until(lambda: rows(lookup(c, tokens)) == truth(c, tokens), timeout_s)
-    except TimeoutError:
+    except AssertionError:
         raise AssertionError(f"lookup {rows(lookup(c, tokens))} != truth {truth(c, tokens)}") from None
 
 
@@ -387,7 +380,7 @@ def test_health(fleet: FleetCluster) -> None:
 
         try:
             wait_until(unreachable, 5.0)
-        except TimeoutError:
+        except AssertionError:
             raise AssertionError(f"dead Redis not reported unreachable: {last}") from None
         # The live instances' Redis stays reachable.
         r = httpx.get(fleet.controller.http_url + "/health", params={"instance": "inst-0", "live": "true"}).json()
@@ -481,6 +474,6 @@ def test_shared_tier_late_clear(fleet: FleetCluster, monkeypatch: pytest.MonkeyP
     p = prompt(4)
     a.store(p)  # ... then A stores into it and the controller learns that at once.
     wait_until(lambda: lookup(fleet, p)["instances"]["inst-0"]["REMOTE"] == len(p))
-    monkeypatch.setattr(b.agent, "_send_changes", held)  # B's late clear arrives
-    time.sleep(0.3)
+    monkeypatch.setattr(b.agent, "_send_changes", held)  # B's late clear arrives ...
+    fleet.settle(10.0)  # ... and is applied (every agent's queue sent, the controller at its seq)
     converged(fleet, p, 1.5)

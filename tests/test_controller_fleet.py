@@ -16,23 +16,13 @@ from typing import Any, Callable
 import httpx
 import pytest
 
+from conftest import wait_until
 from fleet_fakes import CHUNK, FakeAgent, SharedStore
 from kvtier.controller.server import Controller, ControllerConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "controller"
 PROMPT = list(range(100, 100 + 8 * CHUNK))  # 8 chunks
 DEADLINE_S = 2.0
-
-
-def wait_until(pred: Callable[[], bool], timeout_s: float = 3.0, step_s: float = 0.01) -> float:
-    """Seconds until ``pred()`` held; fails the test after ``timeout_s``."""
-    t0 = time.monotonic()
-    while True:
-        if pred():
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(step_s)
 
 
 def post(ctl: Controller, path: str, body: dict[str, Any], token: str = "") -> httpx.Response:
@@ -254,12 +244,14 @@ def test_dropped_changes_leave_no_stale_answer_after_a_second():
                 ag.remove(ks[rng.randrange(len(ks)):], tier)
             time.sleep(0.001)
         assert sum(a.dropped for a in agents) > 0
-        time.sleep(1.0)
-        stale = []
-        for p in prompts:
-            if view_rows(lookup(ctl, p)) != truth_rows(agents, p):
-                stale.append(p[:3])
-        assert stale == []
+
+        def stale() -> list[list[int]]:
+            return [p[:3] for p in prompts if view_rows(lookup(ctl, p)) != truth_rows(agents, p)]
+
+        try:
+            wait_until(lambda: not stale(), 10.0, "the view repaired")
+        except AssertionError:
+            assert stale() == []
     finally:
         for a in agents:
             a.kill()
@@ -350,10 +342,9 @@ def test_auth_token_for_http_and_agents():
         assert post(ctl, "/lookup", {"tokens": PROMPT}).status_code == 401
         assert post(ctl, "/lookup", {"tokens": PROMPT}, token="wrong").status_code == 401
         wait_until(lambda: "inst-good" in post(ctl, "/lookup", {"tokens": PROMPT}, token="s3cret").json()["instances"])
-        time.sleep(0.3)
+        wait_until(lambda: ctl.state.counters["refused_registrations"] >= 1)
         out = post(ctl, "/lookup", {"tokens": PROMPT}, token="s3cret").json()
         assert "inst-bad" not in out["instances"]
-        assert ctl.state.counters["refused_registrations"] >= 1
     finally:
         good.kill()
         bad.kill()

@@ -44,6 +44,7 @@ def _as_loopback(app):
     return wrapped
 
 
+@pytest.mark.slow  # schemathesis over the whole API, ~14 s on 2 cores
 def test_api_never_answers_5xx(api_schema):
     # schemathesis' own pytest plugin does not load under this pytest; drive its strategies directly.
     operations = [r.ok() for r in api_schema.get_all_operations()]

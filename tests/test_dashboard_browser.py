@@ -42,6 +42,8 @@ from kvtier.dashboard.samples import parse_exposition
 ROOT = Path(__file__).resolve().parent.parent
 AXE = ROOT / "kvtier" / "dashboard" / "testing" / "axe.min.js"
 
+pytestmark = pytest.mark.slow  # a real browser: ~30 s of set-up and pages on 2 cores
+
 
 def artifacts() -> Path:
     d = Path(os.environ.get("KVTIER_TEST_ARTIFACTS") or ROOT / "tests" / "artifacts")

@@ -20,7 +20,8 @@ import pytest
 
 from kvtier.dashboard.samples import parse_exposition
 from kvtier.fleet.agent import FleetAgent, namespace_info, tier_infos
-from kvtier.testing.fleet_cluster import FleetCluster, FleetInstance, wait_until
+from conftest import wait_until
+from kvtier.testing.fleet_cluster import FleetCluster, FleetInstance
 
 TOKEN = "dash-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

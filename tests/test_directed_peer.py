@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import CHUNK, payload_for, small_namespace
+from conftest import CHUNK, payload_for, small_namespace, wait_until
 from service_helpers import connect, server_config, short_dir, store  # noqa: F401
 from transfer_helpers import CB, store_chain, read_chain
 from kvtier.config import KVTierConfig
@@ -35,14 +35,6 @@ NS = small_namespace()
 TIMEOUT_S = 0.5
 #: Every key is in the members file before any instance starts (as an operator would write it).
 MEMBERS = ["controller", "A", "B", "C", "X", "srv"]
-
-
-def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(0.02)
 
 
 class Fleet:

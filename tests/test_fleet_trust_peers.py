@@ -19,7 +19,7 @@ from transfer_helpers import CB, store_chain
 from kvtier.config import KVTierConfig
 from kvtier.protocol.trust import Credentials, FleetKey, Member, Members
 from kvtier.storage.manager import StorageManager
-from kvtier.testing.fleet_cluster import wait_until
+from conftest import wait_until
 from kvtier.transfer.errors import PeerRefused, TransferError
 from kvtier.transfer.peer_auth import ClientAuth
 from kvtier.transfer.peer_open import UrlPeerTier
@@ -337,8 +337,7 @@ def test_a_keyed_event_stream_is_read_by_members_with_the_events_role_only(fleet
                                server_key=pub.public_key)
     no_role = EventSubscriber(pub.endpoint, topic="kv", credentials=fleet.credentials("c"), server_key=pub.public_key)
     try:
-        time.sleep(0.3)  # the joins
-        assert _events(pub, member) > 0
+        wait_until(lambda: _events(pub, member, n=1, timeout_s=0.2) > 0, 10, "the member's join")
         assert [_events(pub, s, n=10, timeout_s=0.5) for s in (plain, stranger, no_role)] == [0, 0, 0]
         fleet.revoke("b")  # a revoked reader is cut off: the publisher rebinds, its reconnect is refused
         wait_until(lambda: pub.rebinds >= 1, 5.0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -12,22 +11,14 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from conftest import CHUNK, small_namespace
+from conftest import CHUNK, CI_REDIS, require_redis, small_namespace
 from kvtier.config import KVTierConfig
 from kvtier.serde.record import HEADER_BYTES, decode_header
 from kvtier.storage.instance_ops import InstanceOps, OpError
 from kvtier.storage.manager import StorageManager
 
 CB = 2048
-REDIS = ("127.0.0.1", 6399)
-
-
-def redis_up() -> bool:
-    try:
-        with socket.create_connection(REDIS, timeout=0.3):
-            return True
-    except OSError:
-        return False
+REDIS = CI_REDIS
 
 
 def payload(key: bytes) -> np.ndarray:
@@ -112,10 +103,9 @@ def env(request, tmp_path: Path) -> Iterator[Env]:
     if kind == "fs":
         fields["remote_url"] = f"fs://{tmp_path / 'share'}"
     else:
-        if not redis_up():
-            pytest.skip("no Redis on 127.0.0.1:6399 (bash .ci/redis.sh start)")
+        host, port = require_redis()
         prefix = f"kvt-ops-{uuid.uuid4().hex[:12]}:"
-        fields["remote_url"] = f"redis://127.0.0.1:6399/0?key_prefix={prefix}"
+        fields["remote_url"] = f"redis://{host}:{port}/0?key_prefix={prefix}"
     mgr = StorageManager(KVTierConfig(**fields), small_namespace())  # type: ignore[arg-type]
     e = Env(mgr, kind, prefix.encode() if prefix else None)
     try:

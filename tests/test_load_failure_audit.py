@@ -19,6 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from conftest import free_port  # noqa: E402
 from sched_harness import Engine, EngineSpec, fail_once, tokens  # noqa: E402
 from sched_mixes import run_mix  # noqa: E402
 
@@ -167,11 +168,7 @@ def test_pd_decode_leg_whose_load_fails(engines, sync_load_bytes) -> None:
     """A PD decode leg (kv_transfer_params from a prefill leg on this engine) whose load of the
     prefilled chunks fails: it recomputes the prompt; nothing wrong is stored; its tokens are a
     cold run's. Both the synchronous (chunks in memory) and the asynchronous decode load."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     e = engines(max_num_batched_tokens=128, extra={"pd_role": "both", "pd_port": port, "pd_lease_s": 0.05,
                                                    "pd_sync_load_bytes": sync_load_bytes})
     p = A + B + C[:5]
@@ -308,6 +305,7 @@ def test_without_the_guard_wrong_chunks_are_stored(engines, monkeypatch, async_s
 MIXES = 100  # per scheduler: 200 in all
 
 
+@pytest.mark.slow  # random mixes on vLLM's real schedulers: ~37 s on 2 cores
 def test_random_mixes_never_store_a_chunk_that_differs_from_its_cold_kv() -> None:
     """200 mixes (sync and async scheduling): shared prefixes, a KV cache small enough to preempt,
     30% of chunk reads failing, aborts, prefix-cache resets. No chunk stored ever differs from its

@@ -360,18 +360,11 @@ def test_remote_hit_is_promoted_and_written_behind_to_disk(managers, make_config
 
 
 # -- shared Redis: namespaces and TTLs (issue 8, failing inputs 4 and 6) -----------------------------
-STANDALONE = ("127.0.0.1", 6399)
-
-
 @pytest.fixture
-def shared_redis_url() -> str:
-    from kvtier.testing.redis_server import ping
-
-    if not ping(*STANDALONE):
-        pytest.skip("no Redis on 127.0.0.1:6399; start the CI servers with `.ci/redis.sh start`")
+def shared_redis_url(redis_url: str) -> str:
     import uuid
 
-    return f"redis://{STANDALONE[0]}:{STANDALONE[1]}/0?key_prefix=kvtier-test-{uuid.uuid4().hex[:10]}:"
+    return f"{redis_url}?key_prefix=kvtier-test-{uuid.uuid4().hex[:10]}:"
 
 
 def test_clear_removes_only_this_namespace_in_a_shared_redis(make_config, shared_redis_url) -> None:

@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import free_port, wait_until
 from kvtier.testing import bf16_payload
 from kvtier.testing.mooncake_master import (
     MooncakeMasterProcess,
@@ -59,16 +60,9 @@ def _timed(fn, *args):
     return out, time.monotonic() - t0
 
 
-def _wait_until(cond, limit_s: float = 30.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
-
-
 def _open(tier) -> None:
     """Wait until the tier's client is open (the first calls of a fresh tier may miss)."""
-    _wait_until(lambda: tier.stats()["client_open"], 30.0)
+    wait_until(lambda: tier.stats()["client_open"], 30.0)
 
 
 @pytest.fixture
@@ -85,6 +79,7 @@ def test_master_listens_on_loopback_only(master):
     assert addrs and all(a == "127.0.0.1" for a, _ in addrs), addrs
 
 
+@pytest.mark.slow  # a master killed and restarted: ~10 s on 2 cores
 def test_master_killed_mid_load_then_restarted(master):
     tier = _tier(master.url)
     try:
@@ -105,13 +100,13 @@ def test_master_killed_mid_load_then_restarted(master):
 
         t = threading.Thread(target=workload)
         t.start()
-        _wait_until(lambda: len(results) >= 3)
+        wait_until(lambda: len(results) >= 3, 30.0)
         master.kill()
         n_at_kill = len(results)
-        _wait_until(lambda: tier.stats()["breaker"] == "open")
-        _wait_until(lambda: len(results) >= n_at_kill + 10)
+        wait_until(lambda: tier.stats()["breaker"] == "open", 30.0)
+        wait_until(lambda: len(results) >= n_at_kill + 10, 30.0)
         master.start()  # restarted, empty
-        _wait_until(lambda: tier.put_many(_writes(keys, values)) == [True] * 4)
+        wait_until(lambda: tier.put_many(_writes(keys, values)) == [True] * 4, 30.0)
         stop.set()
         t.join()
         # The grace a started transfer gets applies only after the master answered.
@@ -137,7 +132,7 @@ def test_restarted_master_answers_absent(master):
         assert all(tier.put_many(_writes(keys, values)))
         master.kill()
         master.start()
-        _wait_until(lambda: tier.contains_many_known(keys) == ([False] * 3, [True] * 3))
+        wait_until(lambda: tier.contains_many_known(keys) == ([False] * 3, [True] * 3), 30.0)
         before = tier.stats()
         assert tier.get_many_into([(k, np.zeros(VALUE, np.uint8)) for k in keys]) == [False] * 3
         after = tier.stats()
@@ -205,10 +200,10 @@ def test_segment_owner_exits(master):
             got, dt = _timed(tier.get_many_into, list(zip(keys, outs)))
             assert got == [False] * 3 and dt < TIMEOUT_S + tier.options.transfer_grace_s + SLACK_S
         # The master unmounts the dead owner's segment after client_ttl (2 s here).
-        _wait_until(lambda: tier.contains_many_known(keys) == ([False] * 3, [True] * 3), 60.0)
+        wait_until(lambda: tier.contains_many_known(keys) == ([False] * 3, [True] * 3), 60.0)
         assert tier.stats()["get_corrupt"] == 0
         with SegmentOwnerProcess(master.address, 64 << 20):
-            _wait_until(lambda: tier.put_many(_writes(keys, values)) == [True] * 3)
+            wait_until(lambda: tier.put_many(_writes(keys, values)) == [True] * 3, 30.0)
             assert tier.get_many_into(list(zip(keys, outs))) == [True] * 3
             assert all(np.array_equal(o, v) for o, v in zip(outs, values))
     finally:
@@ -356,7 +351,7 @@ def test_storage_manager_registers_cpu_memory_and_reports_store_removals(master)
         assert mgr.lookup(toks).num_tokens == 3 * CHUNK  # served by the remote tier
         master.kill()
         master.start()
-        _wait_until(lambda: tier.contains_many_known(keys)[1] == [True] * 3)
+        wait_until(lambda: tier.contains_many_known(keys)[1] == [True] * 3, 30.0)
         mgr.cpu.clear()
         assert mgr.lookup(toks).num_tokens == 0
         gone = {k for c in seen if c.tier == "remote" and c.op == "r" for k in c.keys}
@@ -378,7 +373,6 @@ def test_bench_remote_measures_the_tier_and_the_raw_client_side_by_side(master):
 def test_bench_remote_refuses_a_mooncake_url_without_a_master():
     from kvtier.bench.common import BenchUsageError
     from kvtier.bench.remote import run_remote
-    from kvtier.testing.redis_server import free_port
 
     with pytest.raises(BenchUsageError, match="no Mooncake master"):
         run_remote(f"mooncake://127.0.0.1:{free_port()}")

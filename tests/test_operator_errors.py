@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from conftest import free_port
 from kvtier import __version__
 from kvtier.cli import app
 from kvtier.tiers.breaker import CircuitBreaker
@@ -215,9 +216,7 @@ def bare_redis(tmp_path: Path) -> Iterator[int]:
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.skip("redis-server not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--maxmemory", "0", "--maxmemory-policy", "noeviction", "--dir", str(tmp_path)],

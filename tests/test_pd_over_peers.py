@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from fake_vllm import ConnectorPair, expected_kv, make_connectors
-from test_pd_protocol import CHUNK, GEOM, Side, decode, free_port, req, tokens_of, wait_sending
+from conftest import free_port
+from test_pd_protocol import CHUNK, GEOM, Side, decode, req, tokens_of, wait_sending
 
 
 @pytest.fixture

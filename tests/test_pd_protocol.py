@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from vllm.v1.outputs import KVConnectorOutput
 
+from conftest import free_port
 from fake_vllm import (
     GARBAGE,
     CachedRequestData,
@@ -41,12 +42,6 @@ GEOM = Geometry(num_layers=2, num_kv_heads=1, head_dim=8, block_size=16, num_blo
 CHUNK = 32
 CHUNK_BYTES = CHUNK * GEOM.token_bytes
 BS = GEOM.block_size
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tokens_of(seed: int, n: int) -> list[int]:

@@ -15,6 +15,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from conftest import free_port
 from kvtier.router.pd_proxy import PDProxyServer, prefill_body
 
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r1",
@@ -88,9 +89,7 @@ def test_failed_prefiller_is_skipped_and_dead_decoder_is_502() -> None:
         r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200 and r.headers["x-kvtier-prefill"] == "skipped"
         assert "kv_transfer_params" not in seen[-1]  # the decoder computes the prompt itself
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = f"http://127.0.0.1:{free_port()}"
     with PDProxyServer([dead], [dead], port=0) as proxy:
         r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
         assert r.status_code == 502 and proxy.stats.prefill_skipped == 1

@@ -15,7 +15,8 @@ import httpx
 import msgspec
 import pytest
 import zmq
-from test_pd_protocol import CHUNK, cluster, free_port, req, tokens_of, wait_sending  # noqa: F401 (fixture)
+from conftest import free_port
+from test_pd_protocol import CHUNK, cluster, req, tokens_of, wait_sending  # noqa: F401 (fixture)
 from test_pd_proxy import PARAMS, backends, serve
 
 from kvtier.integrations.vllm.pd import PDConfirm, PDSettings, RemotePrefill

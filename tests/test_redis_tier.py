@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import CI_REDIS_CLUSTER, REDIS_HINT, wait_until
 from kvtier.testing import bf16_payload
 from kvtier.testing.redis_server import RedisServerProcess, ping, redis_server_binary
 from kvtier.tiers.base import ChunkWrite
@@ -59,13 +60,6 @@ def _items(n: int, seed: int = 0):
 def _writes(keys, values, parents=None):
     parents = parents or [None] * len(keys)
     return [ChunkWrite(k, p, v) for k, p, v in zip(keys, parents, values)]
-
-
-def _wait_until(cond, limit_s: float = 10.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 # -- circuit breaker (fake clock) ------------------------------------------------------------
@@ -163,11 +157,11 @@ def test_killed_mid_workload_then_restarted(server):
 
     t = threading.Thread(target=workload)
     t.start()
-    _wait_until(lambda: len(results) >= 3)
+    wait_until(lambda: len(results) >= 3)
     server.kill()
     n_at_kill = len(results)
-    _wait_until(lambda: tier.stats()["breakers"]["standalone"] == OPEN)
-    _wait_until(lambda: len(results) >= n_at_kill + 20)
+    wait_until(lambda: tier.stats()["breakers"]["standalone"] == OPEN)
+    wait_until(lambda: len(results) >= n_at_kill + 20)
     stop.set()
     t.join()
     assert max(durations) < TIMEOUT_S + SLACK_S
@@ -177,7 +171,7 @@ def test_killed_mid_workload_then_restarted(server):
     assert s["breaker_trips"] >= 1 and s["skipped_calls"] > 0 and s["errors"] >= 2
 
     server.start()  # restarted, empty
-    _wait_until(lambda: tier.put_many(_writes(keys, values)) == [True] * 4)
+    wait_until(lambda: tier.put_many(_writes(keys, values)) == [True] * 4)
     assert tier.get_many_into(list(zip(keys, outs))) == [True] * 4
     assert all(np.array_equal(o, v) for o, v in zip(outs, values))
     assert tier.stats()["breakers"]["standalone"] == CLOSED
@@ -194,7 +188,7 @@ def test_restarted_empty_gets_are_counted_misses(server):
     server.start()
     outs = [np.zeros_like(v) for v in values]
     # The first call may meet the dead pooled connection (an error); the tier reconnects by itself.
-    _wait_until(lambda: tier.contains_many(keys) == [False] * 3 and tier.stats()["breakers"]["standalone"] == CLOSED)
+    wait_until(lambda: tier.contains_many(keys) == [False] * 3 and tier.stats()["breakers"]["standalone"] == CLOSED)
     before = tier.stats()
     assert tier.get_many_into(list(zip(keys, outs))) == [False] * 3
     after = tier.stats()
@@ -223,7 +217,7 @@ def test_paused_server_calls_return_within_timeout(server):
         assert tier.stats()["breakers"]["standalone"] == OPEN
     finally:
         server.resume()
-    _wait_until(lambda: tier.get_many_into(list(zip(keys, outs))) == [True, True])
+    wait_until(lambda: tier.get_many_into(list(zip(keys, outs))) == [True, True])
     assert all(np.array_equal(o, v) for o, v in zip(outs, values))
     tier.close()
 
@@ -242,7 +236,7 @@ def test_debug_sleep_server_calls_return_within_timeout(server):
     assert ok is False and dt < TIMEOUT_S + SLACK_S
     sleeper.join()
     admin.close()
-    _wait_until(lambda: tier.get_into(keys[0], out))
+    wait_until(lambda: tier.get_into(keys[0], out))
     assert np.array_equal(out, values[0])
     tier.close()
 
@@ -285,9 +279,9 @@ def test_clear_leaves_other_prefixes_alone(server):
 
 
 # -- cluster (shared CI cluster) --------------------------------------------------------------
-CLUSTER = ("127.0.0.1", 7100)
+CLUSTER = CI_REDIS_CLUSTER
 needs_cluster = pytest.mark.skipif(
-    not ping(*CLUSTER), reason="no Redis Cluster on 127.0.0.1:7100; start it with `.ci/redis.sh start`"
+    not ping(*CLUSTER), reason=f"no Redis Cluster on {CLUSTER[0]}:{CLUSTER[1]}; {REDIS_HINT}"
 )
 
 

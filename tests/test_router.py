@@ -23,9 +23,10 @@ from fastapi.responses import (
     StreamingResponse,
 )
 
+from conftest import free_port, wait_until
 from kvtier.events.publisher import EventPublisher
 from kvtier.events.schema import AllBlocksCleared, BlockRemoved, BlockStored
-from kvtier.router.app import RouterServer
+from kvtier.router.server import RouterServer
 from kvtier.router.config import (
     BackendSpec,
     RouterConfig,
@@ -41,18 +42,12 @@ from kvtier.router.tokenize import PromptTokenizer, TokenizeError
 BS = 16  # fake engine block size
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class FakeBackend:
     """A tiny vLLM look-alike: /v1/completions (+SSE), /v1/chat/completions, /health, /metrics."""
 
     def __init__(self, name: str, port: int | None = None, delay_s: float = 0.0) -> None:
         self.name = name
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.delay_s = delay_s
         self.requests: list[dict[str, Any]] = []
         self.running = 0
@@ -164,13 +159,6 @@ def _router(backs: list[FakeBackend], pubs: list[EventPublisher] | None = None, 
 
 def _complete(client: httpx.Client, prompt: Any, **kw: Any) -> httpx.Response:
     return client.post("/v1/completions", json={"model": "fake", "prompt": prompt, "max_tokens": 4, **kw})
-
-
-def _wait(cond, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 def _blocks(router: RouterServer, name: str) -> int:
@@ -295,7 +283,7 @@ def test_kv_aware_routes_to_prefix_holder(fleet) -> None:
     with contextlib.closing(_router(backs, pubs)) as r, httpx.Client(base_url=r.url, timeout=10) as c:
         # b (second in order, so not the default) announces the document.
         pubs[1].publish([_stored(DOC, salt=42)])
-        _wait(lambda: _blocks(r, "b") == 8)
+        wait_until(lambda: _blocks(r, "b") == 8)
         for i in range(6):  # with load between: still the holder
             resp = _complete(c, DOC + [i, i + 1])
             assert resp.status_code == 200
@@ -331,7 +319,7 @@ def test_dead_backend_skipped_and_returns(fleet) -> None:
     backs, pubs, _ = fleet
     with contextlib.closing(_router(backs, pubs)) as r, httpx.Client(base_url=r.url, timeout=10) as c:
         pubs[0].publish([_stored(DOC, salt=3)])
-        _wait(lambda: _blocks(r, "a") == 8)
+        wait_until(lambda: _blocks(r, "a") == 8)
         backs[0].stop()
         t0 = time.monotonic()
         # Requests right away: never hang, never fail (retried on b), even for a's prefix.
@@ -340,12 +328,12 @@ def test_dead_backend_skipped_and_returns(fleet) -> None:
             resp = _complete(c, DOC + [i])
             assert time.monotonic() - t < 3.0
             assert resp.status_code == 200 and resp.json()["backend"] == "b"
-        _wait(lambda: not r.router.pool.by_name["a"].healthy, timeout_s=2.0 - (time.monotonic() - t0) + 0.5)
+        wait_until(lambda: not r.router.pool.by_name["a"].healthy, timeout_s=2.0 - (time.monotonic() - t0) + 0.5)
         assert _blocks(r, "a") == 0  # its routes were dropped with it
         assert c.get("/router/state").json()["backends"]["a"]["healthy"] is False
         # Recovery: it comes back and gets traffic again.
         backs[0].start()
-        _wait(lambda: r.router.pool.by_name["a"].healthy, timeout_s=3.0)
+        wait_until(lambda: r.router.pool.by_name["a"].healthy, timeout_s=3.0)
         got = Counter(_complete(c, [20_000 + i] * BS).json()["backend"] for i in range(6))
         assert got["a"] >= 2, got
 
@@ -354,7 +342,7 @@ def test_hung_backend_does_not_hang_requests(fleet) -> None:
     backs, pubs, _ = fleet
     with contextlib.closing(_router(backs, pubs)) as r, httpx.Client(base_url=r.url, timeout=15) as c:
         pubs[0].publish([_stored(DOC, salt=3)])
-        _wait(lambda: _blocks(r, "a") == 8)
+        wait_until(lambda: _blocks(r, "a") == 8)
         backs[0].hang = True  # accepts connections, answers nothing (health included)
         t = time.monotonic()
         resp = _complete(c, DOC + [1])  # routed to a by prefix, a hangs: retried on b once a leaves
@@ -370,7 +358,7 @@ def test_no_stale_routes_after_clear_or_restart(fleet, how: str) -> None:
     backs, pubs, _ = fleet
     with contextlib.closing(_router(backs, pubs)) as r, httpx.Client(base_url=r.url, timeout=10) as c:
         pubs[1].publish([_stored(DOC, salt=5)])
-        _wait(lambda: _blocks(r, "b") == 8)
+        wait_until(lambda: _blocks(r, "b") == 8)
         assert _complete(c, DOC + [0]).headers["x-kvtier-route-reason"] == "prefix"
         if how == "clear":
             pubs[1].publish([AllBlocksCleared()])
@@ -378,12 +366,16 @@ def test_no_stale_routes_after_clear_or_restart(fleet, how: str) -> None:
             endpoint = pubs[1].endpoint
             pubs[1].close()
             pubs[1] = EventPublisher(endpoint)
-            time.sleep(0.3)  # let the subscriber reconnect
-            pubs[1].publish([_stored([9] * BS, salt=6)])
+
+            def restarted_and_seen() -> bool:  # publish until the reconnected subscriber delivers it
+                pubs[1].publish([_stored([9] * BS, salt=6)])
+                return _blocks(r, "b") == 1
+
+            wait_until(restarted_and_seen, 10, "the restarted publisher's block indexed, the old ones dropped")
         else:  # the server restarts (new process start time, empty cache), quickly
             backs[1].stop()
             backs[1].start()
-        time.sleep(1.0)
+        wait_until(lambda: _blocks(r, "b") == (1 if how == "publisher-restart" else 0), 10, "b's stale blocks dropped")
         stale = 0
         for i in range(10):
             resp = _complete(c, DOC + [i])
@@ -415,7 +407,7 @@ def test_chat_uses_template_tokens(fleet) -> None:
     with contextlib.closing(_router(backs, pubs, tokenizer=tok)) as r, httpx.Client(base_url=r.url, timeout=10) as c:
         n = len(rendered) // BS * BS
         pubs[1].publish([_stored(rendered[:n], salt=8)])
-        _wait(lambda: _blocks(r, "b") == n // BS)
+        wait_until(lambda: _blocks(r, "b") == n // BS)
         resp = c.post("/v1/chat/completions", json={"model": "fake", "messages": msgs})
         assert resp.json()["backend"] == "b"
         assert int(resp.headers["x-kvtier-predicted-hit-tokens"]) == n
@@ -427,7 +419,7 @@ def test_round_robin_and_least_loaded(fleet) -> None:
     with contextlib.closing(_router(backs, pubs, policy="round-robin")) as r, \
             httpx.Client(base_url=r.url, timeout=10) as c:
         pubs[1].publish([_stored(DOC, salt=1)])
-        _wait(lambda: _blocks(r, "b") == 8)
+        wait_until(lambda: _blocks(r, "b") == 8)
         order = [_complete(c, DOC).json()["backend"] for _ in range(6)]
         assert order == ["a", "b"] * 3  # the prefix does not matter
     backs[0].delay_s = 1.0  # a is slow: its requests stay in flight
@@ -437,7 +429,7 @@ def test_round_robin_and_least_loaded(fleet) -> None:
 
         with cf.ThreadPoolExecutor(4) as ex:
             first = ex.submit(_complete, c, [1] * 64)
-            time.sleep(0.3)
+            wait_until(lambda: backs[0].running >= 1, 10, "the first request in flight at a")
             rest = [ex.submit(_complete, c, [2] * 64) for _ in range(3)]
             names = [first.result().json()["backend"]] + [f.result().json()["backend"] for f in rest]
         assert names[0] == "a"  # tie -> first configured
@@ -445,7 +437,7 @@ def test_round_robin_and_least_loaded(fleet) -> None:
 
 
 def test_no_healthy_backend_is_503_quickly(tmp_path: Path) -> None:
-    dead = BackendSpec(url=f"http://127.0.0.1:{_free_port()}", instance_id="dead")
+    dead = BackendSpec(url=f"http://127.0.0.1:{free_port()}", instance_id="dead")
     with contextlib.closing(RouterServer(RouterConfig(backends=(dead,)), port=0).start()) as r, \
             httpx.Client(base_url=r.url, timeout=10) as c:
         t = time.monotonic()
@@ -468,11 +460,11 @@ def test_controller_lookup_counts_kvtier_tiers(fleet) -> None:
         return {"instances": {"a": {"longest_matched": 0, "CPU": 0, "DISK": 0, "REMOTE": 0, "pinned": 0},
                               "b": {"longest_matched": n - 1, "CPU": 0, "DISK": n - 1, "REMOTE": 0, "pinned": 0}}}
 
-    port = _free_port()
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(ctl, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
-    _wait(lambda: srv.started)
+    wait_until(lambda: srv.started)
     try:
         with contextlib.closing(_router(backs, None, controller_url=f"http://127.0.0.1:{port}")) as r, \
                 httpx.Client(base_url=r.url, timeout=10) as c:
@@ -497,7 +489,7 @@ def test_backend_whose_events_never_arrive_is_reported_silent(fleet, caplog) -> 
     cfg = RouterConfig(backends=specs, policy="round-robin")
     with contextlib.closing(RouterServer(cfg, port=0).start()) as r, httpx.Client(base_url=r.url, timeout=10) as c:
         pubs[1].publish([_stored(DOC, salt=7)])
-        _wait(lambda: _blocks(r, "b") == 8)
+        wait_until(lambda: _blocks(r, "b") == 8)
         with caplog.at_level("WARNING", logger="kvtier.router"):
             for i in range(2 * r.router.SILENT_AFTER_REQUESTS):
                 assert _complete(c, [5, i]).status_code == 200

@@ -38,7 +38,7 @@ def test_router_sends_repeat_to_holder_and_it_hits(tmp_path: Path) -> None:
         free_port,
         metric_sum,
     )
-    from kvtier.router.app import RouterServer
+    from kvtier.router.server import RouterServer
     from kvtier.router.config import BackendSpec, RouterConfig
 
     model = str(prepare_model().path)

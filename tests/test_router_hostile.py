@@ -15,7 +15,8 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from test_router import BS, DOC, FakeBackend, _blocks, _complete, _free_port, _router, _stored, _wait
+from conftest import free_port, wait_until
+from test_router import BS, DOC, FakeBackend, _blocks, _complete, _router, _stored
 
 from kvtier.events.codec import make_batch
 from kvtier.events.publisher import EventPublisher
@@ -72,7 +73,7 @@ def test_unknown_medium_does_not_outrank_a_known_tier(fleet) -> None:
     with contextlib.closing(_router(backs, pubs)) as r, httpx.Client(base_url=r.url, timeout=10) as c:
         pubs[0].publish([_stored(DOC, salt=3, medium="STORAGE")])  # a holds it on disk (vLLM's name)
         pubs[1].publish([_stored(DOC, salt=4, medium="HBM_FANCY")])  # b claims a tier nobody knows
-        _wait(lambda: r.router.feeds["b"].batches == 1 and _blocks(r, "a") == 8)
+        wait_until(lambda: r.router.feeds["b"].batches == 1 and _blocks(r, "a") == 8)
         resp = _complete(c, DOC)
         assert resp.json()["backend"] == "a" and resp.headers["x-kvtier-route-reason"] == "prefix"
         cands = c.get("/router/state").json()["decisions"][-1]["candidates"]
@@ -100,7 +101,7 @@ def test_salted_prompt_routes_to_the_holder_of_its_salt(fleet) -> None:
     assert ev.extra_keys is not None and ev.extra_keys[0] == ("tenant-1",)
     with contextlib.closing(_router(backs, pubs)) as r, httpx.Client(base_url=r.url, timeout=10) as c:
         pubs[1].publish([ev])  # b holds DOC under tenant-1's salt
-        _wait(lambda: _blocks(r, "b") == 8)
+        wait_until(lambda: _blocks(r, "b") == 8)
         resp = _complete(c, DOC, cache_salt="tenant-1")
         assert resp.json()["backend"] == "b" and resp.headers["x-kvtier-route-reason"] == "prefix"
         assert int(resp.headers["x-kvtier-predicted-hit-tokens"]) == 8 * BS
@@ -123,11 +124,11 @@ def test_salted_controller_lookup_asks_within_the_salt(fleet) -> None:
         return {"instances": {"a": {"longest_matched": 0, "CPU": 0},
                               "b": {"longest_matched": n, "CPU": n}}}
 
-    port = _free_port()
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(ctl, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
-    _wait(lambda: srv.started)
+    wait_until(lambda: srv.started)
     try:
         with contextlib.closing(_router(backs, None, controller_url=f"http://127.0.0.1:{port}")) as r, \
                 httpx.Client(base_url=r.url, timeout=10) as c:
@@ -146,7 +147,7 @@ def test_salted_controller_lookup_asks_within_the_salt(fleet) -> None:
 def test_controller_token_from_file_or_env_not_only_argv(tmp_path, monkeypatch, caplog) -> None:
     from typer.testing import CliRunner
 
-    import kvtier.router.app as app_mod
+    import kvtier.router.server as server_mod
     from kvtier.cli import app
     from kvtier.router.config import RouterConfigError, controller_token_from
 
@@ -161,7 +162,7 @@ def test_controller_token_from_file_or_env_not_only_argv(tmp_path, monkeypatch, 
         def serve_forever(self) -> None:
             return
 
-    monkeypatch.setattr(app_mod, "RouterServer", NoServe)
+    monkeypatch.setattr(server_mod, "RouterServer", NoServe)  # the CLI imports it from there
     f = tmp_path / "tok"
     f.write_text("from-file\n")
     f.chmod(0o600)
@@ -219,7 +220,7 @@ def test_event_frames_beyond_the_bound_are_never_read(fleet) -> None:
                 if feed.batches:
                     break
                 threading.Event().wait(0.02)
-            _wait(lambda: feed.batches >= 1)
+            wait_until(lambda: feed.batches >= 1)
             n = -1
             while n != feed.batches:  # nothing more in flight
                 n = feed.batches
@@ -257,12 +258,12 @@ class AppBackend:
         async def metrics() -> PlainTextResponse:
             return PlainTextResponse("vllm:num_requests_running 0\n")
 
-        self.port = _free_port()
+        self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical",
                                                    lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        _wait(lambda: self.server.started, 10)
+        wait_until(lambda: self.server.started, 10)
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = "x"
 
@@ -517,12 +518,12 @@ def test_large_prompts_never_make_small_ones_wait(fleet) -> None:
     with contextlib.closing(_router(backs, None, tokenizer=tok)) as r, httpx.Client(base_url=r.url, timeout=60) as c:
         with cf.ThreadPoolExecutor(8) as ex:
             big = [ex.submit(_complete, c, "w" * 3_000_000) for _ in range(6)]
-            _wait(lambda: tok.blocked >= 2, 20)
+            wait_until(lambda: tok.blocked >= 2, 20)
             with httpx.Client(base_url=r.url, timeout=10) as c2:
                 for i in range(5):  # fails by read timeout when a small prompt waits behind a large one
                     assert _complete(c2, "s" * 8192 + str(i)).status_code == 200
                 r.router.admission._large.per_client_queue = 4  # a smaller queue, to see its bound
-                _wait(lambda: r.router.admission._large.clients.get("127.0.0.1") is not None
+                wait_until(lambda: r.router.admission._large.clients.get("127.0.0.1") is not None
                       and r.router.admission._large.clients["127.0.0.1"].users == 6, 20)
                 resp = _complete(c2, "v" * 200_000)
                 assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
@@ -580,7 +581,7 @@ def test_a_burst_of_ordinary_requests_from_one_client_is_queued_not_refused(flee
     with contextlib.closing(_router(backs, None, tokenizer=tok)) as r, httpx.Client(base_url=r.url, timeout=60) as c:
         with cf.ThreadPoolExecutor(48) as ex:
             futs = [ex.submit(_complete, c, f"prompt number {i}") for i in range(48)]
-            _wait(lambda: r.router.admission._small.clients.get("127.0.0.1") is not None
+            wait_until(lambda: r.router.admission._small.clients.get("127.0.0.1") is not None
                   and r.router.admission._small.clients["127.0.0.1"].users == 48, 30)
             assert tok.blocked == 2  # the client's bound: two at once
             tok.release.set()

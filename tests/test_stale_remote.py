@@ -18,14 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import CHUNK, small_namespace
+from conftest import CHUNK, CI_REDIS, small_namespace
 from kvtier.config import KVTierConfig
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.stale_remote import StaleRemoteTracker
 from kvtier.storage.tier_events import TierChange
 
 CB = 2048
-REDIS = ("127.0.0.1", 6399)
+REDIS = CI_REDIS
 
 
 def tokens(seed: int, n_chunks: int) -> list[int]:
@@ -108,14 +108,10 @@ def test_a_store_that_fails_is_not_taken_for_absent(tmp_path: Path, monkeypatch:
         mgr.close()
 
 
-def test_redis_keys_evicted_by_the_server_are_reported_removed() -> None:
-    from kvtier.testing.redis_server import ping
-
-    if not ping(*REDIS):
-        pytest.skip("no Redis on 127.0.0.1:6399; start the CI servers with `.ci/redis.sh start`")
+def test_redis_keys_evicted_by_the_server_are_reported_removed(redis_url: str) -> None:
     import redis
 
-    url = f"redis://{REDIS[0]}:{REDIS[1]}/0?key_prefix=kvtier-test-{uuid.uuid4().hex[:10]}:"
+    url = f"{redis_url}?key_prefix=kvtier-test-{uuid.uuid4().hex[:10]}:"
     mgr = manager(url)
     seen: list[TierChange] = []
     mgr.subscribe(seen.append)

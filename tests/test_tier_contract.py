@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 from kvtier.testing import NS_A, TierContract, TierHarness
-from kvtier.testing.redis_server import RedisServerProcess, ping, redis_server_binary
+from conftest import CI_REDIS, CI_REDIS_CLUSTER, require_redis
+from kvtier.testing.redis_server import RedisServerProcess, redis_server_binary
 from kvtier.tiers.fs_tier import FsTier
 from kvtier.tiers.redis_tier import RedisTier
 
 redis = pytest.importorskip("redis")
 
-STANDALONE = ("127.0.0.1", 6399)
-CLUSTER = ("127.0.0.1", 7100)
-_SKIP_HINT = "start the CI servers with `.ci/redis.sh start`"
+STANDALONE = CI_REDIS
+CLUSTER = CI_REDIS_CLUSTER
 
 
 class TestFsContract(TierContract):
@@ -74,8 +74,7 @@ def _redis_harness(url: str, raw_client, **extra) -> TierHarness:
 class TestRedisStandaloneContract(TierContract):
     @pytest.fixture
     def harness(self) -> TierHarness:
-        if not ping(*STANDALONE):
-            pytest.skip(f"no Redis on {STANDALONE[0]}:{STANDALONE[1]}; {_SKIP_HINT}")
+        require_redis()
         client = redis.Redis(*STANDALONE, protocol=2)
         yield _redis_harness(f"redis://{STANDALONE[0]}:{STANDALONE[1]}/0", client)
         client.close()
@@ -84,8 +83,7 @@ class TestRedisStandaloneContract(TierContract):
 class TestRedisClusterContract(TierContract):
     @pytest.fixture
     def harness(self) -> TierHarness:
-        if not ping(*CLUSTER):
-            pytest.skip(f"no Redis Cluster on {CLUSTER[0]}:{CLUSTER[1]}; {_SKIP_HINT}")
+        require_redis(cluster=True)
         from redis.cluster import RedisCluster
 
         client = RedisCluster(*CLUSTER, protocol=2)

@@ -29,11 +29,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import CHUNK, payload_for, small_namespace
+from conftest import CHUNK, free_port, payload_for, small_namespace, wait_until
 from fake_vllm import expected_kv
 from test_pd_protocol import CHUNK as PD_CHUNK
-from test_pd_protocol import GEOM, cluster, decode, free_port, req, tokens_of, wait_sending  # noqa: F401 (fixture)
-from service_helpers import wait_until
+from test_pd_protocol import GEOM, cluster, decode, req, tokens_of, wait_sending  # noqa: F401 (fixture)
 from transfer_helpers import CB, PeerProcess, peer_keys, store_chain
 from kvtier.config import KVTierConfig
 from kvtier.storage.manager import StorageManager
@@ -41,12 +40,6 @@ from kvtier.storage.manager import StorageManager
 #: Hang guard (seconds) of one pull or clean-up (peer timeouts here are 10 s; a dead peer is seen at once).
 HANG_S = 30.0
 NCHUNKS = 5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +51,7 @@ def _peer_keys(fleet, monkeypatch) -> None:
 @pytest.fixture(params=["tcp", "shm"])
 def url(request, tmp_path: Path) -> str:
     if request.param == "tcp":
-        return f"tcp://127.0.0.1:{_free_port()}"
+        return f"tcp://127.0.0.1:{free_port()}"
     return f"shm://{tmp_path}/peer.sock"
 
 
@@ -257,6 +250,7 @@ def _server_clean(srv) -> None:
     m.check_invariants()
 
 
+@pytest.mark.slow  # waits out a lease: ~29 s on 2 cores
 def test_pd_decoder_killed_mid_load_prefiller_frees_by_lease(cluster) -> None:  # noqa: F811 (fixture)
     """The decoder process dies while loading: the server drops its reads, the prefiller frees the request's
     blocks and store lease when pd_lease_s passes (no confirm), and a new decoder still gets the exact KV."""
@@ -284,6 +278,7 @@ def test_pd_decoder_killed_mid_load_prefiller_frees_by_lease(cluster) -> None:  
     assert np.array_equal(dec.kv(d, 0, length), expected_kv(prompt, None, GEOM))
 
 
+@pytest.mark.slow  # ~29 s on 2 cores
 def test_pd_prefiller_killed_while_holding_decoder_gets_exact_kv_or_recomputes(cluster) -> None:  # noqa: F811
     """The prefiller process dies after handing out its params (holding blocks and a store lease): the server
     drops its lease, the decoder loads KV identical to the prompt's (or recomputes), and its confirm to the dead

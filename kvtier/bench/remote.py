@@ -31,20 +31,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from kvtier.bench.common import BenchUsageError, Check, gbps, interleaved, median, print_checks, write_json
-
-#: Bytes of one 256-token SmolLM2-135M chunk (bf16 K and V).
-CHUNK_BYTES = 5_898_240
-EXISTS_KEYS = 32
-
-
-def _payloads(n: int, seed: int = 0) -> list[np.ndarray]:
-    """``n`` chunk payloads of finite bf16 values (uint8 arrays)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        x = rng.standard_normal(CHUNK_BYTES // 2, dtype=np.float32)
-        out.append((x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8))
-    return out
+from kvtier.bench.remote_payloads import CHUNK_BYTES, EXISTS_KEYS, payloads as _payloads
 
 
 @contextmanager
@@ -92,7 +79,7 @@ def preflight(url: str) -> None:
         import redis
     except ImportError:
         raise BenchUsageError("bench remote needs redis-py: pip install 'kvtier[redis]'") from None
-    from kvtier.config import mask_url
+    from kvtier.urls import mask_url
     from kvtier.tiers.redis_tier import RedisTier
 
     shown = mask_url(url)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.bench.common import BenchUsageError, Check, gbps, interleaved, median, print_checks, write_json
-from kvtier.bench.remote import CHUNK_BYTES, EXISTS_KEYS, _payloads
+from kvtier.bench.remote_payloads import CHUNK_BYTES, EXISTS_KEYS, payloads as _payloads
 
 #: Pool memory the bench's segment owner mounts (both sides' chunks fit with room to spare).
 OWNER_SEGMENT_BYTES = 1 << 30

@@ -33,63 +33,19 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from kvtier.bench.common import write_json
+from kvtier.bench.soak_options import MiB, SoakOptions
 from kvtier.bench.soak_report import build_report, pct
 
-MiB = 1 << 20
 #: Seconds allowed for the server to answer /health and for clients to connect.
 STARTUP_S = 90.0
 #: Seconds a worker may take past the run's end (an attack in progress finishes; each is bounded).
 FINISH_GRACE_S = 30.0
 #: Seconds between progress lines.
 PROGRESS_EVERY_S = 15.0
-
-
-@dataclass(frozen=True)
-class SoakOptions:
-    """One soak run.
-
-    Attributes:
-        minutes: length of the measured run (after every client connected).
-        clients: well-behaved client processes.
-        rate: requests per second of each well-behaved client.
-        cpu_capacity: bytes of the server's CPU pool.
-        rss_allowance: bytes of server RSS allowed above ``cpu_capacity``
-            (interpreter, numpy, index, sessions, buffers).
-        tcp: also listen on loopback TCP (so the hostile client tries wrong tokens).
-        restart_every_s: each well-behaved client is replaced by a new one (a
-            new registration, as after an engine restart) this often, staggered;
-            0: never.
-    """
-
-    minutes: float = 10.0
-    clients: int = 8
-    rate: float = 20.0
-    cpu_capacity: int = 64 * MiB
-    rss_allowance: int = 128 * MiB
-    tcp: bool = True
-    restart_every_s: float = 30.0
-
-    def problems(self) -> list[str]:
-        """Usage errors, one line each (naming the flag, the value and the accepted range)."""
-        out = []
-        if not 0 < self.minutes <= 24 * 60:
-            out.append(f"--minutes must be in (0, 1440], got {self.minutes}")
-        if not 1 <= self.clients <= 64:
-            out.append(f"--clients must be in 1..64, got {self.clients}")
-        if not 0 < self.rate <= 1000:
-            out.append(f"--rate must be in (0, 1000] requests/s, got {self.rate}")
-        if not 8 * MiB <= self.cpu_capacity <= 64 * 1024 * MiB:
-            out.append(f"--cpu-capacity must be 8MiB..64GiB, got {self.cpu_capacity} bytes")
-        if self.restart_every_s < 0:
-            out.append(f"--restart-every must be >= 0 seconds, got {self.restart_every_s}")
-        if self.rss_allowance < 0:
-            out.append(f"--rss-allowance must be >= 0, got {self.rss_allowance} bytes")
-        return out
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

@@ -21,7 +21,7 @@ import numpy as np
 from kvtier.bench.common import Check, print_checks
 
 if TYPE_CHECKING:
-    from kvtier.bench.soak import SoakOptions
+    from kvtier.bench.soak_options import SoakOptions
 
 MiB = 1 << 20
 #: Lookup p99 target of the well-behaved clients (milliseconds).

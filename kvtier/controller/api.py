@@ -230,7 +230,7 @@ class _Collector:
 
 def create_app(controller: "Controller") -> FastAPI:
     """The FastAPI app serving ``controller`` (its ``ops``, ``state`` and ``token``)."""
-    from kvtier import __version__
+    from kvtier.version import __version__
 
     app = FastAPI(title="kvtier controller", version=__version__,
                   description="One API over every registered kvtier instance's cache.")

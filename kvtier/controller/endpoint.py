@@ -39,7 +39,8 @@ from kvtier.protocol.fleet import (
     decode_agent_message,
     encode,
 )
-from kvtier.protocol.trust import CurveGate, FleetKey, bound_messages, curve_server, sender_key
+from kvtier.protocol.curve import CurveGate, bound_messages, curve_server, sender_key
+from kvtier.protocol.trust import FleetKey
 
 #: ZAP domain of the agent endpoint.
 ZAP_DOMAIN = "kvtier-agents"

@@ -38,7 +38,7 @@ import zmq
 
 from kvtier.events.codec import EventEncodeError, encode_batch, make_batch
 from kvtier.events.schema import KVEvent, KVEventBatch
-from kvtier.protocol.trust import CurveGate, bound_messages, curve_server
+from kvtier.protocol.curve import CurveGate, bound_messages, curve_server
 
 log = logging.getLogger(__name__)
 

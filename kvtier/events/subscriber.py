@@ -103,7 +103,7 @@ class EventSubscriber:
     def _secure(self, sock: zmq.Socket) -> None:
         """CURVE client options on ``sock`` when this subscriber has credentials and a server key."""
         if self._curve is not None:
-            from kvtier.protocol.trust import curve_client
+            from kvtier.protocol.curve import curve_client
 
             curve_client(sock, self._curve[0].key, self._curve[1])
 

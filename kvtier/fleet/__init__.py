@@ -8,7 +8,7 @@
 - :mod:`.identity` (instance id, namespace and tier descriptions), :mod:`.namespaces`
   (the namespaces an agent serves), :mod:`.snapshots` (Snapshot parts), :mod:`.op_runner`
   (the pool that runs operations and refreshes health).
-- :mod:`.service_link`: wires an agent and a KV event publisher into ``kvtier server``.
+- (``kvtier server`` wires an agent and a KV event publisher in :mod:`kvtier.service.fleet_link`.)
 """
 
 from kvtier.fleet.agent import FleetAgent, default_instance_id, namespace_info, tier_infos

@@ -63,7 +63,8 @@ from kvtier.fleet.namespaces import NamespaceSet
 from kvtier.fleet.op_runner import OpRunner, OpsLike
 from kvtier.fleet.snapshots import snapshot_parts
 from kvtier.protocol import fleet as F
-from kvtier.protocol.trust import Credentials, bound_messages, curve_client
+from kvtier.protocol.curve import bound_messages, curve_client
+from kvtier.protocol.trust import Credentials
 
 log = logging.getLogger(__name__)
 

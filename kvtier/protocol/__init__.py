@@ -47,7 +47,8 @@ from kvtier.protocol.messages import (
     ok_reply,
 )
 from kvtier.protocol.tiers import TIER_CODES, TIER_NAMES, decode_tiers, encode_tiers
-from kvtier.protocol.transport import UnsafeSocketDir, check_socket_dir, make_socket_dir, parse_address
+from kvtier.config_base import parse_address
+from kvtier.protocol.transport import UnsafeSocketDir, check_socket_dir, make_socket_dir
 
 __all__ = [
     "Abort", "Backoff", "Clear", "Commit", "Contains", "CudaRegister", "Envelope", "ErrorCode", "Flush", "HEADER",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # trust.py re-exports this module: no import cycle at run time
+if TYPE_CHECKING:
     from kvtier.protocol.trust import FleetKey, Members
 
 #: Largest message any socket kvtier binds accepts from a peer (libzmq drops the connection beyond it).

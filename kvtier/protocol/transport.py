@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
-from typing import Any
 
 
 class UnsafeSocketDir(PermissionError):
@@ -14,27 +13,6 @@ class UnsafeSocketDir(PermissionError):
     Anyone who can write there could replace the socket with their own and
     receive this process's keys (or serve it forged replies).
     """
-
-
-def parse_address(address: str) -> tuple[str, Any]:
-    """``unix:///path``, ``/path``, or ``tcp://host:port`` -> (family, address).
-
-    Raises:
-        ValueError: anything else.
-    """
-    if address.startswith("unix://"):
-        path = address[len("unix://") :]
-        if not path.startswith("/"):
-            raise ValueError(f"Unix socket address must be unix:///absolute/path, got {address!r}")
-        return "unix", path
-    if address.startswith("/"):
-        return "unix", address
-    if address.startswith("tcp://"):
-        host, sep, port = address[len("tcp://") :].rpartition(":")
-        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"TCP address must be tcp://host:port (port 1-65535), got {address!r}")
-        return "tcp", (host.strip("[]") or "127.0.0.1", int(port))
-    raise ValueError(f"server address must be unix:///path or tcp://host:port, got {address!r}")
 
 
 def check_socket_dir(path: str) -> None:

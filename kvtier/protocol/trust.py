@@ -471,18 +471,7 @@ def credentials_from_config(config: Any) -> Credentials | None:
     return Credentials.from_paths(key_path, members_path)
 
 
-# The ZeroMQ CURVE helpers live in :mod:`kvtier.protocol.curve`; importable from here too.
-from kvtier.protocol.curve import (  # noqa: E402 - after the names curve.py imports from here
-    DEFAULT_MAX_MESSAGE_BYTES,
-    CurveGate,
-    bound_messages,
-    curve_client,
-    curve_server,
-    sender_key,
-)
-
 __all__ = [
-    "DEFAULT_MAX_MESSAGE_BYTES", "ROLES", "CurveGate", "Credentials", "FleetKey", "Member", "Members", "TrustError",
-    "bound_messages", "check_private_file", "check_public_key", "credentials_from_config", "curve_client",
-    "curve_server", "key_bytes", "key_text", "parse_members", "sender_key",
+    "ROLES", "Credentials", "FleetKey", "Member", "Members", "TrustError", "check_private_file", "check_public_key",
+    "credentials_from_config", "key_bytes", "key_text", "parse_members",
 ]

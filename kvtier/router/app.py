@@ -14,8 +14,8 @@ cuts after its first bytes reaches the client as a cut (an SSE error event for a
 an incomplete body), never as a clean finish.
 
 Modules: :mod:`.router` (decisions, state), :mod:`.forward` (forwarding, streaming, retry),
-:mod:`.metrics`, :mod:`.server` (:class:`RouterServer`). Their public names are re-exported
-here.
+:mod:`.metrics` (their public names are re-exported here), and :mod:`.server`
+(:class:`~kvtier.router.server.RouterServer`, which serves this app; import it from there).
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from kvtier.router.forward import BackendUnavailable, Forwarded, Forwarder
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.router import Router
-from kvtier.router.server import RouterServer
-
-__all__ = ["BackendUnavailable", "Forwarded", "Forwarder", "Router", "RouterMetrics", "RouterServer", "create_app"]
+__all__ = ["BackendUnavailable", "Forwarded", "Forwarder", "Router", "RouterMetrics", "create_app"]
 
 
 def create_app(router: Router) -> FastAPI:

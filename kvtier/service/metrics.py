@@ -101,7 +101,7 @@ class ServerMetrics:
         config: "KVTierConfig | None" = None,
         tiers: "Callable[[], list[LowerTier]] | None" = None,
     ):
-        from kvtier import __version__
+        from kvtier.version import __version__
 
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
@@ -220,6 +220,3 @@ class _StateCollector:
             g.add_metric([node], 1.0 if is_open else 0.0)
         yield g
 
-
-# The HTTP server moved to kvtier.service.http; re-exported for existing imports.
-from kvtier.service.http import MetricsHTTPServer  # noqa: E402,F401

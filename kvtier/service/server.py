@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import protocol as P
-from kvtier.config import ConfigError, KVTierConfig, validate_config
+from kvtier.config import KVTierConfig
+from kvtier.config_base import ConfigError
+from kvtier.config_checks import validate_config
 from kvtier.protocol import ErrorCode, ProtocolError
 from kvtier.service.cuda_ipc import cuda_available
 from kvtier.service.handlers import DataHandlers, prefetch_one
@@ -80,12 +82,12 @@ class CacheServer:
     Raises (from the constructor):
         RuntimeError: TCP without a token.
         ConfigError: a setting that cannot work (disk path not writable,
-            capacity below the floor; see :func:`kvtier.config.validate_config`).
+            capacity below the floor; see :func:`kvtier.config_checks.validate_config`).
 
     Fleet: with ``options.controller`` the server registers with that controller
     (:class:`kvtier.fleet.agent.FleetAgent`, role ``"server"``) and keeps it informed
     of every hosted namespace's tiers; with ``options.kv_events_endpoint`` it
-    publishes its tier changes as vLLM KV events (:mod:`kvtier.fleet.service_link`).
+    publishes its tier changes as vLLM KV events (:mod:`kvtier.service.fleet_link`).
 
     Raises (from ``start``):
         RuntimeError: another server listens on ``socket_path``.
@@ -130,7 +132,7 @@ class CacheServer:
         self._unix: UnixSocketFile | None = None  # the bound --socket (its file and lock), once started
         self.tcp_address: tuple[str, int] | None = None
         self.protocol_errors = 0
-        self.fleet: Any = None  # kvtier.fleet.service_link.ServiceLink when a controller or KV events are set
+        self.fleet: Any = None  # kvtier.service.fleet_link.ServiceLink when a controller or KV events are set
         #: Serves every hosted namespace's chunks to peers on ``peer_listen`` (kvtier.service.peer_host); or None.
         self.peer_server: Any = None
 
@@ -173,7 +175,7 @@ class CacheServer:
             # The fleet layer sits above the service; imported only when asked for.
             import zmq
 
-            from kvtier.fleet.service_link import ServiceLink
+            from kvtier.service.fleet_link import ServiceLink
 
             try:
                 self.fleet = ServiceLink(self).start()

@@ -14,7 +14,8 @@ import inspect
 import logging
 from typing import Callable
 
-from kvtier.config import KVTierConfig, mask_url
+from kvtier.config import KVTierConfig
+from kvtier.urls import mask_url
 from kvtier.index.keys import KeyNamespace
 from kvtier.serde.base import DTYPE_ITEMSIZE, ValueSpec
 from kvtier.tiers.base import LowerTier

@@ -57,22 +57,6 @@ def payload(key: bytes, nbytes: int) -> np.ndarray:
     return rng.standard_normal(nbytes // 2).astype(np.float16).view(np.uint8).copy()
 
 
-def redis_reachable(host: str = "127.0.0.1", port: int = 6399, timeout_s: float = 0.3) -> bool:
-    """True if a TCP connection to ``host:port`` succeeds within ``timeout_s``."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
-def free_port() -> int:
-    """A loopback TCP port nothing listens on (at the time of the call)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_until(pred: Callable[[], bool], timeout_s: float = 3.0, step_s: float = 0.01) -> float:
     """Seconds until ``pred()`` held.
 

@@ -41,28 +41,11 @@ def _wait_http(url: str, proc: subprocess.Popen | None, timeout_s: float) -> Non
     raise RuntimeError(f"{url} not answering after {timeout_s:.0f} s")
 
 
-_ROUTER_SCRIPT = (
-    "import sys\n"
-    "from kvtier.router.app import RouterServer\n"
-    "from kvtier.router.config import RouterConfig, parse_backend\n"
-    "policy, model, port, *backends = sys.argv[1:]\n"
-    "cfg = RouterConfig(backends=tuple(parse_backend(b) for b in backends), policy=policy, model=model).validate()\n"
-    "RouterServer(cfg, port=int(port)).serve_forever()\n"
-)
-
-
 def router_command(backend_args: Sequence[str], model_path: str, policy: str, port: int) -> list[str]:
-    """``python -m kvtier.cli router ...`` when the CLI has the command, else the same router
-    started from :class:`kvtier.router.app.RouterServer` in a child process."""
-    from kvtier import cli
-
-    names = {c.name or getattr(c.callback, "__name__", "") for c in cli.app.registered_commands}
-    names |= {g.name for g in cli.app.registered_groups}
-    if "router" in names:
-        return [sys.executable, "-m", "kvtier.cli", "router", *backend_args, "--model", model_path,
-                "--policy", policy, "--port", str(port)]
-    return [sys.executable, "-c", _ROUTER_SCRIPT, policy, model_path, str(port),
-            *[b for b in backend_args if b != "--backend"]]
+    """``python -m kvtier.cli router ...``: the router in a child process, started by its own command
+    (a command line, not an import: the benchmark sits below the CLI that runs it)."""
+    return [sys.executable, "-m", "kvtier.cli", "router", *backend_args, "--model", model_path,
+            "--policy", policy, "--port", str(port)]
 
 
 @contextlib.contextmanager

@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from kvtier.config import KVTierConfig, mask_url
+from kvtier.config import KVTierConfig
+from kvtier.urls import mask_url
 
 log = logging.getLogger("kvtier.vllm")
 

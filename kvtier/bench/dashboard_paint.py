@@ -1,6 +1,6 @@
 """First paint of the dashboard with many chunks indexed (issue 13 target: < 500 ms at 1M chunks).
 
-Run: ``python -m kvtier.dashboard.paint_bench [--chunks 1000000] [--json out.json]`` (wrap in
+Run: ``python -m kvtier.bench.dashboard_paint [--chunks 1000000] [--json out.json]`` (wrap in
 ``flock /tmp/kvtier-heavy.lock``: filling the tier takes tens of seconds of CPU).
 
 A real :class:`~kvtier.storage.manager.StorageManager` (tiny 512-byte chunks, so 1M chunks are

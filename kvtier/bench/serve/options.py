@@ -16,6 +16,11 @@ WORKING_SET_RATIO = 4.0
 FLEET_CPU_FRACTION = 0.6
 
 DEFAULT_CONFIGS = "vllm,kvtier-cpu,kvtier-cpu-disk,rr-2x,router-2x"
+#: The side by side with LMCache (issue 30): single-instance configurations only.
+LMCACHE_CONFIGS = "vllm,kvtier-cpu,kvtier-cpu-disk,lmcache-mp"
+#: ``--workload`` names: the default shape, and LMBenchmark's multi-round QA scaled to
+#: SmolLM2 and a 2-core machine (:meth:`ServeBenchOptions.lmbench_defaults`).
+WORKLOADS = ("default", "lmbench")
 
 
 @dataclass(frozen=True)
@@ -63,9 +68,40 @@ class ServeBenchOptions:
     quick: bool = False
     #: reps per configuration of phase 4 (``X@fits``), both servers up, turns in ABBA order (:mod:`.fits_ab`)
     fits_reps: int = 2
+    #: run phase 4 at all (``--no-fits`` leaves it out: the side by side with LMCache does not need it)
+    fits: bool = True
+    #: which preset these values came from (``--workload``, reported in the JSON)
+    workload: str = "default"
 
     @staticmethod
     def quick_defaults() -> ServeBenchOptions:
         """The smaller workload of ``--quick``."""
         return ServeBenchOptions(users=6, rounds=3, concurrency=1, context_tokens=(900, 1100),
                                  no_reuse_requests=8, no_reuse_tokens=256, quick=True)
+
+    @staticmethod
+    def lmbench_defaults(quick: bool = False) -> ServeBenchOptions:
+        """LMBenchmark's ``synthetic-multi-round-qa`` shape (a shared system prompt, a long
+        per-user history, short answers, users x rounds at a fixed rate) scaled to SmolLM2-135M
+        (8k context) and 2 cores: 1,000 shared system tokens, 3,000 history tokens per user,
+        32-token answers, 16 users x 6 rounds, 3 in flight (working set about 4x engine KV:
+        the engine holds 3 requests of ~4,400 tokens). LMBenchmark's own defaults (20,000
+        history tokens, 100-token answers) do not fit the model's context. The no-reuse
+        control sends 12 unique prompts of the same size as a first round. ``quick``:
+        8 users x 3 rounds of 1,000 + 1,000 tokens, 1 in flight."""
+        if quick:
+            return ServeBenchOptions(users=8, rounds=3, concurrency=1, max_tokens=32, system_tokens=1000,
+                                     context_tokens=(1000, 1000), no_reuse_requests=6, no_reuse_tokens=2000,
+                                     quick=True, workload="lmbench")
+        return ServeBenchOptions(users=16, rounds=6, concurrency=3, max_tokens=32, system_tokens=1000,
+                                 context_tokens=(3000, 3000), no_reuse_requests=12, no_reuse_tokens=4000,
+                                 workload="lmbench")
+
+    @staticmethod
+    def preset(workload: str, quick: bool) -> ServeBenchOptions:
+        """The options of ``--workload`` (one of :data:`WORKLOADS`). Raises BenchUsageError."""
+        if workload == "lmbench":
+            return ServeBenchOptions.lmbench_defaults(quick)
+        if workload == "default":
+            return ServeBenchOptions.quick_defaults() if quick else ServeBenchOptions()
+        raise BenchUsageError(f"--workload {workload!r}: choose from {', '.join(WORKLOADS)}")

@@ -123,6 +123,7 @@ def bench_serve(
     lmcache_venv: Optional[Path] = typer.Option(None, "--lmcache-venv", help="Virtual environment with LMCache and vLLM, for the lmcache-mp configuration."),
     lmcache_chunk_size: int = typer.Option(128, "--lmcache-chunk-size", min=1, help="LMCache's chunk size in tokens (128: the engine block, kvtier's chunk here)."),
     lmcache_cli: Optional[Path] = typer.Option(None, "--lmcache-cli", help="LMCache's `lmcache` command (package lmcache-cli): also run `lmcache bench engine` against each configuration."),
+    cpu_cores: Optional[str] = typer.Option(None, "--cpu-cores", help="Engine threads of single-instance configurations (VLLM_CPU_OMP_THREADS_BIND, default 0-1)."),
     quick: bool = typer.Option(False, "--quick", help="Tiny workload (a few minutes on 2 cores)."),
 ) -> None:
     """Serving benchmark: vLLM alone vs + kvtier vs two instances (round robin, kvtier router) vs LMCache, real streaming clients."""
@@ -133,7 +134,7 @@ def bench_serve(
             json_path=out, configs=configs, users=users, rounds=rounds, concurrency=concurrency, qps=qps, quick=quick,
             targets=dict(parse_target(u) for u in url) or None, vllm_bench=vllm_bench, enforce=True,
             workload=workload, fits=fits, lmcache_venv=lmcache_venv, lmcache_chunk_size=lmcache_chunk_size,
-            lmcache_cli=lmcache_cli))
+            lmcache_cli=lmcache_cli, cpu_cores=cpu_cores))
 
 
 @bench_app.command("soak")

@@ -124,6 +124,7 @@ def summarize(phases: dict[str, Phase], opts: ServeBenchOptions, ws: Any, engine
             "context_tokens": list(opts.context_tokens), "fleet_cpu_fraction": opts.fleet_cpu_fraction, "no_reuse_requests": opts.no_reuse_requests,
             "no_reuse_tokens": opts.no_reuse_tokens, "quick": opts.quick, "endpoint": "/v1/chat/completions",
             "temperature": 0.0, "stream": True, "preset": opts.workload, "fits": opts.fits,
+            "cpu_cores": opts.cpu_cores,
         },
         "configs": s,
     }

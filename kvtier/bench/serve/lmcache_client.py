@@ -81,12 +81,14 @@ def run_lmcache_bench(cli: Path, url: str, model: str, workload: str, opts: Serv
     """Run one workload of LMCache's client; its summary (:func:`read_summary`) plus ``args``,
     ``csv`` (path of its per-request CSV) and ``exit_code`` (1: some request failed).
     Never raises for a failed run: ``{"error": ..., "args": ...}``."""
+    from kvtier.integrations.vllm.serve import die_with_parent
+
     out_dir.mkdir(parents=True, exist_ok=True)
     argv = command(cli, url, model, workload, opts, engine_blocks, out_dir)
     env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "PYTHONPATH": ""}
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env,
-                              stdin=subprocess.DEVNULL)
+                              stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
     except (subprocess.TimeoutExpired, OSError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"[:500], "args": argv[3:]}
     (out_dir / "output.log").write_text(proc.stdout + proc.stderr)

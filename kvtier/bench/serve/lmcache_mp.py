@@ -136,7 +136,7 @@ def lmcache_server(venv: LMCacheVenv, l1_bytes: int, workdir: Path, tag: str,
 
     Raises BenchUsageError when it exits or does not answer ``/healthcheck`` in ``timeout_s``.
     """
-    from kvtier.integrations.vllm.serve import free_port
+    from kvtier.integrations.vllm.serve import die_with_parent, free_port
 
     port, http_port = free_port(), free_port()
     log_path = workdir / f"{tag}-lmcache.log"
@@ -144,7 +144,8 @@ def lmcache_server(venv: LMCacheVenv, l1_bytes: int, workdir: Path, tag: str,
     env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "PYTHONPATH": ""}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(server_command(venv, port, http_port, l1_bytes, shm_name), stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{http_port}"
     try:
         deadline = time.monotonic() + timeout_s

@@ -72,6 +72,13 @@ class ServeBenchOptions:
     fits: bool = True
     #: which preset these values came from (``--workload``, reported in the JSON)
     workload: str = "default"
+    #: engine threads of a single-instance configuration (``VLLM_CPU_OMP_THREADS_BIND``): "0-1"
+    #: both cores; "1" one thread, which on a machine shared with other jobs avoids OpenMP
+    #: barriers waiting for a descheduled thread (same setting for every configuration)
+    cpu_cores: str = "0-1"
+    #: users of the serial answer check (None: ``users``); enough that a user's first question
+    #: has left engine KV when its second comes (a few engine-KV-fulls of prompts)
+    check_users: int | None = None
 
     @staticmethod
     def quick_defaults() -> ServeBenchOptions:
@@ -84,18 +91,20 @@ class ServeBenchOptions:
         """LMBenchmark's ``synthetic-multi-round-qa`` shape (a shared system prompt, a long
         per-user history, short answers, users x rounds at a fixed rate) scaled to SmolLM2-135M
         (8k context) and 2 cores: 1,000 shared system tokens, 3,000 history tokens per user,
-        32-token answers, 16 users x 6 rounds, 3 in flight (working set about 4x engine KV:
-        the engine holds 3 requests of ~4,400 tokens). LMBenchmark's own defaults (20,000
-        history tokens, 100-token answers) do not fit the model's context. The no-reuse
-        control sends 12 unique prompts of the same size as a first round. ``quick``:
+        32-token answers, 12 users x 5 rounds, 2 in flight (a closed loop: the engine always
+        has work; working set about 4x engine KV, which holds 2 requests of ~4,300 tokens and
+        a few blocks more). LMBenchmark's own defaults (20,000 history tokens, 100-token
+        answers) do not fit the model's context. The no-reuse control sends 8 unique prompts of
+        the size of a first round; the answer check uses 6 users (their ~24,000 tokens are
+        several engine-KV-fulls, so every second question is served from the tiers). ``quick``:
         8 users x 3 rounds of 1,000 + 1,000 tokens, 1 in flight."""
         if quick:
             return ServeBenchOptions(users=8, rounds=3, concurrency=1, max_tokens=32, system_tokens=1000,
                                      context_tokens=(1000, 1000), no_reuse_requests=6, no_reuse_tokens=2000,
                                      quick=True, workload="lmbench")
-        return ServeBenchOptions(users=16, rounds=6, concurrency=3, max_tokens=32, system_tokens=1000,
-                                 context_tokens=(3000, 3000), no_reuse_requests=12, no_reuse_tokens=4000,
-                                 workload="lmbench")
+        return ServeBenchOptions(users=12, rounds=5, concurrency=2, max_tokens=32, system_tokens=1000,
+                                 context_tokens=(3000, 3000), no_reuse_requests=8, no_reuse_tokens=4000,
+                                 check_users=6, workload="lmbench")
 
     @staticmethod
     def preset(workload: str, quick: bool) -> ServeBenchOptions:

@@ -146,6 +146,7 @@ def run_bench_serve(
     lmcache_venv: Path | None = None,
     lmcache_chunk_size: int = BLOCK_SIZE,
     lmcache_cli: Path | None = None,
+    cpu_cores: str | None = None,
 ) -> int:
     """Run the serving benchmark: print the table, write JSON (``json_path``) and a PNG plot
     (``plot_path``, default ``json_path`` with ``.png``).
@@ -171,6 +172,8 @@ def run_bench_serve(
         over["vllm_bench"] = vllm_bench
     if fits is not None:
         over["fits"] = fits
+    if cpu_cores is not None:
+        over["cpu_cores"] = cpu_cores
     opts = ServeBenchOptions(**{**opts.__dict__, **over})
     try:
         cfgs = parse_configs(configs) if not targets else [CONFIGS[n.split("@")[0]] for n in dict.fromkeys(
@@ -224,7 +227,7 @@ def run_bench_serve(
         n.split("@")[0] for n in targets if n.endswith("@fits")]
     bench_names = [n for n in (("kvtier-cpu",) if opts.quick else ("vllm", "kvtier-cpu")) if n in names] if opts.vllm_bench else []
     n_requests = len(sessions) * spec.rounds
-    check_users = check_sessions(spec, tokenizer, opts.users)
+    check_users = check_sessions(spec, tokenizer, opts.check_users or opts.users)
     n_checked = sum(1 for n in [*names, *(f + "@fits" for f in fits_names)] if n in CHECKED)
     interleave = {"vllm", "kvtier-cpu"} <= set(fits_names)  # phase 4 as ABBA turns (fits_ab.py)
     no_reuse_names = [c.name for c in cfgs if c.instances == 1 or c.name == "router-2x"]
@@ -279,7 +282,7 @@ def run_bench_serve(
                             run = stack.enter_context(start_config(
                                 cfg, str(model_path), int(blocks or 0), max_model_len,
                                 fleet_cpu_bytes if cfg.instances > 1 else kvtier_cpu_bytes, workdir,
-                                label.replace("@", "-"), lmcache=lmc))
+                                label.replace("@", "-"), lmcache=lmc, cores=opts.cpu_cores))
                             url, instances, model = run.url, run.instances, run.model
                             lmc_http = run.lmcache_http
                         progress.update(task, description=f"{label}: multi-round QA")

@@ -72,12 +72,13 @@ def router_command(backend_args: Sequence[str], model_path: str, policy: str, po
 @contextlib.contextmanager
 def start_config(
     cfg: ConfigSpec, model_path: str, engine_blocks: int, max_model_len: int, kvtier_cpu_bytes: int,
-    workdir: Path, tag: str, lmcache: LMCacheVenv | None = None,
+    workdir: Path, tag: str, lmcache: LMCacheVenv | None = None, cores: str = "0-1",
 ) -> Iterator[Running]:
     """Start a configuration's servers (and router); stop them all on exit.
 
     ``kvtier_cpu_bytes``: kvtier's CPU tier capacity (``lmcache-mp``: LMCache's L1 size).
-    ``lmcache``: the LMCache venv, required by ``lmcache-mp``.
+    ``lmcache``: the LMCache venv, required by ``lmcache-mp``. ``cores``: the CPUs of a
+    single instance's engine threads (``VLLM_CPU_OMP_THREADS_BIND``); two instances get one core each.
 
     Raises BenchUsageError when a server or the router does not come up (the message
     names the log file), or ``lmcache-mp`` without ``lmcache``.
@@ -112,12 +113,12 @@ def start_config(
                     disk = workdir / f"disk-{tag}-{i}"
                     disk.mkdir(parents=True, exist_ok=True)
                     kv.update(disk_path=str(disk), disk_capacity=f"{max(256, (4 * kvtier_cpu_bytes) >> 20)}MiB")
-            cores = "0-1" if cfg.instances == 1 else str(i % 2)
+            inst_cores = cores if cfg.instances == 1 else str(i % 2)
             # vLLM binds its KV-event publisher only for a wildcard endpoint (tcp://*:PORT); with
             # tcp://HOST:PORT it connects, and the router (which connects too) would get nothing.
             port = free_port() if cfg.instances > 1 else None
             events = f"tcp://127.0.0.1:{port}" if port else None
-            specs.append((ServerSpec(model=model_path, kvtier=kv, cpu_cores=cores, num_gpu_blocks_override=engine_blocks,
+            specs.append((ServerSpec(model=model_path, kvtier=kv, cpu_cores=inst_cores, num_gpu_blocks_override=engine_blocks,
                                      max_model_len=max_model_len, extra_args=list(extra), env=dict(env), python=python,
                                      kv_events_endpoint=f"tcp://*:{port}" if port else None), events))
         servers = [ApiServer(s, log_path=str(workdir / f"{tag}-{i}.log")) for i, (s, _) in enumerate(specs)]

@@ -120,11 +120,16 @@ def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """``preexec_fn`` for a child that must get SIGTERM when the thread that started it dies
+    (``PR_SET_PDEATHSIG``; runs in the child between fork and exec; no-op off Linux)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the server outlives a killed parent
         pass
+
+
+_die_with_parent = die_with_parent
 
 
 def _has_flag(args: list[str], flag: str) -> bool:

@@ -566,3 +566,23 @@ def test_lmcache_client_runs_and_ratios(tmp_path: Any) -> None:
     assert r["ttft_mean_ratio_vs_vllm"] is None
     bad = run_lmcache_bench(tmp_path / "missing", "http://kv", "m", "long-doc-qa", opts, 131, tmp_path / "bad")
     assert "error" in bad
+
+
+def test_lmbench_preset_is_lmbenchmarks_shape_at_4x() -> None:
+    """--workload lmbench: LMBenchmark's multi-round QA shape (shared system prompt, long
+    per-user history, 32-token answers); an unknown preset is a usage error."""
+    o = ServeBenchOptions.preset("lmbench", quick=False)
+    assert (o.system_tokens, o.context_tokens, o.max_tokens, o.workload) == (1000, (3000, 3000), 32, "lmbench")
+    assert ServeBenchOptions.preset("default", quick=True) == ServeBenchOptions.quick_defaults()
+    with pytest.raises(BenchUsageError, match="--workload"):
+        ServeBenchOptions.preset("nope", quick=False)
+    tok = WordTokenizer()
+    q = ServeBenchOptions.preset("lmbench", quick=True)
+    spec = WorkloadSpec(users=q.users, rounds=q.rounds, system_tokens=q.system_tokens,
+                        context_tokens=q.context_tokens, max_tokens=q.max_tokens)
+    sessions = build_sessions(spec, tok)
+    assert len({s.system for s in sessions}) == 1  # one system prompt shared by every user
+    ws = working_set([prompt_ids(tok, s.messages(r, ["a " * q.max_tokens] * r)) for r in range(q.rounds)
+                      for s in sessions], 64)
+    mml = -(-(ws.max_prompt_tokens + q.max_tokens + 64) // 64) * 64
+    assert ws.blocks >= 4 * engine_blocks_for_ratio(ws, 4.0, q.concurrency, mml, q.max_tokens)

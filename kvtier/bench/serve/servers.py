@@ -21,6 +21,10 @@ from kvtier.bench.serve.configs import ConfigSpec
 from kvtier.bench.serve.lmcache_mp import LMCacheVenv, connector_config, lmcache_server
 
 
+#: Seconds a vLLM server may take to answer /health (on a loaded 2-core machine a start took 2-4 min).
+START_TIMEOUT_S = 600
+
+
 @dataclass
 class Running:
     """Servers of one configuration: where requests go, the instances' URLs, and (``lmcache-mp``)
@@ -125,7 +129,7 @@ def start_config(
         # Started side by side from worker threads kept alive until the servers stop: ApiServer sets
         # PR_SET_PDEATHSIG, which fires when the *thread* that started the child exits.
         pool = concurrent.futures.ThreadPoolExecutor(len(servers))
-        futs = [pool.submit(s.start, 300) for s in servers]
+        futs = [pool.submit(s.start, START_TIMEOUT_S) for s in servers]
         errs = [f.exception() for f in futs]
         if any(errs):
             raise BenchUsageError(f"{tag}: a vLLM server did not start: {str([e for e in errs if e][0])[-1500:]}")

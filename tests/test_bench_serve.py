@@ -564,6 +564,8 @@ def test_lmcache_client_runs_and_ratios(tmp_path: Any) -> None:
     r = client_ratios(results)["multi-round-chat"]
     assert r["ttft_mean_ratio_vs_lmcache"] == 3.0 and r["throughput_ratio_vs_lmcache"] == 2.0
     assert r["ttft_mean_ratio_vs_vllm"] is None
+    r = client_ratios(results, own={"ttft_mean_ratio_vs_lmcache": 1.5, "throughput_ratio_vs_lmcache": 0.9})["long-doc-qa"]
+    assert r["same_ordering"] == {"ttft_mean_ratio_vs_lmcache": True, "throughput_ratio_vs_lmcache": False}
     bad = run_lmcache_bench(tmp_path / "missing", "http://kv", "m", "long-doc-qa", opts, 131, tmp_path / "bad")
     assert "error" in bad
 

@@ -107,10 +107,15 @@ def _get(results: Mapping[str, Any], config: str, workload: str, key: str) -> fl
     return float(x) if isinstance(x, (int, float)) and x > 0 else None
 
 
-def client_ratios(results: Mapping[str, Mapping[str, Any]], kv: str = "kvtier-cpu") -> dict[str, dict[str, float | None]]:
+def client_ratios(results: Mapping[str, Mapping[str, Any]], kv: str = "kvtier-cpu",
+                  own: Mapping[str, float | None] | None = None) -> dict[str, dict[str, Any]]:
     """Per workload, from LMCache's client: ``ttft_mean_ratio_vs_lmcache`` (lmcache-mp mean TTFT
     / ``kv``'s), ``throughput_ratio_vs_lmcache`` (``kv`` request throughput / lmcache-mp's),
-    ``ttft_mean_ratio_vs_vllm`` and ``throughput_ratio_vs_vllm`` (None where one is missing)."""
+    ``ttft_mean_ratio_vs_vllm`` and ``throughput_ratio_vs_vllm`` (None where one is missing).
+
+    ``own``: the same four ratios from kvtier's own client (the bench's top-level keys); then
+    ``same_ordering`` says, per ratio both clients have, whether they put the two
+    configurations in the same order (both above 1 or both at most 1)."""
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
 
@@ -125,4 +130,7 @@ def client_ratios(results: Mapping[str, Mapping[str, Any]], kv: str = "kvtier-cp
             "throughput_ratio_vs_vllm": ratio(_get(results, kv, w, "request_throughput"),
                                               _get(results, "vllm", w, "request_throughput")),
         }
+        if own is not None:
+            out[w]["same_ordering"] = {k: (v > 1) == (own[k] > 1) for k, v in list(out[w].items())
+                                       if isinstance(v, float) and isinstance(own.get(k), (int, float))}
     return out

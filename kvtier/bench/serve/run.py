@@ -334,7 +334,11 @@ def run_bench_serve(
     result["kvtier_cpu_bytes"] = {"single_instance": kvtier_cpu_bytes, "per_instance_of_two": fleet_cpu_bytes}
     result["vllm_bench_serve"] = vllm_bench_results
     result["lmcache_bench_engine"] = lmcache_client_results
-    result["lmcache_bench_engine_ratios"] = client_ratios(lmcache_client_results)
+    result["lmcache_bench_engine_ratios"] = client_ratios(lmcache_client_results, own={
+        "ttft_mean_ratio_vs_lmcache": result["ttft_mean_ratio_vs_lmcache"],
+        "throughput_ratio_vs_lmcache": result["throughput_ratio_vs_lmcache"],
+        "ttft_mean_ratio_vs_vllm": result["ttft_mean_ratio_vs_vllm"],
+        "throughput_ratio_vs_vllm": result["throughput_ratio_vs_vllm"]})
     result["lmcache"] = None if lmc is None else {"venv": str(lmc.root), "chunk_size": lmc.chunk_size,
                                                   "l1_size_gib": l1_size_gib(kvtier_cpu_bytes)}
     result["config_errors"] = errors

@@ -588,3 +588,13 @@ def test_lmbench_preset_is_lmbenchmarks_shape_at_4x() -> None:
                       for s in sessions], 64)
     mml = -(-(ws.max_prompt_tokens + q.max_tokens + 64) // 64) * 64
     assert ws.blocks >= 4 * engine_blocks_for_ratio(ws, 4.0, q.concurrency, mml, q.max_tokens)
+
+
+def test_lmcache_cli_configs_must_name_side_by_side_configurations(tmp_path: Any) -> None:
+    """--lmcache-cli-configs: a name outside the side by side is a usage error before any
+    server starts (a typo would otherwise silently run LMCache's client against nothing)."""
+    opts = ServeBenchOptions(users=2, rounds=1, system_tokens=20, context_tokens=(30, 40))
+    for bad in ("kvtier-cpu,nope", "rr-2x", " , "):
+        with pytest.raises(BenchUsageError, match="--lmcache-cli-configs"):
+            run_bench_serve(configs="vllm,kvtier-cpu", tokenizer=WordTokenizer(), model_path=str(tmp_path),
+                            options=opts, lmcache_cli_configs=bad)

@@ -124,7 +124,8 @@ def summarize(phases: dict[str, Phase], opts: ServeBenchOptions, ws: Any, engine
             "context_tokens": list(opts.context_tokens), "fleet_cpu_fraction": opts.fleet_cpu_fraction, "no_reuse_requests": opts.no_reuse_requests,
             "no_reuse_tokens": opts.no_reuse_tokens, "quick": opts.quick, "endpoint": "/v1/chat/completions",
             "temperature": 0.0, "stream": True, "preset": opts.workload, "fits": opts.fits,
-            "cpu_cores": opts.cpu_cores,
+            "cpu_cores": opts.cpu_cores, "check_users": opts.check_users or opts.users,
+            "lmcache_client_configs": list(opts.lmcache_client_configs or SIDE_BY_SIDE),
         },
         "configs": s,
     }

@@ -79,6 +79,10 @@ class ServeBenchOptions:
     #: users of the serial answer check (None: ``users``); enough that a user's first question
     #: has left engine KV when its second comes (a few engine-KV-fulls of prompts)
     check_users: int | None = None
+    #: configurations LMCache's client (``--lmcache-cli``) runs against (``--lmcache-cli-configs``);
+    #: None: every one of the side by side that ran. Against vLLM alone its two workloads take
+    #: about 6 minutes on one core (every request a cold prefill), so a short run may leave it out.
+    lmcache_client_configs: tuple[str, ...] | None = None
 
     @staticmethod
     def quick_defaults() -> ServeBenchOptions:

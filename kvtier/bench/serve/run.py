@@ -147,6 +147,7 @@ def run_bench_serve(
     lmcache_chunk_size: int = BLOCK_SIZE,
     lmcache_cli: Path | None = None,
     cpu_cores: str | None = None,
+    lmcache_cli_configs: str | None = None,
 ) -> int:
     """Run the serving benchmark: print the table, write JSON (``json_path``) and a PNG plot
     (``plot_path``, default ``json_path`` with ``.png``).
@@ -158,7 +159,8 @@ def run_bench_serve(
     LMCache's virtual environment, needed by ``lmcache-mp`` (:mod:`.lmcache_mp`; LMCache's
     chunk ``lmcache_chunk_size`` tokens). ``lmcache_cli``: LMCache's ``lmcache`` command of
     the ``lmcache-cli`` package; with it, ``lmcache bench engine`` runs against every
-    configuration of the side by side (:mod:`.lmcache_client`). Returns 0, or 1 when
+    configuration of the side by side (:mod:`.lmcache_client`), or only those of
+    ``lmcache_cli_configs`` (comma-separated). Returns 0, or 1 when
     ``enforce`` and a target of the issue was missed or requests failed.
 
     Raises:
@@ -174,6 +176,11 @@ def run_bench_serve(
         over["fits"] = fits
     if cpu_cores is not None:
         over["cpu_cores"] = cpu_cores
+    if lmcache_cli_configs is not None:
+        picked = tuple(n.strip() for n in lmcache_cli_configs.split(",") if n.strip())
+        if not picked or any(n not in SIDE_BY_SIDE for n in picked):
+            raise BenchUsageError(f"--lmcache-cli-configs {lmcache_cli_configs!r}: choose from {', '.join(SIDE_BY_SIDE)}")
+        over["lmcache_client_configs"] = picked
     opts = ServeBenchOptions(**{**opts.__dict__, **over})
     try:
         cfgs = parse_configs(configs) if not targets else [CONFIGS[n.split("@")[0]] for n in dict.fromkeys(
@@ -299,7 +306,8 @@ def run_bench_serve(
                             progress.update(task, description=f"{label}: no-reuse control")
                             phases[label + "@noreuse"] = measure_no_reuse(label, url, model, instances, tokenizer,
                                                                           opts, on_done)
-                        if lmcache_cli is not None and label in SIDE_BY_SIDE and model_path is not None:
+                        if (lmcache_cli is not None and label in (opts.lmcache_client_configs or SIDE_BY_SIDE)
+                                and model_path is not None):
                             from kvtier.bench.serve.lmcache_client import run_lmcache_bench
 
                             for wl in LMCACHE_WORKLOADS:

@@ -121,6 +121,7 @@ def bench_serve(
     rounds: Optional[int] = typer.Option(None, min=1, help="Questions per user (default 10; --quick 3; lmbench 5)."),
     concurrency: Optional[int] = typer.Option(None, min=1, help="Requests in flight (default 2; --quick 1; lmbench 2)."),
     qps: Optional[float] = typer.Option(None, min=0.001, help="Also pace request starts to this rate."),
+    no_reuse_requests: Optional[int] = typer.Option(None, "--no-reuse-requests", min=1, help="Unique prompts of the no-reuse control (default 16; --quick 8; lmbench 8)."),
     url: list[str] = typer.Option([], "--url", help="Target running servers instead: NAME[@fits]=URL[,METRICS_URL...] (repeatable)."),
     vllm_bench: bool = typer.Option(True, "--vllm-bench/--no-vllm-bench", help="Also run vLLM's own benchmark client."),
     fits: Optional[bool] = typer.Option(None, "--fits/--no-fits", help="Run the 'fits' phase (engine KV holds the working set); default on."),
@@ -139,7 +140,8 @@ def bench_serve(
             json_path=out, configs=configs, users=users, rounds=rounds, concurrency=concurrency, qps=qps, quick=quick,
             targets=dict(parse_target(u) for u in url) or None, vllm_bench=vllm_bench, enforce=True,
             workload=workload, fits=fits, lmcache_venv=lmcache_venv, lmcache_chunk_size=lmcache_chunk_size,
-            lmcache_cli=lmcache_cli, cpu_cores=cpu_cores, lmcache_cli_configs=lmcache_cli_configs))
+            lmcache_cli=lmcache_cli, cpu_cores=cpu_cores, lmcache_cli_configs=lmcache_cli_configs,
+            no_reuse_requests=no_reuse_requests))
 
 
 @bench_app.command("soak")

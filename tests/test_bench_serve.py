@@ -598,3 +598,16 @@ def test_lmcache_cli_configs_must_name_side_by_side_configurations(tmp_path: Any
         with pytest.raises(BenchUsageError, match="--lmcache-cli-configs"):
             run_bench_serve(configs="vllm,kvtier-cpu", tokenizer=WordTokenizer(), model_path=str(tmp_path),
                             options=opts, lmcache_cli_configs=bad)
+
+
+def test_no_reuse_requests_override(serving: Any, tmp_path: Any) -> None:
+    """--no-reuse-requests overrides the preset's count of the no-reuse control's prompts."""
+    vllm, kv = serving(fake_app()), serving(fake_app())
+    opts = ServeBenchOptions(users=2, rounds=1, concurrency=1, system_tokens=20, context_tokens=(30, 40),
+                             max_tokens=3, vllm_bench=False, no_reuse_requests=5, no_reuse_tokens=10)
+    run_bench_serve(json_path=tmp_path / "s.json", targets={"vllm": Target(vllm.url), "kvtier-cpu": Target(kv.url)},
+                    tokenizer=WordTokenizer(), options=opts, no_reuse_requests=2)
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["workload"]["no_reuse_requests"] == 2
+    for label in ("vllm@noreuse", "kvtier-cpu@noreuse"):
+        assert len(data["configs"][label]["records"]) == 2

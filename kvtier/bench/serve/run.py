@@ -148,6 +148,7 @@ def run_bench_serve(
     lmcache_cli: Path | None = None,
     cpu_cores: str | None = None,
     lmcache_cli_configs: str | None = None,
+    no_reuse_requests: int | None = None,
 ) -> int:
     """Run the serving benchmark: print the table, write JSON (``json_path``) and a PNG plot
     (``plot_path``, default ``json_path`` with ``.png``).
@@ -160,7 +161,8 @@ def run_bench_serve(
     chunk ``lmcache_chunk_size`` tokens). ``lmcache_cli``: LMCache's ``lmcache`` command of
     the ``lmcache-cli`` package; with it, ``lmcache bench engine`` runs against every
     configuration of the side by side (:mod:`.lmcache_client`), or only those of
-    ``lmcache_cli_configs`` (comma-separated). Returns 0, or 1 when
+    ``lmcache_cli_configs`` (comma-separated). ``no_reuse_requests``: prompts of the no-reuse
+    control (default the preset's). Returns 0, or 1 when
     ``enforce`` and a target of the issue was missed or requests failed.
 
     Raises:
@@ -169,7 +171,8 @@ def run_bench_serve(
             usable ``lmcache_venv``.
     """
     opts = options or ServeBenchOptions.preset(workload, quick)
-    over = {k: v for k, v in dict(users=users, rounds=rounds, concurrency=concurrency, qps=qps).items() if v is not None}
+    over = {k: v for k, v in dict(users=users, rounds=rounds, concurrency=concurrency, qps=qps,
+                                  no_reuse_requests=no_reuse_requests).items() if v is not None}
     if vllm_bench is not None:
         over["vllm_bench"] = vllm_bench
     if fits is not None:

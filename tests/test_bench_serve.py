@@ -611,3 +611,31 @@ def test_no_reuse_requests_override(serving: Any, tmp_path: Any) -> None:
     assert data["workload"]["no_reuse_requests"] == 2
     for label in ("vllm@noreuse", "kvtier-cpu@noreuse"):
         assert len(data["configs"][label]["records"]) == 2
+
+
+def test_lmcache_mrc_sessions_fit_the_engines_context(tmp_path: Any) -> None:
+    """multi-round-chat's sessions grow by a query and an answer per turn: the history is cut so
+    that the last turn of a session still fits max_model_len (a 4,352-token engine refused 10 of
+    60 requests of an uncut 3,000-token history with HTTP 400); too small a context is an error
+    the run reports, not a crash."""
+    from kvtier.bench.serve.lmcache_client import (
+        DEFAULT_QPS,
+        MRC_QUERY_TOKENS,
+        TEMPLATE_TOKENS,
+        run_lmcache_bench,
+        workload_args,
+    )
+
+    opts = ServeBenchOptions.lmbench_defaults()
+    for engine_blocks, mml in ((85, 4352), (94, 4480), (131, 8192)):
+        args = workload_args("multi-round-chat", opts, engine_blocks, mml)
+        flag = dict(zip(args[::2], args[1::2]))
+        history, duration = int(flag["--mrc-chat-history-length"]), float(flag["--mrc-duration"])
+        sessions = int(float(flag["--kv-cache-volume"]) * int(flag["--tokens-per-gb-kvcache"]) // (1000 + history))
+        turns = -(-DEFAULT_QPS * duration // sessions)  # requests per session, rounded up
+        last = 1000 + history + TEMPLATE_TOKENS + turns * (MRC_QUERY_TOKENS + opts.max_tokens)
+        assert last <= mml and history <= 3000
+    assert workload_args("multi-round-chat", opts, 131, 8192)[7] == "3000"  # room to spare: uncut
+    bad = run_lmcache_bench(tmp_path / "cli", "http://kv", "m", "multi-round-chat", opts, 94, tmp_path / "o",
+                            max_model_len=1500)
+    assert "max_model_len 1500" in bad["error"]

@@ -22,6 +22,7 @@ KV footprint (:data:`TOKENS_PER_GB`), so they get about 16 sessions / documents 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 from collections.abc import Mapping
@@ -39,18 +40,46 @@ TOKENS_PER_GB = (1 << 30) // KV_BYTES_PER_TOKEN
 DEFAULT_QPS = 1.0
 
 
-def workload_args(workload: str, opts: ServeBenchOptions, engine_blocks: int) -> list[str]:
+#: Tokens ``multi-round-chat`` adds to a session per turn besides the answer (its query).
+MRC_QUERY_TOKENS = 50
+#: Chat-template tokens around a prompt (SmolLM2's template adds ~41 to a 4,050-token chat).
+TEMPLATE_TOKENS = 64
+
+
+def mrc_history_tokens(opts: ServeBenchOptions, volume_tokens: float, duration_s: float, max_model_len: int | None) -> int:
+    """Per-session history of ``multi-round-chat``: the bench's context, cut so that a session's
+    last turn still fits ``max_model_len`` (its sessions grow by a query and an answer per turn;
+    the engine refuses a longer prompt with HTTP 400, which LMCache's client counts as a failed
+    request). Turns per session = requests (qps x duration) / sessions, sessions counted on the
+    uncut size (cutting only adds sessions, so fewer turns each). Raises ValueError when not even
+    a 128-token history fits."""
+    history = opts.context_tokens[1]
+    if max_model_len is None:
+        return history
+    sessions = max(1, int(volume_tokens // (opts.system_tokens + history)))
+    turns = math.ceil((opts.qps or DEFAULT_QPS) * duration_s / sessions) + 1
+    room = max_model_len - opts.system_tokens - TEMPLATE_TOKENS - turns * (MRC_QUERY_TOKENS + opts.max_tokens)
+    if room < BLOCK_SIZE:
+        raise ValueError(f"multi-round-chat: {turns} turns per session do not fit max_model_len {max_model_len}")
+    return min(history, room)
+
+
+def workload_args(workload: str, opts: ServeBenchOptions, engine_blocks: int, max_model_len: int | None = None) -> list[str]:
     """``lmcache bench engine`` arguments of ``workload`` (one of :data:`LMCACHE_WORKLOADS`),
-    scaled to the bench's workload: session / document = system + context tokens, answers
-    ``max_tokens``, volume = ``opts.ratio`` x engine KV. Raises ValueError for another name."""
+    scaled to the bench's workload: session / document = system + context tokens (a session's
+    history cut to fit ``max_model_len``, :func:`mrc_history_tokens`), answers ``max_tokens``,
+    volume = ``opts.ratio`` x engine KV. Raises ValueError for another name."""
     per = opts.system_tokens + opts.context_tokens[1]
-    volume_gb = opts.ratio * engine_blocks * BLOCK_SIZE / TOKENS_PER_GB
+    volume_tokens = opts.ratio * engine_blocks * BLOCK_SIZE
+    volume_gb = volume_tokens / TOKENS_PER_GB
     common = ["--kv-cache-volume", f"{volume_gb:.4f}", "--tokens-per-gb-kvcache", str(TOKENS_PER_GB)]
     if workload == "multi-round-chat":
+        duration = 20 if opts.quick else 60
+        history = mrc_history_tokens(opts, volume_tokens, duration, max_model_len)
         return [*common, "--mrc-shared-prompt-length", str(opts.system_tokens),
-                "--mrc-chat-history-length", str(opts.context_tokens[1]), "--mrc-user-input-length", "50",
+                "--mrc-chat-history-length", str(history), "--mrc-user-input-length", str(MRC_QUERY_TOKENS),
                 "--mrc-output-length", str(opts.max_tokens), "--mrc-qps", str(opts.qps or DEFAULT_QPS),
-                "--mrc-duration", "20" if opts.quick else "60"]
+                "--mrc-duration", str(duration)]
     if workload == "long-doc-qa":
         return [*common, "--ldqa-document-length", str(per), "--ldqa-query-per-document", "2",
                 "--ldqa-shuffle-policy", "random", "--ldqa-num-inflight-requests", str(opts.concurrency),
@@ -59,11 +88,11 @@ def workload_args(workload: str, opts: ServeBenchOptions, engine_blocks: int) ->
 
 
 def command(cli: Path, url: str, model: str, workload: str, opts: ServeBenchOptions, engine_blocks: int,
-            out_dir: Path) -> list[str]:
+            out_dir: Path, max_model_len: int | None = None) -> list[str]:
     """The full ``lmcache bench engine`` argv (non-interactive, JSON and CSV into ``out_dir``)."""
     return [str(cli), "bench", "engine", "--engine-url", url.rstrip("/"), "--model", model, "--workload", workload,
             "--seed", "0", "--no-interactive", "--json", "--quiet", "--output-dir", str(out_dir),
-            *workload_args(workload, opts, engine_blocks)]
+            *workload_args(workload, opts, engine_blocks, max_model_len)]
 
 
 def read_summary(out_dir: Path) -> dict[str, Any]:
@@ -77,14 +106,18 @@ def read_summary(out_dir: Path) -> dict[str, Any]:
 
 
 def run_lmcache_bench(cli: Path, url: str, model: str, workload: str, opts: ServeBenchOptions, engine_blocks: int,
-                      out_dir: Path, timeout_s: float = 1200.0) -> dict[str, Any]:
-    """Run one workload of LMCache's client; its summary (:func:`read_summary`) plus ``args``,
+                      out_dir: Path, timeout_s: float = 1200.0, max_model_len: int | None = None) -> dict[str, Any]:
+    """Run one workload of LMCache's client (prompts sized to fit ``max_model_len`` where
+    given); its summary (:func:`read_summary`) plus ``args``,
     ``csv`` (path of its per-request CSV) and ``exit_code`` (1: some request failed).
     Never raises for a failed run: ``{"error": ..., "args": ...}``."""
     from kvtier.integrations.vllm.serve import die_with_parent
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    argv = command(cli, url, model, workload, opts, engine_blocks, out_dir)
+    try:
+        argv = command(cli, url, model, workload, opts, engine_blocks, out_dir, max_model_len)
+    except ValueError as exc:
+        return {"error": str(exc), "args": []}
     env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "PYTHONPATH": ""}
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env,

@@ -317,7 +317,7 @@ def run_bench_serve(
                                 progress.update(task, description=f"{label}: lmcache bench engine {wl}")
                                 lmcache_client_results.setdefault(label, {})[wl] = run_lmcache_bench(
                                     Path(lmcache_cli).expanduser(), url, model, wl, opts, engine_blocks,
-                                    workdir / f"lmcache-bench-{label}-{wl}")
+                                    workdir / f"lmcache-bench-{label}-{wl}", max_model_len=max_model_len)
                         if label in bench_names and model_path is not None:
                             for ds in ("prefix_repetition", "random"):
                                 progress.update(task, description=f"{label}: vllm bench serve {ds}")

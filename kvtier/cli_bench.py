@@ -115,22 +115,33 @@ def bench_controller(
 @bench_app.command("serve")
 def bench_serve(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout); the PNG plot goes next to it."),
-    configs: str = typer.Option("vllm,kvtier-cpu,kvtier-cpu-disk,rr-2x,router-2x", help="Configurations, comma-separated."),
-    users: Optional[int] = typer.Option(None, min=1, help="Multi-round QA users (default 10; --quick 6)."),
-    rounds: Optional[int] = typer.Option(None, min=1, help="Questions per user (default 10; --quick 3)."),
-    concurrency: Optional[int] = typer.Option(None, min=1, help="Requests in flight (default 2; --quick 1)."),
+    configs: str = typer.Option("vllm,kvtier-cpu,kvtier-cpu-disk,rr-2x,router-2x", help="Configurations, comma-separated, run in this order (also lmcache-mp, with --lmcache-venv)."),
+    workload: str = typer.Option("default", "--workload", help="default, or lmbench: LMBenchmark's multi-round QA shape (1,000 shared + 3,000 history tokens per user, 32-token answers)."),
+    users: Optional[int] = typer.Option(None, min=1, help="Multi-round QA users (default 10; --quick 6; lmbench 12)."),
+    rounds: Optional[int] = typer.Option(None, min=1, help="Questions per user (default 10; --quick 3; lmbench 5)."),
+    concurrency: Optional[int] = typer.Option(None, min=1, help="Requests in flight (default 2; --quick 1; lmbench 2)."),
     qps: Optional[float] = typer.Option(None, min=0.001, help="Also pace request starts to this rate."),
+    no_reuse_requests: Optional[int] = typer.Option(None, "--no-reuse-requests", min=1, help="Unique prompts of the no-reuse control (default 16; --quick 8; lmbench 8)."),
     url: list[str] = typer.Option([], "--url", help="Target running servers instead: NAME[@fits]=URL[,METRICS_URL...] (repeatable)."),
     vllm_bench: bool = typer.Option(True, "--vllm-bench/--no-vllm-bench", help="Also run vLLM's own benchmark client."),
+    fits: Optional[bool] = typer.Option(None, "--fits/--no-fits", help="Run the 'fits' phase (engine KV holds the working set); default on."),
+    lmcache_venv: Optional[Path] = typer.Option(None, "--lmcache-venv", help="Virtual environment with LMCache and vLLM, for the lmcache-mp configuration."),
+    lmcache_chunk_size: int = typer.Option(128, "--lmcache-chunk-size", min=1, help="LMCache's chunk size in tokens (128: the engine block, kvtier's chunk here)."),
+    lmcache_cli: Optional[Path] = typer.Option(None, "--lmcache-cli", help="LMCache's `lmcache` command (package lmcache-cli): also run `lmcache bench engine` against each configuration."),
+    lmcache_cli_configs: Optional[str] = typer.Option(None, "--lmcache-cli-configs", help="Configurations LMCache's client runs against (default: all of vllm,kvtier-cpu,kvtier-cpu-disk,lmcache-mp that run)."),
+    cpu_cores: Optional[str] = typer.Option(None, "--cpu-cores", help="Engine threads of single-instance configurations (VLLM_CPU_OMP_THREADS_BIND, default 0-1)."),
     quick: bool = typer.Option(False, "--quick", help="Tiny workload (a few minutes on 2 cores)."),
 ) -> None:
-    """Serving benchmark: vLLM alone vs + kvtier vs two instances (round robin, kvtier router), real streaming clients."""
+    """Serving benchmark: vLLM alone vs + kvtier vs two instances (round robin, kvtier router) vs LMCache, real streaming clients."""
     from kvtier.bench.serve import parse_target, run_bench_serve
 
     with _json_target(json_path) as out:
         _finish("bench serve", lambda: run_bench_serve(
             json_path=out, configs=configs, users=users, rounds=rounds, concurrency=concurrency, qps=qps, quick=quick,
-            targets=dict(parse_target(u) for u in url) or None, vllm_bench=vllm_bench, enforce=True))
+            targets=dict(parse_target(u) for u in url) or None, vllm_bench=vllm_bench, enforce=True,
+            workload=workload, fits=fits, lmcache_venv=lmcache_venv, lmcache_chunk_size=lmcache_chunk_size,
+            lmcache_cli=lmcache_cli, cpu_cores=cpu_cores, lmcache_cli_configs=lmcache_cli_configs,
+            no_reuse_requests=no_reuse_requests))
 
 
 @bench_app.command("soak")

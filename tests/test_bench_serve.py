@@ -338,7 +338,17 @@ def test_run_bench_serve_against_fakes_writes_issue_keys(serving: Any, tmp_path:
     assert agree["kvtier-cpu"] == {"equal": 6, "of": 6, "baseline": "vllm"}
     assert agree["kvtier-cpu@fits"]["baseline"] == "vllm@fits"
     cfg = data["configs"]
-    assert set(cfg) == {"vllm", "kvtier-cpu", "rr-2x", "router-2x", "router-2x@noreuse", "vllm@fits", "kvtier-cpu@fits"}
+    assert set(cfg) == {"vllm", "kvtier-cpu", "rr-2x", "router-2x", "router-2x@noreuse", "vllm@fits", "kvtier-cpu@fits",
+                        "vllm@noreuse", "kvtier-cpu@noreuse"}  # the no-reuse control on every single instance
+    # vLLM alone runs the check too, paired (q1 right after q0: an engine-resident hit), judged on its own
+    assert [r["request_id"] for r in data["answer_check"]["records"]["vllm"]] == [
+        "check-u1000-q0", "check-u1000-q1", "check-u1001-q0", "check-u1001-q1", "check-u1002-q0", "check-u1002-q1"]
+    assert data["answer_check"]["others"]["vllm"] == {"compared": 6, "mismatches": [], "identical": True}
+    assert data["no_reuse_throughput_ratio"] == pytest.approx(
+        cfg["kvtier-cpu@noreuse"]["request_throughput"] / cfg["vllm@noreuse"]["request_throughput"])
+    assert data["ttft_later_rounds_ratio_vs_vllm"] == data["ttft_mean_ratio_vs_vllm_later_rounds"] is not None
+    for k in ("ttft_mean_ratio_vs_lmcache", "throughput_ratio_vs_lmcache", "answers_identical_lmcache"):
+        assert k in data and data[k] is None  # no lmcache-mp: null, never a pass
     assert cfg["vllm"]["requests"] == 6 and cfg["vllm"]["errors"] == 0
     ids = [r["request_id"] for r in cfg["vllm"]["records"]]  # round-major, users shuffled per round
     assert sorted(ids[:3]) == ["u0-r0", "u1-r0", "u2-r0"] and sorted(ids[3:]) == ["u0-r1", "u1-r1", "u2-r1"]
@@ -370,14 +380,33 @@ def test_identical_answers_pass(serving: Any, tmp_path: Any) -> None:
 
 
 def test_no_reference_means_answers_not_judged(serving: Any, tmp_path: Any) -> None:
-    a, b = serving(fake_app()), serving(fake_app(corrupt="u0-r1"))
-    targets = {"vllm": Target(a.url), "kvtier-cpu": Target(b.url)}
+    b = serving(fake_app(corrupt="check-u1000-q1"))
     opts = ServeBenchOptions(users=2, rounds=2, concurrency=1, system_tokens=20, context_tokens=(30, 40),
                              max_tokens=3, vllm_bench=False)
-    run_bench_serve(json_path=tmp_path / "s.json", targets=targets, tokenizer=WordTokenizer(), options=opts)
+    run_bench_serve(json_path=tmp_path / "s.json", targets={"kvtier-cpu": Target(b.url)}, tokenizer=WordTokenizer(),
+                    options=opts)
     data = json.loads((tmp_path / "s.json").read_text())
-    assert data["answers_identical"] is None  # no vllm@fits reference: not judged, never "passed"
+    assert data["answers_identical"] is None  # neither vllm@fits nor vllm: not judged, never "passed"
+    assert data["isolated_hit_ttft_ratio_vs_vllm"] is None and data["no_reuse_throughput_ratio"] is None
+
+
+def test_vllm_alone_is_the_reference_without_fits(serving: Any, tmp_path: Any) -> None:
+    """Without vllm@fits, vLLM alone's paired check (engine-resident hits) is the reference:
+    a kvtier check answer that differs from it fails, a concurrent-phase difference does not."""
+    a, b, c = serving(fake_app()), serving(fake_app(corrupt="u0-r1")), serving(fake_app(corrupt="check-u1001-q1"))
+    opts = ServeBenchOptions(users=2, rounds=2, concurrency=1, system_tokens=20, context_tokens=(30, 40),
+                             max_tokens=3, vllm_bench=False)
+    run_bench_serve(json_path=tmp_path / "s.json", targets={"vllm": Target(a.url), "kvtier-cpu": Target(b.url)},
+                    tokenizer=WordTokenizer(), options=opts)
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["answer_check"]["reference"] == "vllm" and data["answers_identical"] is True
     assert data["concurrent_answer_agreement"]["kvtier-cpu"]["equal"] < data["concurrent_answer_agreement"]["kvtier-cpu"]["of"]
+    assert isinstance(data["isolated_hit_ttft_ratio_vs_vllm"], float)
+    run_bench_serve(json_path=tmp_path / "t.json", targets={"vllm": Target(a.url), "kvtier-cpu": Target(c.url)},
+                    tokenizer=WordTokenizer(), options=opts)
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["answers_identical"] is False
+    assert [m["request_id"] for m in data["answer_mismatches"]] == ["check-u1001-q1"]
 
 
 # -- phase 4 interleaved (fits_ab.py) ---------------------------------------------------------
@@ -427,3 +456,181 @@ def test_fits_phase_interleaved_against_fakes(serving: Any, tmp_path: Any) -> No
     pooled = cfg["kvtier-cpu@fits"]["request_throughput"] / cfg["vllm@fits"]["request_throughput"]
     assert data["fits_throughput_ratio"] == pytest.approx(pooled)
     assert info["pair_ratios"] == pytest.approx([k / v for k, v in zip(rates["kvtier-cpu@fits"], rates["vllm@fits"])])
+
+
+# -- the side by side with LMCache (issue 30) ------------------------------------------------
+def test_lmcache_side_by_side_figures_against_fakes(serving: Any, tmp_path: Any) -> None:
+    """lmcache-mp given as a running target: the issue's top-level ratios come from the right
+    configurations (a slower fake LMCache: its TTFT ratio > 1), its check answers are reported
+    on their own and do not decide ``answers_identical``."""
+    vllm, kv = serving(fake_app()), serving(fake_app())
+    lmc = serving(fake_app(first_s=0.05, corrupt="check-u1000-q1"))
+    targets = {"vllm": Target(vllm.url), "kvtier-cpu": Target(kv.url), "lmcache-mp": Target(lmc.url)}
+    opts = ServeBenchOptions(users=2, rounds=2, concurrency=1, system_tokens=20, context_tokens=(30, 40),
+                             max_tokens=3, vllm_bench=False, no_reuse_requests=3, no_reuse_tokens=10)
+    run_bench_serve(json_path=tmp_path / "s.json", targets=targets, tokenizer=WordTokenizer(), options=opts)
+    data = json.loads((tmp_path / "s.json").read_text())
+    cfg = data["configs"]
+    assert data["ttft_mean_ratio_vs_lmcache"] == pytest.approx(
+        cfg["lmcache-mp"]["ttft_s"]["mean"] / cfg["kvtier-cpu"]["ttft_s"]["mean"])
+    assert data["ttft_mean_ratio_vs_lmcache"] > 1.0
+    assert data["throughput_ratio_vs_lmcache"] == pytest.approx(
+        cfg["kvtier-cpu"]["request_throughput"] / cfg["lmcache-mp"]["request_throughput"])
+    assert data["no_reuse_throughput_ratio_lmcache"] == pytest.approx(
+        cfg["lmcache-mp@noreuse"]["request_throughput"] / cfg["vllm@noreuse"]["request_throughput"])
+    assert data["isolated_hit_ttft_ratio_lmcache_vs_vllm"] > 1.0
+    assert data["answers_identical"] is True  # kvtier's answers
+    assert data["answers_identical_lmcache"] is False  # LMCache's, reported beside
+    assert data["answer_check"]["others"]["lmcache-mp"]["mismatches"][0]["request_id"] == "check-u1000-q1"
+    assert set(data["side_by_side"]) == {"vllm", "kvtier-cpu", "lmcache-mp"}
+    row = data["side_by_side"]["lmcache-mp"]
+    assert row["ttft_mean_s"] == cfg["lmcache-mp"]["ttft_s"]["mean"] and row["isolated_hit_ttft_s"] > 0.05
+
+
+def test_lmcache_mp_needs_its_venv(tmp_path: Any) -> None:
+    from kvtier.bench.serve.lmcache_mp import LMCacheVenv
+
+    with pytest.raises(BenchUsageError, match="--lmcache-venv"):
+        run_bench_serve(configs="vllm,lmcache-mp", tokenizer=WordTokenizer(), model_path=str(tmp_path),
+                        options=ServeBenchOptions(users=2, rounds=1, system_tokens=20, context_tokens=(30, 40)))
+    with pytest.raises(BenchUsageError, match="no .*bin/python"):
+        LMCacheVenv(tmp_path).check()
+
+
+def test_lmcache_server_command_and_l1_size() -> None:
+    from pathlib import Path
+
+    from kvtier.bench.serve.lmcache_mp import LMCacheVenv, connector_config, l1_size_gib, server_command
+
+    assert l1_size_gib(3 << 29) == 1.5  # LMCache multiplies --l1-size-gb by 2**30
+    with pytest.raises(ValueError):
+        l1_size_gib(0)
+    argv = server_command(LMCacheVenv(Path("/v"), chunk_size=128), 5001, 5002, 1 << 30, "seg")
+    assert argv[:2] == ["/v/bin/lmcache", "server"]
+    flags = dict(zip(argv[2::2], argv[3::2]))
+    assert flags["--chunk-size"] == "128" and float(flags["--l1-size-gb"]) == 1.0 and flags["--shm-name"] == "seg"
+    assert flags["--supported-transfer-mode"] == "engine_driven"  # without it vLLM hangs 300 s at start
+    assert flags["--port"] == "5001" and flags["--http-port"] == "5002"
+    extra = connector_config(5001)["kv_connector_extra_config"]
+    assert extra == {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5001}
+
+
+FAKE_LMCACHE_CLI = r'''#!{python}
+import json, os, sys
+args = sys.argv[1:]
+out = args[args.index("--output-dir") + 1]
+wl = args[args.index("--workload") + 1]
+slow = "lmc" in args[args.index("--engine-url") + 1]
+with open(os.path.join(out, "bench_summary.json"), "w") as f:
+    json.dump({{"config": {{"workload": wl}}, "results": {{"successful_requests": 10, "failed_requests": 0,
+               "elapsed_time": 20.0 if slow else 10.0, "mean_ttft_ms": 300.0 if slow else 100.0}}}}, f)
+open(os.path.join(out, "bench_results.csv"), "w").write("request_id\n")
+print("ran", wl)
+'''
+
+
+def test_lmcache_client_runs_and_ratios(tmp_path: Any) -> None:
+    import stat
+    import sys
+
+    from kvtier.bench.serve.lmcache_client import LMCACHE_WORKLOADS, client_ratios, command, run_lmcache_bench
+
+    cli = tmp_path / "lmcache"
+    cli.write_text(FAKE_LMCACHE_CLI.format(python=sys.executable))
+    cli.chmod(cli.stat().st_mode | stat.S_IXUSR)
+    opts = ServeBenchOptions.lmbench_defaults()
+    argv = command(cli, "http://h:1/", "m", "multi-round-chat", opts, 131, tmp_path / "o")
+    flags = {a: (b if not b.startswith("--") else "") for a, b in zip(argv[3:], argv[4:] + ["--"]) if a.startswith("--")}
+    assert {"--no-interactive", "--json"} <= flags.keys()
+    assert argv[1:3] == ["bench", "engine"] and flags["--engine-url"] == "http://h:1"
+    assert flags["--mrc-shared-prompt-length"] == "1000" and flags["--mrc-chat-history-length"] == "3000"
+    assert flags["--mrc-output-length"] == "32"
+    # the volume is ratio x engine KV: sessions of 4,000 tokens -> about 16 of them
+    sessions = float(flags["--kv-cache-volume"]) * int(flags["--tokens-per-gb-kvcache"]) / 4000
+    assert 16 <= sessions < 17
+    with pytest.raises(ValueError):
+        command(cli, "u", "m", "nope", opts, 131, tmp_path)
+    results: dict[str, Any] = {}
+    for name, url in (("kvtier-cpu", "http://kv"), ("lmcache-mp", "http://lmc")):
+        for wl in LMCACHE_WORKLOADS:
+            results.setdefault(name, {})[wl] = run_lmcache_bench(cli, url, "m", wl, opts, 131, tmp_path / name / wl)
+    got = results["kvtier-cpu"]["long-doc-qa"]
+    assert got["request_throughput"] == 1.0 and got["exit_code"] == 0 and got["csv"].endswith("bench_results.csv")
+    r = client_ratios(results)["multi-round-chat"]
+    assert r["ttft_mean_ratio_vs_lmcache"] == 3.0 and r["throughput_ratio_vs_lmcache"] == 2.0
+    assert r["ttft_mean_ratio_vs_vllm"] is None
+    r = client_ratios(results, own={"ttft_mean_ratio_vs_lmcache": 1.5, "throughput_ratio_vs_lmcache": 0.9})["long-doc-qa"]
+    assert r["same_ordering"] == {"ttft_mean_ratio_vs_lmcache": True, "throughput_ratio_vs_lmcache": False}
+    bad = run_lmcache_bench(tmp_path / "missing", "http://kv", "m", "long-doc-qa", opts, 131, tmp_path / "bad")
+    assert "error" in bad
+
+
+def test_lmbench_preset_is_lmbenchmarks_shape_at_4x() -> None:
+    """--workload lmbench: LMBenchmark's multi-round QA shape (shared system prompt, long
+    per-user history, 32-token answers); an unknown preset is a usage error."""
+    o = ServeBenchOptions.preset("lmbench", quick=False)
+    assert (o.system_tokens, o.context_tokens, o.max_tokens, o.workload) == (1000, (3000, 3000), 32, "lmbench")
+    assert ServeBenchOptions.preset("default", quick=True) == ServeBenchOptions.quick_defaults()
+    with pytest.raises(BenchUsageError, match="--workload"):
+        ServeBenchOptions.preset("nope", quick=False)
+    tok = WordTokenizer()
+    q = ServeBenchOptions.preset("lmbench", quick=True)
+    spec = WorkloadSpec(users=q.users, rounds=q.rounds, system_tokens=q.system_tokens,
+                        context_tokens=q.context_tokens, max_tokens=q.max_tokens)
+    sessions = build_sessions(spec, tok)
+    assert len({s.system for s in sessions}) == 1  # one system prompt shared by every user
+    ws = working_set([prompt_ids(tok, s.messages(r, ["a " * q.max_tokens] * r)) for r in range(q.rounds)
+                      for s in sessions], 64)
+    mml = -(-(ws.max_prompt_tokens + q.max_tokens + 64) // 64) * 64
+    assert ws.blocks >= 4 * engine_blocks_for_ratio(ws, 4.0, q.concurrency, mml, q.max_tokens)
+
+
+def test_lmcache_cli_configs_must_name_side_by_side_configurations(tmp_path: Any) -> None:
+    """--lmcache-cli-configs: a name outside the side by side is a usage error before any
+    server starts (a typo would otherwise silently run LMCache's client against nothing)."""
+    opts = ServeBenchOptions(users=2, rounds=1, system_tokens=20, context_tokens=(30, 40))
+    for bad in ("kvtier-cpu,nope", "rr-2x", " , "):
+        with pytest.raises(BenchUsageError, match="--lmcache-cli-configs"):
+            run_bench_serve(configs="vllm,kvtier-cpu", tokenizer=WordTokenizer(), model_path=str(tmp_path),
+                            options=opts, lmcache_cli_configs=bad)
+
+
+def test_no_reuse_requests_override(serving: Any, tmp_path: Any) -> None:
+    """--no-reuse-requests overrides the preset's count of the no-reuse control's prompts."""
+    vllm, kv = serving(fake_app()), serving(fake_app())
+    opts = ServeBenchOptions(users=2, rounds=1, concurrency=1, system_tokens=20, context_tokens=(30, 40),
+                             max_tokens=3, vllm_bench=False, no_reuse_requests=5, no_reuse_tokens=10)
+    run_bench_serve(json_path=tmp_path / "s.json", targets={"vllm": Target(vllm.url), "kvtier-cpu": Target(kv.url)},
+                    tokenizer=WordTokenizer(), options=opts, no_reuse_requests=2)
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["workload"]["no_reuse_requests"] == 2
+    for label in ("vllm@noreuse", "kvtier-cpu@noreuse"):
+        assert len(data["configs"][label]["records"]) == 2
+
+
+def test_lmcache_mrc_sessions_fit_the_engines_context(tmp_path: Any) -> None:
+    """multi-round-chat's sessions grow by a query and an answer per turn: the history is cut so
+    that the last turn of a session still fits max_model_len (a 4,352-token engine refused 10 of
+    60 requests of an uncut 3,000-token history with HTTP 400); too small a context is an error
+    the run reports, not a crash."""
+    from kvtier.bench.serve.lmcache_client import (
+        DEFAULT_QPS,
+        MRC_QUERY_TOKENS,
+        TEMPLATE_TOKENS,
+        run_lmcache_bench,
+        workload_args,
+    )
+
+    opts = ServeBenchOptions.lmbench_defaults()
+    for engine_blocks, mml in ((85, 4352), (94, 4480), (131, 8192)):
+        args = workload_args("multi-round-chat", opts, engine_blocks, mml)
+        flag = dict(zip(args[::2], args[1::2]))
+        history, duration = int(flag["--mrc-chat-history-length"]), float(flag["--mrc-duration"])
+        sessions = int(float(flag["--kv-cache-volume"]) * int(flag["--tokens-per-gb-kvcache"]) // (1000 + history))
+        turns = -(-DEFAULT_QPS * duration // sessions)  # requests per session, rounded up
+        last = 1000 + history + TEMPLATE_TOKENS + turns * (MRC_QUERY_TOKENS + opts.max_tokens)
+        assert last <= mml and history <= 3000
+    assert workload_args("multi-round-chat", opts, 131, 8192)[7] == "3000"  # room to spare: uncut
+    bad = run_lmcache_bench(tmp_path / "cli", "http://kv", "m", "multi-round-chat", opts, 94, tmp_path / "o",
+                            max_model_len=1500)
+    assert "max_model_len 1500" in bad["error"]

@@ -8,6 +8,9 @@ Configurations (each started by the bench, engine KV bounded the same way):
 - ``rr-2x``: two vLLM + kvtier (CPU) instances, each pinned to one core, behind
   ``kvtier router --policy round-robin``.
 - ``router-2x``: the same two instances behind ``kvtier router --policy kv-aware``.
+- ``lmcache-mp``: LMCache's standalone server and a vLLM from LMCache's own virtual
+  environment (``--lmcache-venv``), L1 = kvtier-cpu's CPU tier capacity, SHM transport
+  (:mod:`.lmcache_mp`). Not in the default list: it needs that venv.
 
 Hit rate (per configuration, summed over its instances, deltas of /metrics over the run):
 (``vllm:prefix_cache_hits`` + ``vllm:external_prefix_cache_hits``) / ``vllm:prefix_cache_queries``,
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 import httpx
 
 #: Names accepted by ``--configs``, in run order.
-CONFIG_NAMES = ("vllm", "kvtier-cpu", "kvtier-cpu-disk", "rr-2x", "router-2x")
+CONFIG_NAMES = ("vllm", "kvtier-cpu", "kvtier-cpu-disk", "rr-2x", "router-2x", "lmcache-mp")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class ConfigSpec:
         disk: whether kvtier gets a disk tier (CPU tier then holds half the working set).
         instances: vLLM instances (1, or 2 pinned to one core each).
         policy: ``kvtier router`` policy for two instances, None for one.
+        lmcache: LMCache's MP server instead of kvtier (:mod:`.lmcache_mp`).
     """
 
     name: str
@@ -56,6 +60,7 @@ class ConfigSpec:
     disk: bool
     instances: int
     policy: str | None
+    lmcache: bool = False
 
 
 CONFIGS: dict[str, ConfigSpec] = {
@@ -64,6 +69,7 @@ CONFIGS: dict[str, ConfigSpec] = {
     "kvtier-cpu-disk": ConfigSpec("kvtier-cpu-disk", True, True, 1, None),
     "rr-2x": ConfigSpec("rr-2x", True, False, 2, "round-robin"),
     "router-2x": ConfigSpec("router-2x", True, False, 2, "kv-aware"),
+    "lmcache-mp": ConfigSpec("lmcache-mp", False, False, 1, None, lmcache=True),
 }
 
 

@@ -31,6 +31,31 @@ def print_table(phases: dict[str, Phase], console: Any) -> None:
     Console(file=console.file, width=max(console.width, 150)).print(t)
 
 
+def print_side_by_side(sbs: dict[str, dict[str, Any]], console: Any) -> None:
+    """The side by side of issue 30 (``summarize``'s ``side_by_side``): one row per configuration
+    of vllm, kvtier-cpu, kvtier-cpu-disk and lmcache-mp that ran (nothing when fewer than two)."""
+    if len(sbs) < 2:
+        return
+    from rich.table import Table
+
+    t = Table(title="side by side: multi-round QA, no-reuse control, isolated hit")
+    for col in ("config", "TTFT mean", "TTFT rounds 2+", "req/s", "hit rate", "no-reuse req/s", "isolated hit TTFT"):
+        t.add_column(col, justify="left" if col == "config" else "right")
+
+    def ms(x: Any) -> str:
+        return f"{x * 1000:.0f} ms" if isinstance(x, (int, float)) else "-"
+
+    def num(x: Any, fmt: str) -> str:
+        return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+    for name, row in sbs.items():
+        t.add_row(name, ms(row["ttft_mean_s"]), ms(row["ttft_later_rounds_mean_s"]), num(row["request_throughput"], ".3f"),
+                  num(row["hit_rate"], ".1%"), num(row["no_reuse_request_throughput"], ".3f"), ms(row["isolated_hit_ttft_s"]))
+    from rich.console import Console
+
+    Console(file=console.file, width=max(console.width, 120)).print(t)
+
+
 def plot(phases: dict[str, Phase], path: Path) -> None:
     """PNG: TTFT CDF per configuration (left), request throughput bars (right)."""
     import matplotlib

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import subprocess
 import sys
 import time
@@ -17,15 +18,22 @@ import httpx
 
 from kvtier.bench.common import BLOCK_SIZE, BenchUsageError
 from kvtier.bench.serve.configs import ConfigSpec
+from kvtier.bench.serve.lmcache_mp import LMCacheVenv, connector_config, lmcache_server
+
+
+#: Seconds a vLLM server may take to answer /health (on a loaded 2-core machine a start took 2-4 min).
+START_TIMEOUT_S = 600
 
 
 @dataclass
 class Running:
-    """Servers of one configuration: where requests go, and the instances' URLs."""
+    """Servers of one configuration: where requests go, the instances' URLs, and (``lmcache-mp``)
+    the LMCache server's HTTP URL (its ``/metrics``)."""
 
     url: str
     instances: list[str]
     model: str
+    lmcache_http: str | None = None
 
 
 def _wait_http(url: str, proc: subprocess.Popen | None, timeout_s: float) -> None:
@@ -51,19 +59,35 @@ def router_command(backend_args: Sequence[str], model_path: str, policy: str, po
 @contextlib.contextmanager
 def start_config(
     cfg: ConfigSpec, model_path: str, engine_blocks: int, max_model_len: int, kvtier_cpu_bytes: int,
-    workdir: Path, tag: str,
+    workdir: Path, tag: str, lmcache: LMCacheVenv | None = None, cores: str = "0-1",
 ) -> Iterator[Running]:
     """Start a configuration's servers (and router); stop them all on exit.
 
+    ``kvtier_cpu_bytes``: kvtier's CPU tier capacity (``lmcache-mp``: LMCache's L1 size).
+    ``lmcache``: the LMCache venv, required by ``lmcache-mp``. ``cores``: the CPUs of a
+    single instance's engine threads (``VLLM_CPU_OMP_THREADS_BIND``); two instances get one core each.
+
     Raises BenchUsageError when a server or the router does not come up (the message
-    names the log file).
+    names the log file), or ``lmcache-mp`` without ``lmcache``.
     """
     from kvtier.integrations.vllm.serve import ApiServer, ServerSpec, free_port
 
     servers: list[Any] = []
     router: subprocess.Popen | None = None
     pool: concurrent.futures.ThreadPoolExecutor | None = None
+    stack = contextlib.ExitStack()
+    lmc_http: str | None = None
     try:
+        extra: list[str] = []
+        python: str | None = None
+        env: dict[str, str] = {}
+        if cfg.lmcache:
+            if lmcache is None:
+                raise BenchUsageError(f"{cfg.name} needs --lmcache-venv PATH (LMCache and vLLM in their own venv)")
+            lmc = stack.enter_context(lmcache_server(lmcache, kvtier_cpu_bytes, workdir, tag))
+            lmc_http = lmc.http_url
+            extra = ["--kv-transfer-config", json.dumps(connector_config(lmc.port))]
+            python, env = str(lmcache.python), {"PYTHONPATH": "", "LMCACHE_DISABLE_BANNER": "1"}
         specs = []
         for i in range(cfg.instances):
             kv: dict[str, Any] | None = None
@@ -76,19 +100,19 @@ def start_config(
                     disk = workdir / f"disk-{tag}-{i}"
                     disk.mkdir(parents=True, exist_ok=True)
                     kv.update(disk_path=str(disk), disk_capacity=f"{max(256, (4 * kvtier_cpu_bytes) >> 20)}MiB")
-            cores = "0-1" if cfg.instances == 1 else str(i % 2)
+            inst_cores = cores if cfg.instances == 1 else str(i % 2)
             # vLLM binds its KV-event publisher only for a wildcard endpoint (tcp://*:PORT); with
             # tcp://HOST:PORT it connects, and the router (which connects too) would get nothing.
             port = free_port() if cfg.instances > 1 else None
             events = f"tcp://127.0.0.1:{port}" if port else None
-            specs.append((ServerSpec(model=model_path, kvtier=kv, cpu_cores=cores, num_gpu_blocks_override=engine_blocks,
-                                     max_model_len=max_model_len,
+            specs.append((ServerSpec(model=model_path, kvtier=kv, cpu_cores=inst_cores, num_gpu_blocks_override=engine_blocks,
+                                     max_model_len=max_model_len, extra_args=list(extra), env=dict(env), python=python,
                                      kv_events_endpoint=f"tcp://*:{port}" if port else None), events))
         servers = [ApiServer(s, log_path=str(workdir / f"{tag}-{i}.log")) for i, (s, _) in enumerate(specs)]
         # Started side by side from worker threads kept alive until the servers stop: ApiServer sets
         # PR_SET_PDEATHSIG, which fires when the *thread* that started the child exits.
         pool = concurrent.futures.ThreadPoolExecutor(len(servers))
-        futs = [pool.submit(s.start, 300) for s in servers]
+        futs = [pool.submit(s.start, START_TIMEOUT_S) for s in servers]
         errs = [f.exception() for f in futs]
         if any(errs):
             raise BenchUsageError(f"{tag}: a vLLM server did not start: {str([e for e in errs if e][0])[-1500:]}")
@@ -110,7 +134,7 @@ def start_config(
             except RuntimeError as exc:
                 raise BenchUsageError(f"{tag}: kvtier router did not start ({exc}); log {workdir / (tag + '-router.log')}")
 
-        yield Running(url, [s.url for s in servers], servers[0].served_model_name)
+        yield Running(url, [s.url for s in servers], servers[0].served_model_name, lmc_http)
     finally:
         if router is not None and router.poll() is None:
             router.terminate()
@@ -123,6 +147,7 @@ def start_config(
                 s.stop()
         if pool is not None:
             pool.shutdown(wait=True)
+        stack.close()  # the LMCache server, after the engine that talks to it
 
 
 def served_model(url: str) -> str:

@@ -73,6 +73,9 @@ class ServerSpec:
             ``kvtier router``, need the wildcard form.
         extra_args: more ``api_server`` arguments, appended last (they win).
         env: environment overrides for the server process (applied last).
+        python: the interpreter that runs the server (default: this one, ``sys.executable``);
+            another virtual environment's ``bin/python`` runs the vLLM installed there
+            (``kvtier bench serve``'s ``lmcache-mp`` configuration).
     """
 
     model: str
@@ -84,6 +87,7 @@ class ServerSpec:
     kv_events_endpoint: str | None = None
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    python: str | None = None
 
 
 def free_port() -> int:
@@ -116,11 +120,16 @@ def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """``preexec_fn`` for a child that must get SIGTERM when the thread that started it dies
+    (``PR_SET_PDEATHSIG``; runs in the child between fork and exec; no-op off Linux)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the server outlives a killed parent
         pass
+
+
+_die_with_parent = die_with_parent
 
 
 def _has_flag(args: list[str], flag: str) -> bool:
@@ -161,7 +170,7 @@ class ApiServer:
     def command(self) -> list[str]:
         """The server's argv (``python -m vllm.entrypoints.openai.api_server ...``)."""
         s = self.spec
-        argv = [sys.executable, "-m", API_SERVER_MODULE, "--model", s.model,
+        argv = [s.python or sys.executable, "-m", API_SERVER_MODULE, "--model", s.model,
                 "--host", "127.0.0.1", "--port", str(self.port),
                 "--max-model-len", str(s.max_model_len)]
         if not _has_flag(s.extra_args, "--served-model-name"):

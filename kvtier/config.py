@@ -63,7 +63,6 @@ ENV_PREFIX = "KVTIER_"
 NON_SETTING_ENV = frozenset({
     "KVTIER_REDIS_STATE", "KVTIER_TEST_FAULTS_JSON_OUT",  # test tooling
     "KVTIER_DASHBOARD_TOKENIZER",  # the dashboard's hot-prefix text (kvtier.dashboard.source)
-    "KVTIER_PEER_FREE_BYTES",  # bench peers: memory its child frees before a put
     "KVTIER_TEST_ARTIFACTS", "KVTIER_UPDATE_DOCS",  # browser tests' screenshots
     "KVTIER_GPU_MODEL",  # scripts/gpu-check.sh: the model folder of its TTFT demo
 })
@@ -73,7 +72,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 SERVER_KEYS = frozenset(
     {
         "cpu_capacity", "cpu_eviction", "disk_path", "disk_capacity", "disk_eviction", "disk_fsync",
-        "disk_direct_io", "disk_write_queue", "disk_io_threads", "remote_url", "remote_codec", "remote_ttl_s",
+        "disk_direct_io", "disk_write_queue", "disk_io_threads", "disk_verify_reads", "remote_url", "remote_codec", "remote_ttl_s",
         "remote_timeout_s", "remote_write_queue", "lease_ttl_s", "log_level", "config_file", "lmcache_config_file",
         "controller", "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint",
         "peer_listen", "peers", "peer_timeout_s", "peer_retry_s", "peer_discovery",
@@ -118,6 +117,14 @@ class KVTierConfig(BaseModel):
     )
     disk_io_threads: int = Field(
         4, ge=1, le=64, description="Chunk reads/writes of one disk batch in flight at once (1: one at a time)."
+    )
+    disk_verify_reads: bool = Field(
+        True,
+        description=(
+            "Verify each chunk's xxh3-64 checksum when the disk tier reads it (default). false skips only that "
+            "hash: LMCache's trade-off (a silently corrupted file is served as KV); headers, keys, sizes are "
+            "still checked and every write still stores the checksum."
+        ),
     )
     remote_url: str | None = Field(
         None,

@@ -410,3 +410,21 @@ def test_prefiller_under_random_aborts_and_preemption_leaks_nothing(cluster) -> 
     assert stats.finished + stats.aborted_running > 0
     pd = pre.worker.worker.pd
     assert not pd.held and pd.expired > 0 and not eng.delayed_free
+
+
+def test_an_lmcache_pd_config_gives_the_connector_its_role(tmp_path: Path) -> None:
+    """LMCache's enable_pd + pd_role (receiver) is the decoder role; the connector's own pd_role wins."""
+    f = tmp_path / "lmcache-decoder.yaml"
+    f.write_text("chunk_size: 32\nlocal_cpu: true\nmax_local_cpu_size: 0.001\nenable_pd: true\npd_role: receiver\n"
+                 "pd_peer_host: localhost\npd_peer_init_port: 7300\n")
+    base = dict(model_id="fake/pd-lmcache", lmcache_config_file=str(f), lease_ttl_s=3600.0)
+    pair = make_connectors(GEOM, base, engine_id=f"pd-lmc-{uuid.uuid4().hex[:8]}")
+    try:
+        assert pair.scheduler.pd.role == "decode" and pair.worker.pd.role == "decode"
+    finally:
+        pair.shutdown()
+    own = make_connectors(GEOM, dict(base, pd_role="off"), engine_id=f"pd-lmc-{uuid.uuid4().hex[:8]}")
+    try:
+        assert own.scheduler.pd.role == "off"
+    finally:
+        own.shutdown()

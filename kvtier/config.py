@@ -71,7 +71,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Settings a ``kvtier server`` uses; the others only matter in an engine process.
 SERVER_KEYS = frozenset(
     {
-        "cpu_capacity", "cpu_eviction", "disk_path", "disk_capacity", "disk_eviction", "disk_fsync",
+        "cpu_capacity", "cpu_eviction", "cpu_numa_node", "disk_path", "disk_capacity", "disk_eviction", "disk_fsync",
         "disk_direct_io", "disk_write_queue", "disk_io_threads", "disk_verify_reads", "remote_url", "remote_codec", "remote_ttl_s",
         "remote_timeout_s", "remote_write_queue", "lease_ttl_s", "log_level", "config_file", "lmcache_config_file",
         "controller", "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint",
@@ -105,6 +105,14 @@ class KVTierConfig(BaseModel):
         description="Bytes of pre-allocated, pre-touched CPU DRAM for the hot tier (per process).",
     )
     cpu_eviction: str = Field("lru", description="CPU tier eviction policy.")
+    cpu_numa_node: str = Field(
+        "auto",
+        description=(
+            "NUMA node of the CPU tier's memory (and a kvtier server's shared segments): auto (the node of the "
+            "process's bound cores, else of the GPU's PCI device; preferred, falls back when full), a node number "
+            "(bound), interleave (every node with memory), or none (the kernel's default)."
+        ),
+    )
     disk_path: Path | None = Field(None, description="Directory of the local disk tier; unset disables the tier.")
     disk_capacity: Size = Field(ByteSize(16 << 30), description="Byte bound of the disk tier (headers included).")
     disk_eviction: str = Field("lru", description="Disk tier eviction policy.")
@@ -342,6 +350,16 @@ class KVTierConfig(BaseModel):
         if info.data.get("peer_listen") in v:
             raise ValueError(f"peers names this instance's own peer_listen {info.data['peer_listen']!r}")
         return v
+
+    @field_validator("cpu_numa_node", mode="before")
+    @classmethod
+    def _numa_form(cls, v: object) -> str:
+        from kvtier.memory.numa_topology import SETTING_FORMS
+
+        s = str(v).strip().lower() if isinstance(v, (str, int)) and not isinstance(v, bool) else ""
+        if s in ("auto", "none", "interleave") or s.isdigit():
+            return str(int(s)) if s.isdigit() else s
+        raise ValueError(f"cpu_numa_node {v!r} must be {SETTING_FORMS} (a node this machine lacks is refused at start)")
 
     @field_validator("cpu_eviction", "disk_eviction")
     @classmethod

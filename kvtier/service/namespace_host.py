@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import KeyNamespace
 from kvtier.memory.budget import BudgetShare, ByteBudget
+from kvtier.memory.numa_topology import choose as choose_numa
 from kvtier.memory.pool import ChunkPool
 from kvtier.service.integrity import ChunkSums, verify_writes
 from kvtier.service.ratelog import RateLimitedLog
@@ -64,7 +65,11 @@ class NamespaceHost:
             raise ValueError(f"disk_capacity per namespace ({disk_bytes} B) is below one chunk ({cb} B)")
         self.namespace = namespace
         self.digest = namespace.digest()
-        self.segment = SharedSegment.create(num_slots * cb, f"kvtier-{self.digest.hex()[:12]}", sparse=budget is not None)
+        self.segment = SharedSegment.create(num_slots * cb, f"kvtier-{self.digest.hex()[:12]}", sparse=budget is not None,
+                                            numa=choose_numa(config.cpu_numa_node))
+        if self.segment.numa is not None:
+            log.info("kvtier server: namespace %s: CPU segment of %d B %s", namespace.model[:128], num_slots * cb,
+                     self.segment.numa.describe())
         self.share: BudgetShare | None = None
         if budget is not None:
             self.share = budget.share(self._give_back)
@@ -72,6 +77,7 @@ class NamespaceHost:
             cb, num_slots, buffer=self.segment.array, budget=self.share,
             release_pages=lambda slot: self.segment.release(slot * cb, cb),
         )
+        self.pool.numa = self.segment.numa
         disk_path = None if config.disk_path is None else Path(config.disk_path) / f"ns-{self.digest.hex()[:32]}"
         cfg = config.model_copy(
             update=dict(

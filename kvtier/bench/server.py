@@ -12,8 +12,13 @@ repetitions interleaved (ABBA) and summarised by medians (see
   ``commit``;
 - load bandwidth: ``open_read``, scatter the slot into engine blocks (the
   connector's load copy), ``close``;
-- batched load (extra figure): ``open_read_many`` for all chunks in one call,
-  then the same copies (one round trip instead of one per chunk);
+- batched load (the judged figure): ``open_read_many`` for all chunks in one call,
+  then the same copies (one round trip instead of one per chunk), every chunk
+  verified against its commit checksum as the vLLM connector's client does it
+  (``verify="client"``: hashed on a helper thread ahead of the copies,
+  :mod:`kvtier.service.load_verifier`); beside it, in the same interleaved runs,
+  the same load with the server checking each chunk before it answers
+  (``load_ratio_server_verify``, the previous design);
 - lookup round trip: one 16-key lookup (a 4,096-token prompt) at a time,
   median microseconds.
 
@@ -89,9 +94,10 @@ def run_bench_server(
     sock = os.path.join(tmp, "kvtier.sock")
     proc = start_server_process(sock, capacity)
     embedded = StorageManager(KVTierConfig(chunk_size=ns.chunk_size, cpu_capacity=capacity), ns)
-    client = ServiceClient(sock, ns, "bench", timeout_s=5.0, wait_connected_s=60.0)
+    client = ServiceClient(sock, ns, "bench", timeout_s=5.0, wait_connected_s=60.0, verify="client")
+    server_checks = ServiceClient(sock, ns, "bench-sv", timeout_s=5.0, wait_connected_s=60.0, verify="server")
     try:
-        if not client.connected:
+        if not client.connected or not server_checks.connected:
             err = proc.stderr.read().decode() if proc.poll() is not None and proc.stderr else ""
             print(f"kvtier server did not come up: {err[-2000:]}")
             return 1
@@ -152,8 +158,8 @@ def run_bench_server(
 
         load_single_samples = interleaved({"embedded": load_run("embedded"), "server": load_run("server")}, reps)
 
-        def load_many_run(name: str) -> Callable[[], float]:
-            store = stores[name]
+        def load_many_run(name: str, store: KVStore | None = None) -> Callable[[], float]:
+            store = store or stores[name]
 
             def run() -> float:
                 with Stopwatch() as sw:
@@ -169,7 +175,8 @@ def run_bench_server(
 
         # As the connector loads a request's chunks: all opened in one call.
         load_samples = interleaved(
-            {"embedded": load_many_run("embedded"), "server": load_many_run("server")}, reps
+            {"embedded": load_many_run("embedded"), "server": load_many_run("server"),
+             "server_verify": load_many_run("server", server_checks)}, reps
         )
 
         def lookup_us(store: KVStore, keys: list[bytes]) -> list[float]:
@@ -185,6 +192,7 @@ def run_bench_server(
         server_stats = client.stats()
     finally:
         client.close()
+        server_checks.close()
         embedded.close()
         proc.terminate()
         try:
@@ -201,6 +209,9 @@ def run_bench_server(
         "store_gbps_server": gbps(nbytes, median(store_samples["server"])),
         "load_gbps_embedded": gbps(nbytes, median(load_samples["embedded"])),
         "load_gbps_server": gbps(nbytes, median(load_samples["server"])),
+        "load_gbps_server_verify": gbps(nbytes, median(load_samples["server_verify"])),
+        "client_verified_chunks": client._verifier.checked,
+        "client_corrupt_loads": server_stats.get("client_corrupt_loads", -1),
         "store_single_gbps_embedded": gbps(nbytes, median(store_single_samples["embedded"])),
         "store_single_gbps_server": gbps(nbytes, median(store_single_samples["server"])),
         "load_single_gbps_embedded": gbps(nbytes, median(load_single_samples["embedded"])),
@@ -220,6 +231,8 @@ def run_bench_server(
     # Judged: the connector's access pattern (one reservation / one open call per request).
     res["store_ratio"] = res["store_gbps_server"] / res["store_gbps_embedded"]
     res["load_ratio"] = res["load_gbps_server"] / res["load_gbps_embedded"]
+    # Side by side: the same loads checked by the server before it answers (the previous design).
+    res["load_ratio_server_verify"] = res["load_gbps_server_verify"] / res["load_gbps_embedded"]
     # Diagnostic: one round trip per chunk.
     res["store_single_ratio"] = res["store_single_gbps_server"] / res["store_single_gbps_embedded"]
     res["load_single_ratio"] = res["load_single_gbps_server"] / res["load_single_gbps_embedded"]
@@ -227,7 +240,10 @@ def run_bench_server(
         Check("store bandwidth, server / embedded", res["store_ratio"], 0.8, True, "x",
               f"{res['store_gbps_server']:.2f} vs {res['store_gbps_embedded']:.2f} GB/s (open_write_many, as the connector)"),
         Check("load bandwidth, server / embedded", res["load_ratio"], 0.8, True, "x",
-              f"{res['load_gbps_server']:.2f} vs {res['load_gbps_embedded']:.2f} GB/s (open_read_many, as the connector)"),
+              f"{res['load_gbps_server']:.2f} vs {res['load_gbps_embedded']:.2f} GB/s (open_read_many, as the connector; "
+              "every chunk verified by the client ahead of its copies)"),
+        Check("load, verified by the server before it answers", res["load_ratio_server_verify"], 0.8, True, "x",
+              f"{res['load_gbps_server_verify']:.2f} vs {res['load_gbps_embedded']:.2f} GB/s (diagnostic)"),
         Check("store, one round trip per chunk", res["store_single_ratio"], 0.8, True, "x",
               f"{res['store_single_gbps_server']:.2f} vs {res['store_single_gbps_embedded']:.2f} GB/s (diagnostic)"),
         Check("load, one round trip per chunk", res["load_single_ratio"], 0.8, True, "x",

@@ -120,3 +120,24 @@ def test_a_handle_closed_unread_is_not_reported_and_an_older_reply_is_trusted(sh
         old = ServiceReadHandle(a, 0, 1, KEYS[0], view, "cpu", None)  # a 3-element reply: the server checked it
         assert old.verdict == GOOD and old.buffer is view
         a.close()
+
+
+def test_a_chunk_the_helper_has_not_started_is_checked_by_the_caller(short_dir: Path) -> None:
+    """No helper thread at all (a machine where it would get no core): every check runs inline, same verdicts."""
+    with start_server(short_dir) as srv:
+        a = connect(short_dir / "s.sock", client_id="engine-a")
+        store(a, KEYS[:3])
+        _scribble(srv, short_dir, KEYS[2])
+        b = connect(short_dir / "s.sock", client_id="engine-b", verify="client")
+        b._verifier.helper = False
+        handles = b.open_read_many([(KEYS[0], None), (KEYS[1], KEYS[0]), (KEYS[2], KEYS[1])])
+        assert b._verifier._thread is None and all(h.verdict == 0 for h in handles)  # all pending
+        assert np.array_equal(handles[1].buffer, payload_for(KEYS[1], b.chunk_bytes))  # out of order is fine
+        with pytest.raises(ChunkUnavailable):
+            handles[2].buffer
+        assert np.array_equal(handles[0].buffer, payload_for(KEYS[0], b.chunk_bytes))
+        assert b._verifier.checked == 3 and not b._verifier._queue
+        for h in handles:
+            h.close()
+        for c in (a, b):
+            c.close()

@@ -53,7 +53,7 @@ class ServiceReadHandle:
         source: tier kind that served it ("cpu", or the lower tier it was promoted from).
     """
 
-    __slots__ = ("_client", "_gen", "_handle", "key", "view", "source", "expected", "verdict", "closed")
+    __slots__ = ("_client", "_gen", "_handle", "key", "view", "source", "expected", "verdict", "closed", "taken")
 
     def __init__(self, client: "ServiceClient", gen: int, handle: int, key: bytes, buffer: np.ndarray, source: str,
                  expected: int | None = None):
@@ -66,6 +66,7 @@ class ServiceReadHandle:
         self.expected = 0 if expected is None else expected
         self.verdict = GOOD if expected is None else PENDING  # GOOD: checked by the server, or nothing to check
         self.closed = False
+        self.taken = False  # picked up for checking (by the helper thread or the caller)
 
     @property
     def buffer(self) -> np.ndarray:

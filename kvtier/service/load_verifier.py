@@ -55,16 +55,24 @@ class Checked(Protocol):
     expected: int
     verdict: int
     closed: bool
+    taken: bool
 
 
 class LoadVerifier:
     """One helper thread that hashes handed-in slots in order and records each one's verdict.
 
-    Started on first use; :meth:`close` stops it (pending handles are then left unverified,
-    and their ``buffer`` raises).
+    The caller never waits for a chunk the thread has not started: :meth:`wait` takes such a
+    chunk out of the queue and hashes it on the caller's thread (so a busy machine, where the
+    helper gets no core, costs what checking inline costs: hash, then copy while the chunk is
+    still in cache). Started on first use; :meth:`close` stops it (pending handles are then
+    left unverified, and their ``buffer`` raises).
+
+    Args:
+        helper: run the helper thread (False: every chunk is checked by its caller, inline).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, helper: bool = True) -> None:
+        self.helper = helper
         self._cv = threading.Condition()
         self._queue: deque[Checked] = deque()
         self._thread: threading.Thread | None = None
@@ -80,7 +88,7 @@ class LoadVerifier:
             if self._closed:
                 return
             self._queue.extend(handles)
-            if self._thread is None:
+            if self._thread is None and self.helper:
                 self._thread = threading.Thread(target=self._run, name="kvtier-load-verify", daemon=True)
                 self._thread.start()
             self._cv.notify_all()
@@ -90,8 +98,27 @@ class LoadVerifier:
         if handle.verdict != PENDING:
             return handle.verdict
         with self._cv:
-            self._cv.wait_for(lambda: handle.verdict != PENDING or self._closed, timeout_s)
-            return handle.verdict
+            mine = not handle.taken and not self._closed
+            if mine:  # not started by the helper: check it here instead of waiting
+                handle.taken = True
+                try:
+                    self._queue.remove(handle)
+                except ValueError:
+                    pass
+            else:
+                self._cv.wait_for(lambda: handle.verdict != PENDING or self._closed, timeout_s)
+                return handle.verdict
+        self._check(handle)
+        return handle.verdict
+
+    def _check(self, h: Checked) -> None:
+        ok = chunk_sum_nogil(h.view) == h.expected
+        with self._cv:
+            self.checked += 1
+            if not ok:
+                self.mismatches += 1
+            h.verdict = GOOD if ok else BAD
+            self._cv.notify_all()
 
     def _run(self) -> None:
         while True:
@@ -101,15 +128,10 @@ class LoadVerifier:
                 if self._closed:
                     return
                 h = self._queue.popleft()
+                h.taken = True
             if h.closed:  # closed unread: its slot may already hold another chunk
                 continue
-            ok = chunk_sum_nogil(h.view) == h.expected
-            with self._cv:
-                self.checked += 1
-                if not ok:
-                    self.mismatches += 1
-                h.verdict = GOOD if ok else BAD
-                self._cv.notify_all()
+            self._check(h)
 
     def close(self) -> None:
         with self._cv:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvtier.bench.peers import DRIVER, PeerSizes, lmcache_available, run_peers_bench
+from kvtier.bench.peers import DEFAULT_LMCACHE_PYTHON, DRIVER, PeerSizes, lmcache_available, run_peers_bench
 from kvtier.bench.peers_report import build_report
 from kvtier.cli import app
 
@@ -129,3 +129,18 @@ def test_only_runs_the_named_figure_groups(tmp_path: Path) -> None:
     with pytest.raises(BenchUsageError, match="unknown figure groups"):
         run_peers_bench(lmcache_python=tmp_path / "nope", rounds=1, sizes=PeerSizes.tiny(), work_dir=tmp_path,
                         only=["gpu"])
+
+
+@pytest.mark.skipif(bool(lmcache_available(DEFAULT_LMCACHE_PYTHON)), reason="no LMCache environment at ~/lmc-venv")
+@pytest.mark.parametrize("figure", ["cpu", "disk"])
+def test_the_driver_measures_lmcache_where_it_is_installed(tmp_path: Path, figure: str) -> None:
+    """End to end under LMCache's own interpreter (tiny shape): the RESULT line both sides share."""
+    cmd = [str(DEFAULT_LMCACHE_PYTHON), "-I", str(DRIVER), figure, *PeerSizes.tiny().args(),
+           "--disk-dir", str(tmp_path / "lmc"), "--free-bytes", "0", "--child-timeout", "120"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-2000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert res["figure"] == figure and res["bytes"] == 2 * 2 * 512 * 3 * 64 * 2
+    assert len(res["put_s"]) == len(res["get_s"]) == 1 and min(res["put_s"] + res["get_s"]) > 0
+    assert res["level"] == ("engine" if figure == "cpu" else "storage") and not (tmp_path / "lmc").exists()

@@ -141,3 +141,60 @@ def test_a_chunk_the_helper_has_not_started_is_checked_by_the_caller(short_dir: 
             h.close()
         for c in (a, b):
             c.close()
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_the_checked_copy_is_the_plain_copy_plus_the_whole_slot_checksum(stacked: bool, offset: int) -> None:
+    from kvtier.integrations.block_copy import load_blocks, load_blocks_checked
+
+    rng = np.random.default_rng(offset)
+    layers, bpc, bb, nblocks = 3, 4, 64, 10
+    chunk = rng.integers(0, 256, (layers, bpc, bb), dtype=np.uint8)
+    ids = [7, 2, 5][: bpc - offset]
+    kv_a = np.zeros((layers, nblocks, bb), dtype=np.uint8)
+    kv_b = kv_a.copy()
+    load_blocks(chunk, kv_a if stacked else list(kv_a), ids, offset)
+    assert load_blocks_checked(chunk, kv_b if stacked else list(kv_b), ids, offset, chunk_sum(chunk))
+    assert np.array_equal(kv_a, kv_b)
+    bad = chunk.copy()
+    bad[-1, -1, -1] ^= 1  # a byte no block of this load reads: still part of the checksum
+    assert not load_blocks_checked(bad, kv_b if stacked else list(kv_b), ids, offset, chunk_sum(chunk))
+    with pytest.raises(IndexError):
+        load_blocks_checked(chunk, kv_b, [nblocks], 0, chunk_sum(chunk))
+
+
+def test_the_connector_copy_checks_a_client_verified_load_as_it_copies(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.integrations.block_copy import load_handle
+    from kvtier.service import load_verifier
+
+    def second_pass(buf: np.ndarray) -> int:
+        raise AssertionError("the chunk was hashed in a pass of its own, not as it was copied")
+
+    monkeypatch.setattr(load_verifier, "chunk_sum_nogil", second_pass)
+
+    with start_server(short_dir) as srv:
+        a = connect(short_dir / "s.sock", client_id="engine-a")
+        store(a, KEYS[:2])
+        _scribble(srv, short_dir, KEYS[1])
+        b = connect(short_dir / "s.sock", client_id="engine-b", verify="client")
+        b._verifier.helper = False
+        h0, h1 = b.open_read_many([(KEYS[0], None), (KEYS[1], KEYS[0])])
+        kv = np.zeros((1, 4, b.chunk_bytes), dtype=np.uint8)
+
+        def view(flat: np.ndarray) -> np.ndarray:
+            return flat.reshape(1, 1, -1)
+
+        load_handle(h0, view, kv, [2])
+        assert np.array_equal(kv[0, 2], payload_for(KEYS[0], b.chunk_bytes)) and h0.verdict == 1
+        with pytest.raises(ChunkUnavailable):
+            load_handle(h1, view, kv, [3])
+        assert b._verifier.checked == 2 and h1.claim() is None  # settled: nothing left to check
+        for h in (h0, h1):
+            h.close()
+        host = srv.hosts()[0]
+        wait_until(lambda: host.sums.corrupt == 1, what="the report reached the server")
+        for c in (a, b):
+            c.close()

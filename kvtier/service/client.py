@@ -78,6 +78,25 @@ class ServiceReadHandle:
                 raise ChunkUnavailable(f"kvtier: the bytes of chunk {self.key.hex()[:16]} {why}; a miss")
         return self.view
 
+    def claim(self) -> int | None:
+        """The commit checksum to check this chunk against while copying it, or None when there is
+        nothing left to check (verified already, by the server or here) or the helper thread is on it
+        (then read :attr:`buffer`, which waits for it). A caller that gets a checksum must call
+        :meth:`settle` with its verdict (:func:`kvtier.integrations.block_copy.load_blocks_checked`)."""
+        client = self._client
+        if self.verdict != PENDING or client is None:
+            return None
+        return self.expected if client._verifier.claim(self) else None
+
+    def settle(self, ok: bool) -> None:
+        """Record the verdict of a check made by the caller after :meth:`claim` (a mismatch is
+        reported to the server when the handle closes)."""
+        client = self._client
+        if client is not None:
+            client._verifier.settle(self, ok)
+        else:
+            self.verdict = GOOD if ok else BAD
+
     def close(self) -> None:
         client, self._client = self._client, None
         self.closed = True

@@ -1,35 +1,39 @@
 """Client-side load verification: the engine checks each loaded CPU chunk's commit checksum itself,
-on a helper thread, ahead of its own copies (``ServiceClient(verify="client")``).
+as it copies the chunk (``ServiceClient(verify="client")``, the vLLM connector's client).
 
 Why. The cache service checks every chunk it serves against the xxh3-64 taken at
 commit (:mod:`kvtier.service.integrity`: any client maps the pool read-write and a
 buggy one can scribble on slots). Checked by the server before it answers, the hash
-(~2x memcpy speed) sat on the load's critical path, serially before the client's
-copy: 0.59x of an embedded load in ``kvtier bench server``. Here the server answers at
-once with each chunk's commit checksum, and this thread hashes the slots (through the
-client's own mapping, in the caller's order, without holding the GIL:
-:func:`~kvtier.service.integrity.chunk_sum_nogil`) while the caller copies: the caller's
-first access to a handle's ``buffer`` waits only for that chunk's verdict, which is
-ready before the caller gets there except for the first chunk.
+is a pass of its own over the chunk's memory, serially before the client's copy
+(another pass): 0.59x of an embedded load in ``kvtier bench server``, and on the
+2-vCPU VM under load the hash alone ran as slowly as the copy (both bound by memory).
+Here the server answers at once with each chunk's commit checksum and the client
+checks the chunk in the copy's own pass: the vLLM worker's copy
+(:func:`kvtier.integrations.block_copy.load_handle`) takes the checksum (:meth:`ServiceReadHandle.claim`)
+and hashes each run of the slot right after it copied it, while it is in the CPU cache
+(:func:`~kvtier.integrations.block_copy.load_blocks_checked`). A caller that reads
+``buffer`` instead gets the chunk checked just before (in this thread, or by the optional
+helper thread of :class:`LoadVerifier`, which hashes ahead of the caller: measured beside
+it as ``load_ratio_client_helper``).
 
-Safety argument (every load is still verified, with the same checksum):
+Safety argument (every load is still verified, against the same checksum):
 
-- a chunk's bytes are compared with its commit checksum before the caller may read
-  them: ``buffer`` blocks until its chunk is verified and raises
-  :class:`~kvtier.storage.types.ChunkUnavailable` on a mismatch (the vLLM worker
-  then reports the chunk and every later one of the request for recompute, as for
-  any failed load), so nothing computed over a scribbled chunk is used or stored;
-- the bytes checked are the ones the caller copies next, through the same mapping:
-  the window in which a scribble goes unseen is from the hash to the copy (the
-  server-side check left the round trip back to the client in between as well);
+- no KV computed over a scribbled chunk is used or stored: a ``buffer`` reader gets
+  the bytes only after they matched (else :class:`~kvtier.storage.types.ChunkUnavailable`);
+  the fused copy writes the engine's blocks first and raises ``ChunkUnavailable`` when the
+  whole slot does not match, and the vLLM worker then reports that chunk's blocks and
+  every later one of the request for recompute, as for any failed load;
+- the bytes checked are the bytes copied: each run is hashed from the same mapping right
+  after the copy read it (the server-side check left a round trip between check and copy);
+  runs the load does not need are hashed too, since the checksum covers the whole slot;
 - the server stays the authority on its cache: a mismatch is reported on ``unload``
   (``corrupt``), the server checks the slot again itself and drops the chunk if it
   differs; a client that lies can only make the server re-hash one of its own
-  loads, and one that skips the check only serves itself unverified bytes, which
-  a client that scribbles could do anyway. Write-behind stays checked by the server.
+  loads, and one that skips the check only serves itself unverified bytes, which a
+  client that scribbles could do anyway. Write-behind stays checked by the server.
 
-Measured side by side (``kvtier bench server``: ``load_ratio`` with this, and
-``load_ratio_server_verify`` with the server-side check, in one run).
+Measured side by side in ``kvtier bench server`` (``load_ratio``: this;
+``load_ratio_server_verify``: the server checks first; ``load_ratio_client_helper``).
 """
 
 from __future__ import annotations
@@ -68,10 +72,12 @@ class LoadVerifier:
     left unverified, and their ``buffer`` raises).
 
     Args:
-        helper: run the helper thread (False: every chunk is checked by its caller, inline).
+        helper: run the helper thread. Default False: each chunk is checked by its caller, as
+            it copies it (:meth:`claim`, :func:`kvtier.integrations.block_copy.load_blocks_checked`)
+            or, for a caller reading ``buffer``, just before.
     """
 
-    def __init__(self, helper: bool = True) -> None:
+    def __init__(self, helper: bool = False) -> None:
         self.helper = helper
         self._cv = threading.Condition()
         self._queue: deque[Checked] = deque()
@@ -111,14 +117,29 @@ class LoadVerifier:
         self._check(handle)
         return handle.verdict
 
-    def _check(self, h: Checked) -> None:
-        ok = chunk_sum_nogil(h.view) == h.expected
+    def claim(self, handle: Checked) -> bool:
+        """Take ``handle`` for a check its caller makes itself (as it copies); False if taken already."""
+        with self._cv:
+            if handle.taken or handle.verdict != PENDING:
+                return False
+            handle.taken = True
+            try:
+                self._queue.remove(handle)
+            except ValueError:
+                pass
+            return True
+
+    def settle(self, handle: Checked, ok: bool) -> None:
+        """Record the verdict of a check made by the caller after :meth:`claim`."""
         with self._cv:
             self.checked += 1
             if not ok:
                 self.mismatches += 1
-            h.verdict = GOOD if ok else BAD
+            handle.verdict = GOOD if ok else BAD
             self._cv.notify_all()
+
+    def _check(self, h: Checked) -> None:
+        self.settle(h, chunk_sum_nogil(h.view) == h.expected)
 
     def _run(self) -> None:
         while True:

@@ -27,7 +27,7 @@ import numpy as np
 
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import KeyNamespace
-from kvtier.integrations.block_copy import load_blocks, save_blocks
+from kvtier.integrations.block_copy import load_handle, save_blocks
 from kvtier.integrations.vllm.kv_events import TierChanges, WorkerTierFeed
 from kvtier.integrations.vllm.modes import close_worker_store, open_worker_store
 from kvtier.integrations.vllm.pd import PDSettings
@@ -246,7 +246,7 @@ class KVTierWorker:
                     if self._torch is not None:
                         self._torch.copy_chunk_in(handle.buffer, tuple(ch.block_ids), ch.offset)
                     else:
-                        load_blocks(self._chunk_view(handle.buffer), self._kv, ch.block_ids, ch.offset)
+                        load_handle(handle, self._chunk_view, self._kv, ch.block_ids, ch.offset)
                 except Exception:
                     log.exception("kvtier: loading chunk %s failed", ch.key.hex()[:16])
                     failed_at = i

@@ -49,8 +49,6 @@ class RecordIO:
         verify: check each payload's xxh3-64 on read (False: header checks only).
     """
 
-    #: Hash a payload read in one piece without the GIL (:mod:`kvtier.serde.nogil_hash`).
-    NOGIL_HASH = True
     #: Writes: hash the whole payload first without the GIL, then write it (else: hash each step after it).
     WRITE_HASH_FIRST = False
 
@@ -231,10 +229,6 @@ class RecordIO:
         pos = max(0, got - HEADER_BYTES)
         if pos < len(first):
             raise RecordError("payload shorter than its header says")
-        if self.verify and pos >= n and self.NOGIL_HASH:  # the whole payload came in one piece (the usual case)
-            if xxh3_64_digest(first) != hdr.body_sum:
-                raise RecordError("payload checksum mismatch")
-            return
         h = xxhash.xxh3_64() if self.verify else None
         if h is not None:
             h.update(first)

@@ -11,7 +11,6 @@ from typing import Callable
 import xxhash
 
 from kvtier.serde.base import Buffer
-from kvtier.serde.nogil_hash import xxh3_64_digest
 from kvtier.serde.record import (
     ALIGN,
     HEADER_BYTES,
@@ -48,9 +47,6 @@ class RecordIO:
         fsync: fsync each file before its rename.
         verify: check each payload's xxh3-64 on read (False: header checks only).
     """
-
-    #: Writes: hash the whole payload first without the GIL, then write it (else: hash each step after it).
-    WRITE_HASH_FIRST = False
 
     def __init__(self, fs: FileOps, namespace: bytes, fsync: bool, verify: bool = True):
         self.fs = fs
@@ -136,23 +132,14 @@ class RecordIO:
         """
         fd = self._open_tmp(tmp, final, 0)
         try:
-            n, pos = len(data), 0
-            if self.WRITE_HASH_FIRST:
-                pwritev_all(self.fs, fd, [memoryview(make_header(xxh3_64_digest(data)))], 0)
-                while pos < n:
-                    piece = data[pos : pos + WRITE_STEP_BYTES]
-                    pwritev_all(self.fs, fd, [piece], HEADER_BYTES + pos)
-                    pos += len(piece)
-                n = -1
             h = xxhash.xxh3_64()
+            n, pos = len(data), 0
             while pos < n:
                 piece = data[pos : pos + WRITE_STEP_BYTES]
                 pwritev_all(self.fs, fd, [piece], HEADER_BYTES + pos)
                 h.update(piece)
                 pos += len(piece)
-            if n >= 0:
-                pwritev_all(self.fs, fd, [memoryview(make_header(h.digest()))], 0)
-            n = len(data)
+            pwritev_all(self.fs, fd, [memoryview(make_header(h.digest()))], 0)
             if self.fsync:
                 self.fs.fsync(fd)
         finally:

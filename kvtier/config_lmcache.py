@@ -444,6 +444,11 @@ def translate_lmcache(doc: Mapping[str, Any]) -> LmcacheTranslation:
         out.notes.append(PD_NOTE)
     if "peer_listen" in out.settings and "peer_discovery" not in out.settings:
         out.notes.append("P2P: no controller is named, so list the other instances' peer_listen URLs under peers")
+    if str(out.settings.get("peer_listen", "shm://")).split("://", 1)[0] != "shm":
+        out.notes.append("P2P: kvtier's TCP/NIXL peers authenticate (LMCache's P2P does not): make a key per "
+                         "instance with `kvtier keys new`, list the members' public keys in one file, and set "
+                         "fleet_key and fleet_members beside this file (e.g. KVTIER_FLEET_KEY, or the connector's "
+                         "extra config); on one machine shm:///PATH peers need no keys")
     if ("max_local_cpu_size" not in doc and "cpu_capacity" not in out.settings
             and not any(k == "local_cpu" for k, _ in out.refused)):
         nbytes, shown = _gb_to_bytes(LMCACHE_DEFAULT_CPU_GB)

@@ -12,6 +12,12 @@ from typer.testing import CliRunner
 from kvtier.config import ConfigError, load_config
 from kvtier.config_lmcache import LMCACHE_GB, lmcache_keys, translate_lmcache
 
+
+def yaml_doc(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
 GIB = 1024**3
 
 
@@ -225,7 +231,7 @@ def test_a_docs_example_loads_with_the_expected_settings(tmp_path: Path, suffix:
     assert c._sources["cpu_capacity"] == f"LMCache config file {f}, key max_local_cpu_size"
 
 
-def test_docs_p2p_example_loads_as_peer_serving_with_controller_discovery(tmp_path: Path) -> None:
+def test_docs_p2p_example_loads_as_peer_serving_with_controller_discovery(tmp_path: Path, fleet: Any) -> None:
     f = write(tmp_path / "instance1.yaml", """\
 chunk_size: 256
 local_cpu: True
@@ -241,7 +247,12 @@ p2p_init_ports: 8200
 p2p_lookup_ports: 8201
 transfer_channel: "nixl"
 """)
-    c = load_config({"config_file": f}, environ={})
+    # kvtier's NIXL/TCP peers authenticate (LMCache's P2P does not): the file alone is refused, naming the keys,
+    # and the translation's notes say how to add them.
+    with pytest.raises(ConfigError, match=r"peer_listen .*key enable_p2p.*set fleet_key and fleet_members"):
+        load_config({"config_file": f}, environ={})
+    assert any("fleet_key and fleet_members" in n for n in translate_lmcache(yaml_doc(f)).notes)
+    c = load_config({"config_file": f, **fleet.config("a")}, environ={})
     assert c.peer_listen == "nixl://localhost:8200" and c.peer_discovery == "http://localhost:7601"
     assert c.controller == "tcp://localhost:8300" and c.instance_id == "lmcache_instance_1"
     assert c._sources["peer_listen"] == f"LMCache config file {f}, key enable_p2p"

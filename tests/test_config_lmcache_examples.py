@@ -8,6 +8,7 @@ compression, its tiers), nor call a key of LMCache's own examples "not an LMCach
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -56,17 +57,20 @@ def test_no_refusal_names_a_feature_kvtier_has(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", [f for f in FILES if f.name not in EXPECTED_REFUSED], ids=lambda f: f.name)
-def test_the_accepted_examples_load_as_kvtier_settings(path: Path) -> None:
-    config = load_config({"config_file": path}, environ={})
+def test_the_accepted_examples_load_as_kvtier_settings(path: Path, fleet: Any) -> None:
+    # A TCP/NIXL peer_listen needs fleet keys (kvtier's peers authenticate; the notes say so).
+    keys = fleet.config("a") if translate_lmcache(_doc(path)).settings.get("peer_listen") else {}
+    config = load_config({"config_file": path, **keys}, environ={})
     assert config.lmcache_config_file == path
 
 
-def test_p2p_sharing_maps_to_peer_serving_and_controller_discovery() -> None:
+def test_p2p_sharing_maps_to_peer_serving_and_controller_discovery(fleet: Any) -> None:
     for name, port in (("p2p_sharing_example1.yaml", 8200), ("p2p_sharing_example2.yaml", 8202)):
-        c = load_config({"config_file": EXAMPLES / name}, environ={})
+        assert any("fleet_key" in n for n in translate_lmcache(_doc(EXAMPLES / name)).notes)
+        c = load_config({"config_file": EXAMPLES / name, **fleet.config("a")}, environ={})
         assert c.peer_listen == f"nixl://localhost:{port}"  # transfer_channel: nixl
         assert c.peer_discovery == "http://localhost:7601" and c.controller == "tcp://localhost:8300"
-    v0 = load_config({"config_file": EXAMPLES / "p2p_v0_example1.yaml"}, environ={})
+    v0 = load_config({"config_file": EXAMPLES / "p2p_v0_example1.yaml", **fleet.config("b")}, environ={})
     assert v0.peer_listen == "tcp://localhost:8200" and v0.peer_discovery is None  # LMCache v0 distributed_url
     assert any("peers" in n for n in translate_lmcache(_doc(EXAMPLES / "p2p_v0_example1.yaml")).notes)
 

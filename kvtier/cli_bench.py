@@ -190,20 +190,18 @@ def bench_soak_fleet(
 
 @bench_app.command("peers")
 def bench_peers(
-    lmcache_python: Optional[Path] = typer.Option(None, "--lmcache-python", help="Python of the LMCache venv (default ../lmc-venv/bin/python)."),
+    lmcache_python: Optional[Path] = typer.Option(None, "--lmcache-python", help="Python of LMCache's own venv (default ~/lmc-venv/bin/python); it runs kvtier's LMCache driver."),
     rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds (medians, spread over rounds)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
     odirect: bool = typer.Option(False, "--odirect", help="Also compare the disk figures with O_DIRECT."),
     redis_url: str = typer.Option("127.0.0.1:6399", "--redis-url", help="HOST:PORT of the Redis both sides use."),
-    lmcache_script: Optional[Path] = typer.Option(None, "--lmcache-script", help="LMCache peer script (default ../shared/tools/lmcache-peer/)."),
 ) -> None:
     """kvtier's tiers vs LMCache's backends side by side (CPU, disk, Redis), with physical baselines."""
     from kvtier.bench.peers import run_peers
 
     with _json_target(json_path) as out:
         _finish("bench peers", lambda: run_peers(lmcache_python=lmcache_python, rounds=rounds, json_path=out,
-                                                 odirect=odirect, redis_url=redis_url,
-                                                 lmcache_script=lmcache_script, enforce=True))
+                                                 odirect=odirect, redis_url=redis_url, enforce=True))
 
 
 @bench_app.command("transfer")

@@ -67,7 +67,6 @@ NON_SETTING_ENV = frozenset({
     "KVTIER_REDIS_STATE", "KVTIER_TEST_FAULTS_JSON_OUT",  # test tooling
     "KVTIER_TEST_REQUIRE",  # tests/skip_guard.py: dependencies whose skips fail the run (.ci/run sets it)
     "KVTIER_DASHBOARD_TOKENIZER",  # the dashboard's hot-prefix text (kvtier.dashboard.source)
-    "KVTIER_PEER_FREE_BYTES",  # bench peers: memory its child frees before a put
     "KVTIER_TEST_ARTIFACTS", "KVTIER_UPDATE_DOCS",  # browser tests' screenshots
     "KVTIER_GPU_MODEL",  # scripts/gpu-check.sh: the model folder of its TTFT demo
 })
@@ -76,8 +75,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Settings a ``kvtier server`` uses; the others only matter in an engine process.
 SERVER_KEYS = frozenset(
     {
-        "cpu_capacity", "cpu_eviction", "disk_path", "disk_capacity", "disk_eviction", "disk_fsync",
-        "disk_direct_io", "disk_write_queue", "disk_io_threads", "remote_url", "remote_codec", "remote_ttl_s",
+        "cpu_capacity", "cpu_eviction", "cpu_numa_node", "disk_path", "disk_capacity", "disk_eviction", "disk_fsync",
+        "disk_direct_io", "disk_write_queue", "disk_io_threads", "disk_verify_reads", "remote_url", "remote_codec", "remote_ttl_s",
         "remote_timeout_s", "remote_write_queue", "lease_ttl_s", "log_level", "config_file", "lmcache_config_file",
         "controller", "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint",
         "peer_listen", "peers", "peer_timeout_s", "peer_retry_s", "peer_discovery",
@@ -107,6 +106,14 @@ class KVTierConfig(BaseModel):
         description="Bytes of pre-allocated, pre-touched CPU DRAM for the hot tier (per process).",
     )
     cpu_eviction: str = Field("lru", description="CPU tier eviction policy.")
+    cpu_numa_node: str = Field(
+        "auto",
+        description=(
+            "NUMA node of the CPU tier's memory (and a kvtier server's shared segments): auto (the node of the "
+            "process's bound cores, else of the GPU's PCI device; preferred, falls back when full), a node number "
+            "(bound), interleave (every node with memory), or none (the kernel's default)."
+        ),
+    )
     disk_path: Path | None = Field(None, description="Directory of the local disk tier; unset disables the tier.")
     disk_capacity: Size = Field(ByteSize(16 << 30), description="Byte bound of the disk tier (headers included).")
     disk_eviction: str = Field("lru", description="Disk tier eviction policy.")
@@ -119,6 +126,14 @@ class KVTierConfig(BaseModel):
     )
     disk_io_threads: int = Field(
         4, ge=1, le=64, description="Chunk reads/writes of one disk batch in flight at once (1: one at a time)."
+    )
+    disk_verify_reads: bool = Field(
+        True,
+        description=(
+            "Verify each chunk's xxh3-64 checksum when the disk tier reads it (default). false skips only that "
+            "hash: LMCache's trade-off (a silently corrupted file is served as KV); headers, keys, sizes are "
+            "still checked and every write still stores the checksum."
+        ),
     )
     remote_url: str | None = Field(
         None,
@@ -363,6 +378,16 @@ class KVTierConfig(BaseModel):
         if info.data.get("peer_listen") in v:
             raise ValueError(f"peers names this instance's own peer_listen {info.data['peer_listen']!r}")
         return v
+
+    @field_validator("cpu_numa_node", mode="before")
+    @classmethod
+    def _numa_form(cls, v: object) -> str:
+        from kvtier.memory.numa_topology import SETTING_FORMS
+
+        s = str(v).strip().lower() if isinstance(v, (str, int)) and not isinstance(v, bool) else ""
+        if s in ("auto", "none", "interleave") or s.isdigit():
+            return str(int(s)) if s.isdigit() else s
+        raise ValueError(f"cpu_numa_node {v!r} must be {SETTING_FORMS} (a node this machine lacks is refused at start)")
 
     @field_validator("controller_key")
     @classmethod

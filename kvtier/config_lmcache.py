@@ -38,15 +38,35 @@ Key list: LMCache v1's ``_CONFIG_DEFINITIONS`` and aliases in
 from __future__ import annotations
 
 import difflib
-import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: Bytes in one LMCache "GB" (LMCache multiplies its GB sizes by 1024**3; see module doc).
-LMCACHE_GB = 1024**3
+from kvtier.config_lmcache_transfer import PD_NOTE, TRANSFER_RULES, _pd_on
+from kvtier.config_lmcache_values import (
+    ALIASES,
+    LMCACHE_GB,
+    Rule,
+    _bool,
+    _default_only,
+    _feature,
+    _gb_to_bytes,
+    _get,
+    _ignore,
+    _Ignore,
+    _number,
+    _on,
+    _Refuse,
+    _sub_key,
+    _unset,
+    _unset_only,
+)
+
+__all__ = ["ALIASES", "LMCACHE_GB", "LmcacheTranslation", "RULES", "lmcache_connector_settings", "lmcache_keys",
+           "read_lmcache_file", "translate_lmcache"]
+
 #: LMCache's default ``max_local_cpu_size`` in its GB (``lmcache/v1/config.py``).
 LMCACHE_DEFAULT_CPU_GB = 5.0
 #: The environment variable LMCache reads its config file path from.
@@ -55,22 +75,6 @@ LMCACHE_ENV = "LMCACHE_CONFIG_FILE"
 SERDE_TO_CODEC = {"naive": "raw", "cachegen": "cachegen"}
 #: Where the README explains the translation.
 SEE = "see README, Configuration: Coming from LMCache"
-
-# LMCache's deprecated names -> current names (lmcache/v1/config.py _CONFIG_ALIASES).
-ALIASES: dict[str, str] = {
-    "enable_xpyd": "enable_pd",
-    "nixl_peer_host": "pd_peer_host",
-    "nixl_peer_init_port": "pd_peer_init_port",
-    "nixl_peer_alloc_port": "pd_peer_alloc_port",
-    "nixl_proxy_host": "pd_proxy_host",
-    "nixl_proxy_port": "pd_proxy_port",
-    "nixl_role": "pd_role",
-    "controller_url": "controller_pull_url",
-    "lmcache_worker_port": "lmcache_worker_ports",
-    "plugin_locations": "runtime_plugin_locations",
-    "external_backends": "storage_plugins",
-}
-
 
 @dataclass
 class LmcacheTranslation:
@@ -82,12 +86,17 @@ class LmcacheTranslation:
         mapped: (LMCache key, kvtier key, value shown with its unit) per mapped setting.
         refused: (LMCache key, reason) per key kvtier cannot honour or does not know.
         ignored: (LMCache key, reason) per key that does not change kvtier's behaviour.
+        connector: vLLM connector settings (``kv_connector_extra_config`` keys, e.g. ``pd_role``)
+            mapped from the file; the connector takes them where its own extra config has none.
+        notes: what a mapped feature still needs from the operator (e.g. PD addresses).
     """
 
     settings: dict[str, Any] = field(default_factory=dict)
     mapped: list[tuple[str, str, str]] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)
     ignored: list[tuple[str, str]] = field(default_factory=list)
+    connector: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def origin(self, kvtier_key: str) -> str | None:
         """The LMCache key a kvtier setting came from (None: not from this translation)."""
@@ -112,84 +121,6 @@ class LmcacheTranslation:
             )
 
 
-class _Refuse(Exception):
-    """A key's value cannot be honoured (the message is the reason)."""
-
-
-class _Ignore(Exception):
-    """A key's value does not change kvtier's behaviour (the message is the reason)."""
-
-
-# -- value helpers ---------------------------------------------------------------------------------
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-        return value.strip().lower() in ("true", "1", "yes", "on")
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise _Refuse(f"{value!r} is not true/false")
-
-
-def _number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or value is None:
-        raise _Refuse(f"{value!r} is not a number ({what})")
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise _Refuse(f"{value!r} is not a number ({what})") from None
-    if not math.isfinite(out) or out < 0:
-        raise _Refuse(f"{value!r} must be a finite, non-negative number ({what})")
-    return out
-
-
-def _gb_to_bytes(value: Any) -> tuple[int, str]:
-    """LMCache GB (x 1024**3) -> (bytes, value shown)."""
-    gb = _number(value, "LMCache sizes are numbers of GB, 1 GB = 1024**3 bytes, e.g. 5 or 0.5")
-    nbytes = int(gb * LMCACHE_GB)  # LMCache's own rounding: int(size * 1024**3)
-    return nbytes, f"{gb:g} GB (LMCache GB = 1024**3 B) = {nbytes} B ({_human(nbytes)})"
-
-
-def _human(nbytes: int) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.4g}{unit}"
-    return f"{nbytes}B"
-
-
-def _on(doc: Mapping[str, Any], key: str) -> bool:
-    """LMCache boolean ``key`` (or its alias) set true in ``doc``; a non-boolean counts as on."""
-    for name in (key, *[a for a, k in ALIASES.items() if k == key]):
-        if name in doc:
-            try:
-                if _bool(doc[name]):
-                    return True
-            except _Refuse:
-                return True
-    return False
-
-
-def _get(doc: Mapping[str, Any], key: str) -> Any:
-    """Value of LMCache ``key`` or of one of its deprecated aliases (None when absent)."""
-    if key in doc:
-        return doc[key]
-    for alias, target in ALIASES.items():
-        if target == key and alias in doc:
-            return doc[alias]
-    return None
-
-
-def _unset(value: Any) -> bool:
-    return value is None or value == [] or value == {} or (isinstance(value, str) and not value.strip())
-
-
-# -- rules -----------------------------------------------------------------------------------------
-# A rule gets (value, whole document) and returns [(kvtier key, kvtier value, shown)], or raises
-# _Refuse / _Ignore with the reason.
-Rule = Callable[[Any, Mapping[str, Any]], list[tuple[str, Any, str]]]
-
 
 def _chunk_size(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
     if isinstance(v, bool) or not isinstance(v, int):
@@ -200,6 +131,9 @@ def _chunk_size(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
 def _local_cpu(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
     if _bool(v):
         raise _Ignore("the CPU tier is always on in kvtier (sized by max_local_cpu_size)")
+    if _pd_on(doc):
+        raise _Ignore("false in an LMCache PD config (only the transfer buffer in CPU memory); kvtier's PD loads "
+                      "through its CPU tier, sized by pd_buffer_size (else max_local_cpu_size)")
     raise _Refuse(
         "false (CPU memory only as a staging buffer) has no counterpart: kvtier always keeps a CPU tier, "
         "every load goes through it; remove 'local_cpu: false' and size that tier with max_local_cpu_size"
@@ -209,10 +143,19 @@ def _local_cpu(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
 def _local_device(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
     if isinstance(v, str) and v.strip().lower() == "cpu":
         raise _Ignore("LMCache v0's 'cpu': the CPU tier is always on in kvtier")
-    raise _Refuse(f"{v!r}: LMCache v0's local_device has no counterpart; use local_cpu / local_disk (v1 keys)")
+    if isinstance(v, str) and v.strip().startswith("file://"):  # LMCache v0: the local disk backend's directory
+        path = v.strip().removeprefix("file://")
+        if not path:
+            raise _Refuse(f"{v!r} names no directory")
+        return [("disk_path", path, f"{path} (LMCache v0 disk backend; disk_capacity: kvtier's default, "
+                                    "LMCache v0 had no bound)")]
+    raise _Refuse(f"{v!r}: LMCache v0's local_device is 'cpu' or file:///path/; use local_cpu / local_disk (v1 keys)")
 
 
 def _cpu_size(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
+    if _pd_on(doc) and _get(doc, "local_cpu") is not None and not _on(doc, "local_cpu"):
+        raise _Ignore("LMCache's PD receiver keeps no CPU cache (local_cpu: false); kvtier's CPU tier is sized by "
+                      "pd_buffer_size, else kvtier's default")
     nbytes, shown = _gb_to_bytes(v)
     return [("cpu_capacity", nbytes, shown)]
 
@@ -266,6 +209,16 @@ def _remote_url(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
             raise _Refuse(f"{v!r} names no directory (fs://HOST:PORT/path or fs:///path)")
         url = f"fs://{path}"
         return [("remote_url", url, f"{url} (LMCache ignores the host:port of fs:// URLs; so does this mapping)")]
+    if scheme == "resp" and "redis" in known:  # LMCache's native RESP client: the Redis protocol
+        from urllib.parse import quote
+
+        extra = _get(doc, "extra_config")
+        extra = extra if isinstance(extra, Mapping) else {}
+        user, pw = extra.get("username"), extra.get("password")
+        auth = "" if _unset(pw) else f"{quote(str(user or ''), safe='')}:{quote(str(pw), safe='')}@"
+        url = f"redis://{auth}{rest}"
+        return [("remote_url", url, f"{mask_url(url)} (LMCache's resp:// client speaks RESP, as kvtier's Redis tier"
+                                    + (", credentials from extra_config" if auth else "") + ")")]
     if scheme == "redis-sentinel" and scheme not in known:
         raise _Refuse(
             "Redis Sentinel is not supported by kvtier's Redis tier; point remote_url at the master "
@@ -286,89 +239,6 @@ def _remote_serde(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
         raise _Refuse(f"{v!r} has no kvtier codec (LMCache serdes kvtier honours: naive -> raw, cachegen -> cachegen)")
     codec = SERDE_TO_CODEC[name.lower()]
     return [("remote_codec", codec, f"{codec} (LMCache {name})")]
-
-
-def _default_only(default: Any, ok: str, refuse: str) -> Rule:
-    """A key kvtier honours only at LMCache's default value (``ok``: why that is the same; ``refuse``: why not)."""
-
-    def rule(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
-        same = _bool(v) == default if isinstance(default, bool) else (v == default or _unset(v) and default is None)
-        if same:
-            raise _Ignore(f"{v!r} is LMCache's default; {ok}")
-        raise _Refuse(f"{v!r}: {refuse}")
-
-    return rule
-
-
-def _feature(flag_reason: str) -> Rule:
-    """An LMCache feature switch kvtier does not implement: false is ignored, true refused."""
-
-    def rule(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
-        if not _bool(v):
-            raise _Ignore("off (LMCache's default)")
-        raise _Refuse(flag_reason)
-
-    return rule
-
-
-def _unset_only(refuse: str) -> Rule:
-    """A key whose only honourable value is unset/empty."""
-
-    def rule(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
-        if _unset(v):
-            raise _Ignore("unset (LMCache's default)")
-        raise _Refuse(refuse)
-
-    return rule
-
-
-def _ignore(reason: str) -> Rule:
-    def rule(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
-        raise _Ignore(reason)
-
-    return rule
-
-
-def _sub_key(flag: str, reason: str | None = None) -> Rule:
-    """A setting of LMCache feature ``flag``: it changes nothing in kvtier (the flag itself is refused when on)."""
-
-    def rule(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
-        raise _Ignore(reason or f"only used with {flag}" + (" (refused)" if _on(doc, flag) else " (off)"))
-
-    return rule
-
-
-def _enable_controller(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
-    if not _bool(v):
-        raise _Ignore("off (LMCache's default)")
-    url = _get(doc, "controller_pull_url")
-    if not isinstance(url, str) or not url.strip():
-        raise _Refuse("true but no controller_pull_url (controller_url) gives the controller's HOST:PORT")
-    m = re.fullmatch(r"(?:tcp://)?([A-Za-z0-9._\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})", url.strip())
-    if m is None or not 0 < int(m.group(2)) < 65536:
-        raise _Refuse(f"controller URL {url!r} is not HOST:PORT or tcp://HOST:PORT")
-    addr = f"tcp://{m.group(1)}:{m.group(2)}"
-    return [
-        (
-            "controller",
-            addr,
-            f"{addr} (run `kvtier controller` there: LMCache's controller does not speak kvtier's protocol)",
-        )
-    ]
-
-
-def _instance_id(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
-    if not _on(doc, "enable_controller"):
-        raise _Ignore("only used with enable_controller (off)")
-    if not isinstance(v, str) or not v:
-        raise _Refuse(f"{v!r} is not an instance id string")
-    return [("instance_id", v, v)]
-
-
-def _controller_only(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
-    if _on(doc, "enable_controller"):
-        raise _Ignore("LMCache's controller wiring; kvtier's agent uses one connection to `controller`")
-    raise _Ignore("only used with enable_controller (off)")
 
 
 def _async_loading(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
@@ -394,6 +264,14 @@ def _cache_policy(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
         raise _Refuse(f"{v!r} has no kvtier eviction policy (kvtier has: {', '.join(sorted(POLICIES))})")
     p = v.strip().lower()
     return [("cpu_eviction", p, p), ("disk_eviction", p, p)]
+
+
+def _save_unfull_chunk(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
+    if not _bool(v):
+        raise _Ignore(_FULL + " (same)")
+    if _pd_on(doc):
+        raise _Ignore("kvtier's PD prefiller stores a prompt's partial last chunk for its decoder (as LMCache's PD)")
+    raise _Refuse(_FULL + " outside PD; a partial last chunk is recomputed")
 
 
 def _reserve_cpu(v: Any, doc: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
@@ -427,8 +305,6 @@ RULES: dict[str, Rule] = {
     "max_local_disk_size": _disk_size,
     "remote_url": _remote_url,
     "remote_serde": _remote_serde,
-    "enable_controller": _enable_controller,
-    "lmcache_instance_id": _instance_id,
     "enable_async_loading": _async_loading,
     "blocking_timeout_secs": _seconds("remote_timeout_s", 1.0, "s"),
     "lookup_timeout_ms": _seconds("lookup_timeout_s", 1e-3, "ms"),
@@ -436,7 +312,7 @@ RULES: dict[str, Rule] = {
     "cache_policy": _cache_policy,
     # honoured at LMCache's default only
     "save_decode_cache": _default_only(False, _FULL + " (same)", _FULL + "; decode-phase KV is not saved"),
-    "save_unfull_chunk": _default_only(False, _FULL + " (same)", _FULL + "; a partial last chunk is recomputed"),
+    "save_unfull_chunk": _save_unfull_chunk,
     "reserve_local_cpu_size": _reserve_cpu,
     "min_retrieve_tokens": _min_retrieve,
     "priority_limit": _unset_only("kvtier caches every request; priority-based admission is not implemented"),
@@ -458,26 +334,12 @@ RULES: dict[str, Rule] = {
         "layer-by-layer pipelining is not implemented (kvtier loads whole chunks; disk/remote hits asynchronously)",
     ),
     "enable_blending": _feature("CacheBlend (reusing non-prefix KV with partial recompute) is not implemented"),
-    "enable_p2p": _feature(
-        "peer-to-peer CPU cache sharing is not implemented; share a cache through `kvtier server` or a remote tier"
-    ),
-    "enable_pd": _feature("disaggregated prefill (KV transfer between prefill and decode instances) is not implemented yet"),
-    "enable_nixl": _feature("NIXL transfer is not implemented"),
     "enable_hidden_state_cache": _feature("hidden-state caching (vLLM-Omni) is not implemented"),
     "local_cpu_use_hugepages": _default_only(False, _ALLOC, "huge pages for the CPU tier are not implemented"),
     # sub-keys of refused features, ignored
     **{k: _sub_key("enable_blending") for k in (
         "blend_recompute_ratios", "blend_recompute_ratio", "blend_thresholds", "blend_check_layers",
         "blend_min_tokens", "blend_special_str",
-    )},
-    **{k: _sub_key("enable_p2p") for k in ("p2p_host", "p2p_init_ports", "p2p_lookup_ports")},
-    "transfer_channel": _sub_key("enable_p2p", "only used with enable_p2p or enable_pd (both refused when on)"),
-    **{k: _sub_key("enable_pd") for k in (
-        "pd_role", "pd_buffer_size", "pd_buffer_device", "pd_peer_host", "pd_peer_init_port", "pd_peer_alloc_port",
-        "pd_peer_query_port", "pd_proxy_host", "pd_proxy_port", "pd_allocation_timeout_sec", "pd_shutdown_timeout_sec",
-        "pd_condition_poll_interval_sec", "pd_max_prefill_len", "pd_backend_mode", "pd_skip_proxy_notification",
-        "pd_bidirectional", "nixl_backends", "nixl_buffer_size", "nixl_buffer_device", "nixl_peer_port",
-        "nixl_receiver_host", "nixl_receiver_port", "nixl_enable_gc",
     )},
     **{k: _sub_key("gds_path") for k in ("gds_path_sharding", "gds_buffer_size", "use_gds", "gds_backend",
                                           "cufile_buffer_size")},
@@ -488,16 +350,9 @@ RULES: dict[str, Rule] = {
     **{k: _sub_key("cache_policy: cost_aware", "only used by LMCache's cost_aware cache_policy")
        for k in ("cost_aware_half_life_seconds", "cost_aware_ewma_alpha")},
     "app_id": _sub_key("remote_config_url"),
-    "controller_pull_url": _controller_only,
-    "controller_reply_url": _controller_only,
-    "lmcache_worker_ports": _controller_only,
-    "lmcache_worker_ids": _controller_only,
-    "lmcache_worker_heartbeat_delay_time": _controller_only,
-    "lmcache_worker_heartbeat_time": _controller_only,
     # do not change what is cached or hit
     "pre_caching_hash_algorithm": _ignore("kvtier keys chunks by its own blake3 digest (caches are not shared with LMCache)"),
     "local_disk_path_sharding": _ignore("kvtier has one disk directory per process or server"),
-    "numa_mode": _ignore(_ALLOC),
     "enable_lazy_memory_allocator": _ignore(_ALLOC),
     "lazy_memory_initial_ratio": _ignore(_ALLOC),
     "lazy_memory_expand_trigger_ratio": _ignore(_ALLOC),
@@ -525,8 +380,15 @@ RULES: dict[str, Rule] = {
     "enable_scheduler_bypass_lookup": _ignore("LMCache's lookup wiring; kvtier's scheduler asks its own worker"),
     "use_gpu_connector_v3": _ignore("LMCache's internal GPU copy path"),
     "extra_config": _extra_config,
+    # LMCache v0 keys in LMCache's own examples that LMCache 0.5.6 no longer reads (it warns and goes on)
+    "pipelined_backend": _ignore("LMCache v0's pipelined retrieve switch (LMCache 0.5.6 no longer reads it); "
+                                 "kvtier loads disk/remote hits asynchronously with enable_async_loading"),
+    "async_loading": _ignore("not read by LMCache 0.5.6 (it warns and goes on; enable_async_loading is the key)"),
+    **TRANSFER_RULES,
 }
 
+#: Mapped keys that are vLLM connector settings (``kv_connector_extra_config``), not KVTierConfig fields.
+CONNECTOR_KEYS = frozenset({"pd_role"})
 #: extra_config keys that are purely observability (``histogram_bucket_<name>``).
 _COSMETIC_EXTRA = re.compile(r"histogram_bucket_\w+")
 
@@ -564,7 +426,7 @@ def translate_lmcache(doc: Mapping[str, Any]) -> LmcacheTranslation:
             out.refused.append((key, f"not an LMCache setting{hint}"))
             continue
         if name == "extra_config" and not _unset(value):
-            _extra(key, value, out)
+            _extra(key, value, doc, out)
             continue
         try:
             results = rule(value, doc)
@@ -575,24 +437,64 @@ def translate_lmcache(doc: Mapping[str, Any]) -> LmcacheTranslation:
             out.refused.append((key, str(why)))
             continue
         for kv_key, kv_value, shown in results:
-            out.settings[kv_key] = kv_value
+            target = out.connector if kv_key in CONNECTOR_KEYS else out.settings
+            target[kv_key] = kv_value
             out.mapped.append((key, kv_key, shown))
-    if "max_local_cpu_size" not in doc and not any(k == "local_cpu" for k, _ in out.refused):
+    if "pd_role" in out.connector:
+        out.notes.append(PD_NOTE)
+    if "peer_listen" in out.settings and "peer_discovery" not in out.settings:
+        out.notes.append("P2P: no controller is named, so list the other instances' peer_listen URLs under peers")
+    if str(out.settings.get("peer_listen", "shm://")).split("://", 1)[0] != "shm":
+        out.notes.append("P2P: kvtier's TCP/NIXL peers authenticate (LMCache's P2P does not): make a key per "
+                         "instance with `kvtier keys new`, list the members' public keys in one file, and set "
+                         "fleet_key and fleet_members beside this file (e.g. KVTIER_FLEET_KEY, or the connector's "
+                         "extra config); on one machine shm:///PATH peers need no keys")
+    if ("max_local_cpu_size" not in doc and "cpu_capacity" not in out.settings
+            and not any(k == "local_cpu" for k, _ in out.refused)):
         nbytes, shown = _gb_to_bytes(LMCACHE_DEFAULT_CPU_GB)
         out.settings["cpu_capacity"] = nbytes
         out.mapped.append(("max_local_cpu_size (LMCache default)", "cpu_capacity", shown))
     return out
 
 
-def _extra(key: str, value: Any, out: LmcacheTranslation) -> None:
+def _extra(key: str, value: Any, doc: Mapping[str, Any], out: LmcacheTranslation) -> None:
     if not isinstance(value, Mapping):
         out.refused.append((key, f"{value!r} is not a mapping"))
         return
-    for sub in value:
+    resp = str(_get(doc, "remote_url") or "").lower().startswith("resp://")
+    for sub, v in value.items():
+        name = f"{key}.{sub}"
         if isinstance(sub, str) and _COSMETIC_EXTRA.fullmatch(sub):
-            out.ignored.append((f"{key}.{sub}", "LMCache metrics histogram buckets (observability only)"))
+            out.ignored.append((name, "LMCache metrics histogram buckets (observability only)"))
+        elif sub == "use_odirect":
+            try:
+                on = _bool(v)
+            except _Refuse as why:
+                out.refused.append((name, str(why)))
+                continue
+            out.settings["disk_direct_io"] = on
+            out.mapped.append((name, "disk_direct_io", f"{on} (O_DIRECT disk reads and writes)"))
+        elif sub == "gpu_to_numa_mapping":
+            out.ignored.append((name, "read with numa_mode: manual (cpu_numa_node)"))
+        elif sub == "lookup_backoff_time":
+            out.ignored.append((name, "LMCache's P2P lookup retry pause; kvtier's peer calls are bounded by "
+                                      "peer_timeout_s and skipped for peer_retry_s after a failure"))
+        elif resp and sub in ("username", "password"):
+            out.ignored.append((name, "in remote_url's user info (resp:// -> redis://)"))
+        elif resp and sub in ("resp_num_threads", "save_chunk_meta"):
+            out.ignored.append((name, "LMCache's RESP client tuning; kvtier's Redis tier pipelines each batch on "
+                                      "its own connections and stores fixed-size checksummed records"))
         else:
-            out.refused.append((f"{key}.{sub}", "LMCache backend option with no kvtier counterpart"))
+            out.refused.append((name, "LMCache backend option with no kvtier counterpart"))
+
+
+def lmcache_connector_settings(path: Path) -> dict[str, Any]:
+    """The vLLM connector settings (``kv_connector_extra_config`` keys such as ``pd_role``) an LMCache file maps to.
+
+    Raises:
+        ConfigError: as :func:`read_lmcache_file`.
+    """
+    return dict(read_lmcache_file(Path(path))[1].connector)
 
 
 def read_lmcache_file(path: Path) -> tuple[dict[str, Any], LmcacheTranslation]:

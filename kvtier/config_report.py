@@ -86,6 +86,8 @@ def report(config_file: Path | None, environ: Mapping[str, str] | None = None) -
             "mapped": [list(r) for r in translation.mapped],
             "refused": [list(r) for r in translation.refused],
             "ignored": [list(r) for r in translation.ignored],
+            "connector": dict(translation.connector),
+            "notes": list(translation.notes),
         }
     elif parse_error and out["ok"]:  # pragma: no cover - the load parsed the same file
         out["lmcache"] = {"file": str(path), "error": parse_error}
@@ -117,6 +119,11 @@ def config_check(config_file: Path | None, as_json: bool) -> int:
                 for r in rows:
                     table.add_row(*[Text(str(x)) for x in r])
                 console.print(table)
+        if lm.get("connector"):
+            console.print("vLLM connector settings from the file (kv_connector_extra_config): "
+                          + ", ".join(f"{k}={v}" for k, v in lm["connector"].items()))
+        for note in lm.get("notes", []):
+            console.print(Text(f"note: {note}"))
     if data["ok"]:
         table = Table(title="effective kvtier settings", title_justify="left")
         table.add_column("setting")

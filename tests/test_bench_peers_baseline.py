@@ -28,7 +28,7 @@ def test_disk_baseline_is_the_faster_plain_loop_of_each_round() -> None:
         {"kvtier": {"disk": kv}, "lmcache": {},  # steps not measured: the one-call figure counts
          "baseline": {"bytes": GB, "file_put_s": [0.25], "file_get_s": [0.2]}},
     ]
-    doc = build_report(rounds, ["disk"], {"disk": ("disk", "backend_direct", False)})
+    doc = build_report(rounds, ["disk"], {"disk": ("disk", "storage", False)})
     assert doc["disk_get_kvtier_vs_baseline_spread"] == pytest.approx([0.5, 1.0])  # 0.1 s best in round 1
     assert doc["disk_put_kvtier_vs_baseline_spread"] == pytest.approx([0.5, 1.0])
     assert doc["disk_get_baseline_gbps"] == pytest.approx(7.5)  # median of 10 and 5 GB/s
@@ -46,23 +46,33 @@ def test_stepped_plain_files_move_the_same_bytes(tmp_path: Path, step: int) -> N
         assert np.array_equal(b, o) and Path(p).stat().st_size == len(b)
 
 
-def test_buffered_disk_target_is_the_plain_baseline_and_the_checksummed_ratio_is_reported() -> None:
+def test_the_judged_baseline_is_the_same_work_one_and_the_plain_ratio_is_reported() -> None:
     kv = {"bytes": GB, "put_s": [0.5], "get_s": [0.25]}
     base = {"bytes": GB, "file_put_s": [0.4], "file_get_s": [0.2], "file_xxh3_put_s": [0.5], "file_xxh3_get_s": [0.25]}
     doc = build_report([{"kvtier": {"disk": kv}, "lmcache": {}, "baseline": base}], ["disk"],
-                       {"disk": ("disk", "backend_direct", False)})
-    assert doc["disk_get_kvtier_vs_baseline"] == pytest.approx(0.8)  # plain read, no checksum
-    assert doc["disk_get_kvtier_vs_checksummed_baseline"] == pytest.approx(1.0)
-    assert doc["disk_get_checksummed_baseline_gbps"] == pytest.approx(4.0)
+                       {"disk": ("disk", "storage", False)})
+    assert doc["disk_get_kvtier_vs_baseline"] == pytest.approx(0.8)  # plain read, no checksum: information
+    assert doc["disk_get_kvtier_vs_same_work"] == pytest.approx(1.0)
+    assert doc["disk_get_same_work_baseline_gbps"] == pytest.approx(4.0)
     checks = {c["name"]: c for c in doc["checks"]}
-    judged = checks["disk_get vs file/file_steps baseline"]
-    assert not judged["passed"] and "file_xxh3 (same reads + xxh3) 1.00x" in judged["note"]
-    assert doc["min_kvtier_vs_target_baseline"] == pytest.approx(0.8) and doc["all_targets_met"] is False
+    judged = checks["disk_get vs file_xxh3 (same work)"]
+    assert judged["passed"] and "vs plain 0.80x" in judged["note"]
+    assert doc["min_ratio_vs_same_work"] == pytest.approx(1.0) and doc["all_targets_met"] is True
     assert "xxh3-64 verified" in doc["sides"]["disk"]["kvtier"] and "no checksum" in doc["sides"]["disk"]["lmcache"]
-    fast = dict(kv, get_s=[0.2], put_s=[0.4])  # kvtier as fast as the plain files: met
-    doc = build_report([{"kvtier": {"disk": fast}, "lmcache": {}, "baseline": base}], ["disk"],
-                       {"disk": ("disk", "backend_direct", False)})
-    assert doc["disk_get_kvtier_vs_baseline"] == pytest.approx(1.0) and doc["all_targets_met"] is True
+    slow = dict(kv, get_s=[0.3])  # 0.83x of the same work: missed
+    doc = build_report([{"kvtier": {"disk": slow}, "lmcache": {}, "baseline": base}], ["disk"],
+                       {"disk": ("disk", "storage", False)})
+    assert doc["disk_get_kvtier_vs_same_work"] == pytest.approx(0.25 / 0.3) and doc["all_targets_met"] is False
+
+
+def test_every_figure_group_has_a_same_work_baseline_the_child_measures() -> None:
+    from kvtier.bench.peers_report import BASELINE_OF, SAME_WORK_BASELINE_OF
+
+    assert set(SAME_WORK_BASELINE_OF) == set(BASELINE_OF)
+    src = (Path(__file__).resolve().parents[1] / "kvtier" / "bench" / "peers_baseline.py").read_text()
+    for names in SAME_WORK_BASELINE_OF.values():
+        for name in names:
+            assert f'"{name}_put"' in src and f'"{name}_get"' in src, name
 
 
 def test_checksummed_plain_files_move_the_same_bytes(tmp_path: Path) -> None:

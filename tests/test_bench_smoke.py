@@ -27,6 +27,8 @@ from kvtier.bench.common import (
 TIERS_KEYS = (
     "cpu_put_ratio",
     "cpu_get_ratio",
+    "cpu_put_ratio_numa_off",  # the same CPU figure without NUMA placement (issue 29)
+    "cpu_get_ratio_numa_off",
     "disk_put_ratio",
     "disk_get_ratio",
     "disk_put_fsync_ratio",

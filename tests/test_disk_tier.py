@@ -480,3 +480,48 @@ def test_read_errors_are_misses(tier: DiskTier, make_key: KeyFn, monkeypatch: py
         m.setattr(fileops_mod.os, "open", broken_open)  # the read path opens with os.open
         assert read(tier, k) is None
     assert read(tier, k) is not None  # a transient read error does not delete the chunk
+
+
+@pytest.mark.parametrize("corrupt", list(CORRUPTIONS), ids=list(CORRUPTIONS))
+def test_without_read_verification_only_payload_rot_gets_through(
+    disk_dir: Path, make_key: KeyFn, corrupt: str
+) -> None:
+    """disk_verify_reads = false skips the payload hash only: every other check still makes a miss."""
+    t = open_tier(disk_dir, verify_reads=False)
+    try:
+        k = make_key(1)
+        t.put(k, payload_for(k, CB))
+        CORRUPTIONS[corrupt](file_of(disk_dir, k))
+        got = read(t, k)
+        if corrupt.startswith("payload-"):  # LMCache's trade-off: rotted payload bytes are served
+            assert got is not None and not np.array_equal(got, payload_for(k, CB))
+        else:
+            assert got is None and t.corrupt_reads == 1
+        assert t.stats()["verify_reads"] is False
+    finally:
+        t.close()
+    on = open_tier(disk_dir)  # reopened with verification (the default): the stored checksum catches it
+    try:
+        if corrupt.startswith("payload-"):
+            assert read(on, k) is None and on.corrupt_reads == 1
+    finally:
+        on.close()
+
+
+def test_the_setting_reaches_the_tier(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from kvtier.config import KVTierConfig
+    from kvtier.index.keys import KeyNamespace, LayoutSignature
+    from kvtier.storage.lower_tiers import open_disk_tier
+
+    layout = LayoutSignature(engine="t", attn_backend="numpy", kv_layout="LBHNC", block_size=16, num_layers=2,
+                             num_kv_heads=1, head_dim=8, dtype="bfloat16")
+    ns = KeyNamespace("t/verify", layout, 32)
+    for flag in (True, False):
+        cfg = KVTierConfig(chunk_size=32, disk_path=tmp_path / str(flag), disk_verify_reads=flag)
+        with caplog.at_level("WARNING", logger="kvtier.storage.lower_tiers"):
+            t = open_disk_tier(cfg, ns, lambda k: False)
+        try:
+            assert t.stats()["verify_reads"] is flag
+            assert ("not checksum-verified" in caplog.text) is (not flag)
+        finally:
+            t.close()

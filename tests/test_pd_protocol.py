@@ -36,7 +36,7 @@ from fake_vllm import (
     make_connectors,
 )
 from kvtier.integrations.vllm.pd import PDSettings, RemotePrefill, partial_key
-from service_helpers import start_server
+from service_helpers import start_server, wait_until
 
 GEOM = Geometry(num_layers=2, num_kv_heads=1, head_dim=8, block_size=16, num_blocks=64)
 CHUNK = 32
@@ -405,3 +405,53 @@ def test_prefiller_under_random_aborts_and_preemption_leaks_nothing(cluster) -> 
     assert stats.finished + stats.aborted_running > 0
     pd = pre.worker.worker.pd
     assert not pd.held and pd.expired > 0 and not eng.delayed_free
+
+
+def test_an_lmcache_pd_config_gives_the_connector_its_role(tmp_path: Path) -> None:
+    """LMCache's enable_pd + pd_role (receiver) is the decoder role; the connector's own pd_role wins."""
+    f = tmp_path / "lmcache-decoder.yaml"
+    f.write_text("chunk_size: 32\nlocal_cpu: true\nmax_local_cpu_size: 0.001\nenable_pd: true\npd_role: receiver\n"
+                 "pd_peer_host: localhost\npd_peer_init_port: 7300\n")
+    base = dict(model_id="fake/pd-lmcache", lmcache_config_file=str(f), lease_ttl_s=3600.0)
+    pair = make_connectors(GEOM, base, engine_id=f"pd-lmc-{uuid.uuid4().hex[:8]}")
+    try:
+        assert pair.scheduler.pd.role == "decode" and pair.worker.pd.role == "decode"
+    finally:
+        pair.shutdown()
+    own = make_connectors(GEOM, dict(base, pd_role="off"), engine_id=f"pd-lmc-{uuid.uuid4().hex[:8]}")
+    try:
+        assert own.scheduler.pd.role == "off"
+    finally:
+        own.shutdown()
+
+
+def test_a_scribbled_server_chunk_is_reported_for_recompute_never_loaded(cluster: Any) -> None:
+    """Server mode, the worker's load path: the client checks each chunk as it copies it; a chunk
+    another client overwrote in shared memory fails, its blocks and every later one are reported."""
+    from kvtier.integrations.vllm.types import ChunkCopy, TransferSpec
+
+    side = cluster("off")
+    w = side.pair.worker.worker  # the KVTierWorker
+    store = w.store
+    assert store.verify == "client"
+    bpc = CHUNK // GEOM.block_size
+    keys = [bytes([i]) * 32 for i in (1, 2, 3)]
+    parent = None
+    for k in keys:  # three chunks of known bytes
+        buf = store.open_write(k, parent)
+        buf[:] = np.frombuffer(k * (len(buf) // 32), dtype=np.uint8)
+        store.commit(k, parent)
+        parent = k
+    store.flush(10.0)
+    host = cluster.server.hosts()[0]
+    wait_until(lambda: host.manager.cpu.contains(keys[2]), what="commits")
+    h = host.manager.open_read(keys[1])
+    slot = host.pool.slot_of(h.buffer)
+    h.close()
+    host.pool.view(slot)[:] = 0xEE  # any client's mapping could do this
+    blocks = [tuple(range(i * bpc, (i + 1) * bpc)) for i in range(3)]
+    spec = TransferSpec("r-scribbled", [ChunkCopy(k, b, 0, p) for k, b, p in zip(keys, blocks, [None, *keys[:2]])])
+    assert w._load_request(spec) is False
+    assert w.get_block_ids_with_load_errors() == set(blocks[1] + blocks[2])  # from the scribbled chunk on
+    assert store.counters.corrupt_loads == 1
+    wait_until(lambda: host.sums.corrupt == 1, what="the server confirms the report")

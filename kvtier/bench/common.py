@@ -3,8 +3,8 @@ paged KV buffer, the connector's chunk copies, interleaved timing and the report
 
 Benchmarks compare kvtier with a plain baseline measured side by side in the
 same process, repetitions interleaved (A, B, B, A, A, B, ...) and summarised by
-their medians, because absolute figures swing on a shared machine (see
-``/work/shared/notes/baselines.md``). Only ratios are judged.
+their medians, because absolute figures swing on a shared machine (single-run
+ratios moved by up to 20% between runs on the 2-vCPU development VM). Only ratios are judged.
 """
 
 from __future__ import annotations

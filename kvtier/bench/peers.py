@@ -1,9 +1,9 @@
 """``kvtier bench peers``: kvtier's tiers against LMCache's storage backends, side by side, in one run.
 
-Each round runs, for every figure, LMCache's peer script (``--lmcache-script``,
-default ``../shared/tools/lmcache-peer/lmcache_peer_bench.py``, in the virtual
-environment of ``--lmcache-python``) and kvtier's side
-(:mod:`kvtier.bench.peers_side`), each in a fresh subprocess, in an order that
+Each round runs, for every figure, LMCache's side (kvtier's own driver,
+:mod:`kvtier.bench.lmcache_driver`, run by the Python of LMCache's virtual
+environment, ``--lmcache-python``, default ``~/lmc-venv/bin/python``) and kvtier's
+side (:mod:`kvtier.bench.peers_side`), each in a fresh subprocess, in an order that
 alternates between rounds; then the physical baselines in their own subprocess.
 Same KV shape (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64, bf16), same
 prompt (2,048 tokens, 8 chunks of 256), same repetitions (median per round).
@@ -42,17 +42,17 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from kvtier.bench.common import BenchUsageError, write_json
-from kvtier.bench.peers_report import FIGURES, build_report, print_report
-from kvtier.bench.peers_side import LMCACHE_WRAPPER, free_fresh_memory
+from kvtier.bench.peers_report import FIGURES, UNVERIFIED_GROUPS, build_report, print_report
+from kvtier.bench.memory_state import free_fresh_memory
 
-#: Where the shared peer script lives, relative to the repository root.
-DEFAULT_SCRIPT = Path(__file__).resolve().parents[3] / "shared" / "tools" / "lmcache-peer" / "lmcache_peer_bench.py"
-#: Where the LMCache environment is expected by default.
-DEFAULT_LMCACHE_PYTHON = Path(__file__).resolve().parents[3] / "lmc-venv" / "bin" / "python"
+#: kvtier's LMCache driver: a script LMCache's interpreter runs by path (it never imports kvtier).
+DRIVER = Path(__file__).resolve().with_name("lmcache_driver.py")
+#: Where the LMCache environment is expected by default (README's recipe).
+DEFAULT_LMCACHE_PYTHON = Path("~/lmc-venv/bin/python").expanduser()
 
-#: LMCache peer-script backend and result level behind each figure group.
-_LMC_CHILD = {"cpu": ("cpu", "engine", False), "disk": ("disk", "backend_direct", False),
-              "disk_direct": ("disk", "backend_direct", True), "redis": ("redis", "backend_direct", False)}
+#: LMCache driver figure, result level and O_DIRECT behind each figure group.
+_LMC_CHILD = {"cpu": ("cpu", "engine", False), "disk": ("disk", "storage", False),
+              "disk_direct": ("disk", "storage", True), "redis": ("redis", "storage", False)}
 
 
 @dataclass(frozen=True)
@@ -93,18 +93,18 @@ def _run(cmd: list[str], env: dict[str, str], timeout: int, prefix: str = "RESUL
     return res, "" if res is not None else f"rc={out.returncode}: {out.stderr.strip()[-600:]}"
 
 
-def lmcache_available(python: Path, script: Path) -> str:
-    """Empty if LMCache can run; else why not (one line)."""
-    if not script.is_file():
-        return f"LMCache peer script not found at {script}"
+def lmcache_available(python: Path) -> str:
+    """Empty if LMCache can run under ``python``; else why not (one line)."""
     if not Path(python).exists():
-        return f"LMCache environment not found: {python} does not exist (see the peer script's README)"
+        return (f"LMCache environment not found: {python} does not exist (pass --lmcache-python; "
+                "benchmarks/README.md has the recipe)")
     try:
-        out = subprocess.run([str(python), "-c", "import lmcache, torch"], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([str(python), "-I", str(DRIVER), "--probe"], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"LMCache environment at {python} does not start: {exc}"
-    if out.returncode:
-        return f"LMCache is not importable with {python}: {out.stderr.strip().splitlines()[-1:]}"
+    if out.returncode or not any(ln.startswith("PROBE ") for ln in out.stdout.splitlines()):
+        why = [ln for ln in out.stdout.splitlines() if ln.startswith("PROBE_ERROR")] or out.stderr.strip().splitlines()
+        return f"LMCache is not importable with {python}: {(why or ['no answer'])[-1]}"
     return ""
 
 
@@ -114,7 +114,6 @@ def run_peers_bench(
     odirect: bool = False,
     redis_url: str = "127.0.0.1:6399",
     sizes: PeerSizes | None = None,
-    lmcache_script: Path | None = None,
     work_dir: Path | None = None,
     log: Callable[[str], None] = print,
     only: Sequence[str] | None = None,
@@ -134,8 +133,7 @@ def run_peers_bench(
         raise BenchUsageError(f"unknown figure groups {unknown}; known: {sorted(_LMC_CHILD)}")
     sizes = sizes or PeerSizes()
     python = Path(lmcache_python or DEFAULT_LMCACHE_PYTHON)
-    script = Path(lmcache_script or DEFAULT_SCRIPT)
-    skip = lmcache_available(python, script)
+    skip = lmcache_available(python)
     if skip:
         log(f"LMCache skipped: {skip}; kvtier figures are still measured")
     groups = ["cpu", "disk"] + (["disk_direct"] if odirect else []) + ["redis"]
@@ -145,7 +143,7 @@ def run_peers_bench(
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-peers-", dir=work_dir or cache))  # not tmpfs: O_DIRECT works
     free = sizes.free_mb << 20
-    env = dict(os.environ, PYTHONHASHSEED="0", LMCACHE_LOG_LEVEL="ERROR", KVTIER_PEER_FREE_BYTES=str(free))
+    env = dict(os.environ, PYTHONHASHSEED="0", LMCACHE_LOG_LEVEL="ERROR")
     common = sizes.args()
     side_args = common + ["--redis-url", redis_url, "--work-dir", str(tmp), "--io-threads", str(sizes.io_threads),
                           "--free-bytes", str(free)]
@@ -154,19 +152,22 @@ def run_peers_bench(
     try:
         for r in range(rounds):
             log(f"round {r + 1}/{rounds}")
-            rd: dict[str, Any] = {"kvtier": {}, "lmcache": {}, "baseline": None}
+            rd: dict[str, Any] = {"kvtier": {}, "kvtier_unverified": {}, "lmcache": {}, "baseline": None}
             for g in groups:
-                sides = ["lmcache", "kvtier"] if r % 2 == 0 else ["kvtier", "lmcache"]
+                sides = ["lmcache", "kvtier"] + (["kvtier_unverified"] if g in UNVERIFIED_GROUPS else [])
+                if r % 2:
+                    sides.reverse()
                 for side in sides:
                     if side == "lmcache" and skip:
                         continue
                     free_fresh_memory(free)  # the same memory state before each side
-                    if side == "kvtier":
-                        cmd = [sys.executable, "-m", "kvtier.bench.peers_side", g] + side_args
+                    if side.startswith("kvtier"):
+                        cmd = [sys.executable, "-m", "kvtier.bench.peers_side", g] + side_args + (
+                            ["--no-verify"] if side == "kvtier_unverified" else [])
                     else:
-                        backend, _, direct = _LMC_CHILD[g]
-                        cmd = [str(python), "-c", LMCACHE_WRAPPER, str(script), "--child", backend] + common + [
-                            "--redis-url", redis_url, "--disk-dir", str(tmp / "lmc-disk"),
+                        figure, _, direct = _LMC_CHILD[g]
+                        cmd = [str(python), "-I", str(DRIVER), figure] + common + [
+                            "--redis-url", redis_url, "--disk-dir", str(tmp / "lmc-disk"), "--free-bytes", str(free),
                             "--child-timeout", str(sizes.child_timeout_s)] + (["--odirect"] if direct else [])
                     res, err = _run(cmd, env, sizes.child_timeout_s + 30)
                     if res is None:
@@ -185,7 +186,7 @@ def run_peers_bench(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     doc = build_report(raw_rounds, groups, _LMC_CHILD)
-    doc.update(lmcache_skipped=skip, lmcache_python=str(python), lmcache_script=str(script), rounds=rounds,
+    doc.update(lmcache_skipped=skip, lmcache_python=str(python), lmcache_driver=str(DRIVER), rounds=rounds,
                odirect=odirect, sizes=sizes.__dict__, errors=errors, raw_rounds=raw_rounds)
     return doc
 
@@ -197,14 +198,13 @@ def run_peers(
     odirect: bool = False,
     redis_url: str = "127.0.0.1:6399",
     sizes: PeerSizes | None = None,
-    lmcache_script: Path | None = None,
     enforce: bool = False,
 ) -> int:
     """``kvtier bench peers``: run, print the table, write JSON. Returns 1 if ``enforce`` and a target is missed."""
     from rich.console import Console
 
     console = Console(stderr=True)
-    doc = run_peers_bench(lmcache_python, rounds, odirect, redis_url, sizes, lmcache_script,
+    doc = run_peers_bench(lmcache_python, rounds, odirect, redis_url, sizes,
                           log=lambda m: console.print(f"[dim]{m}[/dim]"))
     print_report(doc)
     write_json(json_path, doc)

@@ -16,7 +16,10 @@ with no cache layer at all, on the same bytes and chunking.
   the one-call read, then xxh3-64 of the chunk, on the same thread: the least work of a store that
   keeps a checksum of every byte and a read that checks it, as kvtier's disk tier does (LMCache's
   does neither); the target baseline of the buffered disk figures (:mod:`.peers_report`);
-- Redis: redis-py (hiredis) pipelined ``SET``/``GET`` of the chunks on one connection.
+- Redis: redis-py (hiredis) pipelined ``SET``/``GET`` of the chunks on one connection; the same
+  with an xxh3-64 of each chunk before its ``SET`` and of each value after the ``GET``
+  (``redis_xxh3``: the same work as kvtier's checksummed envelope);
+- O_DIRECT files plus an xxh3-64 of each chunk (``file_direct_xxh3``).
 """
 
 from __future__ import annotations
@@ -122,7 +125,8 @@ def baselines(a: argparse.Namespace, s: _Shape) -> dict[str, Any]:
     ex = ThreadPoolExecutor(a.io_threads)  # started once, like the disk tier's I/O threads
     names = ("memcpy_put", "memcpy_get", "file_put", "file_get", "file_steps_put", "file_steps_get",
              "file_xxh3_put", "file_xxh3_get",
-             "file_direct_put", "file_direct_get", "file_1t_put", "file_1t_get", "redis_put", "redis_get")
+             "file_direct_put", "file_direct_get", "file_direct_xxh3_put", "file_direct_xxh3_get",
+             "file_1t_put", "file_1t_get", "redis_put", "redis_get", "redis_xxh3_put", "redis_xxh3_get")
     for k in names:
         out[k + "_s"] = []
     try:
@@ -154,6 +158,7 @@ def baselines(a: argparse.Namespace, s: _Shape) -> dict[str, Any]:
                 ("file_steps", a.io_threads, False, STEP_PUT, STEP_GET, False),
                 ("file_xxh3", a.io_threads, False, STEP_PUT, 0, True),
                 ("file_1t", 1, False, 0, 0, False), ("file_direct", a.io_threads, True, 0, 0, False),
+                ("file_direct_xxh3", a.io_threads, True, 0, 0, True),
             ):
                 paths = [os.path.join(d, f"{mode}-{rep}-{i}") for i in range(len(slots))]
                 before_put(a.free_bytes)
@@ -166,22 +171,37 @@ def baselines(a: argparse.Namespace, s: _Shape) -> dict[str, Any]:
                 blobs = [memoryview(x) for x in slots]
                 before_put(a.free_bytes)
 
-                def rput() -> None:
-                    p = r.pipeline(transaction=False)
-                    for k, b in zip(keys, blobs):
-                        p.set(k, b)
-                    p.execute()
+                def rput(verify: bool) -> Callable[[], None]:
+                    def run() -> None:
+                        p = r.pipeline(transaction=False)
+                        for k, b in zip(keys, blobs):
+                            if verify:
+                                xxhash.xxh3_64_digest(b)
+                            p.set(k, b)
+                        p.execute()
+
+                    return run
 
                 got: list[Any] = []
 
-                def rget() -> None:
-                    p = r.pipeline(transaction=False)
-                    for k in keys:
-                        p.get(k)
-                    got[:] = p.execute()
+                def rget(verify: bool) -> Callable[[], None]:
+                    def run() -> None:
+                        p = r.pipeline(transaction=False)
+                        for k in keys:
+                            p.get(k)
+                        got[:] = p.execute()
+                        if verify:
+                            for v in got:
+                                xxhash.xxh3_64_digest(v)
 
-                rec["redis_put"] = _timed(rput)
-                rec["redis_get"] = _timed(rget)
+                    return run
+
+                rec["redis_put"] = _timed(rput(False))
+                rec["redis_get"] = _timed(rget(False))
+                r.delete(*keys)
+                before_put(a.free_bytes)
+                rec["redis_xxh3_put"] = _timed(rput(True))
+                rec["redis_xxh3_get"] = _timed(rget(True))
                 r.delete(*keys)
             if rep:
                 for k, v in rec.items():

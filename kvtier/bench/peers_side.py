@@ -4,12 +4,10 @@ Run as ``python -m kvtier.bench.peers_side SIDE FIGURE [options]``; prints one l
 ``RESULT <json>`` with ``bytes`` and per-repetition seconds (``put_s``, ``get_s``;
 one unrecorded warm-up first), the shape the LMCache peer script reports.
 
-Before every timed put each side calls :func:`before_put`: ``os.sync()`` (flush
-earlier dirty pages, untimed) and then frees ``free_bytes`` of freshly touched
-anonymous memory, so every side's writes find the same kind of free pages (on these
-VMs buffered writes run 0.5-1 GB/s when the kernel must find fresh pages and 4-5
-GB/s right after a process freed memory). The LMCache child gets the very same
-hook (:data:`LMCACHE_WRAPPER` wraps its ``os.sync``).
+Before every timed put each side calls :func:`~kvtier.bench.memory_state.before_put`
+(``os.sync()``, then free ``free_bytes`` of freshly touched memory), so every side's
+writes find the same kind of free pages; the LMCache driver
+(:mod:`kvtier.bench.lmcache_driver`) calls the very same function.
 
 Figures (KV ``[2, layers, tokens, kv_heads * head_dim]`` bf16, 256-token chunks):
 
@@ -38,40 +36,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-#: Source of the memory-freeing hook, executed identically in every child (LMCache's too).
-FREE_SRC = '''
-def free_fresh_memory(nbytes):
-    """Touch ``nbytes`` of new anonymous memory page by page, then unmap it."""
-    if nbytes <= 0:
-        return
-    import mmap as _mmap
-    m = _mmap.mmap(-1, nbytes)
-    for off in range(0, nbytes, 4096):
-        m[off] = 1
-    m.close()
-'''
-_ns: dict[str, Any] = {}
-exec(FREE_SRC, _ns)  # noqa: S102 - our own constant source, shared with the LMCache wrapper
-free_fresh_memory: Callable[[int], None] = _ns["free_fresh_memory"]
+from kvtier.bench.memory_state import before_put, free_fresh_memory
 
-#: ``python -c`` program that runs the LMCache peer script (argv[1]) with the same pre-put hook.
-LMCACHE_WRAPPER = FREE_SRC + '''
-import os, sys, runpy
-_n = int(os.environ.get("KVTIER_PEER_FREE_BYTES", "0"))
-_sync = os.sync
-def _sync_and_free():
-    _sync()
-    free_fresh_memory(_n)
-os.sync = _sync_and_free
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-'''
-
-
-def before_put(free_bytes: int) -> None:
-    """Untimed, before every timed put: flush dirty pages, then free ``free_bytes`` of fresh memory."""
-    os.sync()
-    free_fresh_memory(free_bytes)
+__all__ = ["before_put", "free_fresh_memory", "main"]
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -170,13 +137,15 @@ def kvtier_cpu(a: argparse.Namespace, s: _Shape) -> dict[str, Any]:
 
 
 def kvtier_disk(a: argparse.Namespace, s: _Shape, direct: bool) -> dict[str, Any]:
+    """The disk figures; ``--no-verify``: the tier with ``verify_reads=False`` (``disk_verify_reads = false``)."""
     from kvtier.memory.pool import ChunkPool
     from kvtier.tiers.base import ChunkWrite
     from kvtier.tiers.disk import DiskTier
 
     d = os.path.join(a.work_dir, "kvtier-disk")
     shutil.rmtree(d, ignore_errors=True)
-    tier = DiskTier(d, 4 << 30, _namespace(s).digest(), direct_io=direct, io_threads=a.io_threads)
+    tier = DiskTier(d, 4 << 30, _namespace(s).digest(), direct_io=direct, io_threads=a.io_threads,
+                    verify_reads=not a.no_verify)
     if direct and not tier.direct_io:
         tier.close()
         raise SystemExit("the file system refuses O_DIRECT")
@@ -189,7 +158,8 @@ def kvtier_disk(a: argparse.Namespace, s: _Shape, direct: bool) -> dict[str, Any
         src.view(i)[:nb].view(np.uint16).reshape(2, s.L, m, s.HD)[:] = src_kv[:, :, i * s.CH : i * s.CH + m]
         views.append((src.view(i)[:nb], spare.view(i)[:nb]))
         refs.append(src.view(i)[:nb].copy())
-    out: dict[str, Any] = {"bytes": s.nbytes, "put_s": [], "get_s": [], "direct_io": tier.direct_io}
+    out: dict[str, Any] = {"bytes": s.nbytes, "put_s": [], "get_s": [], "direct_io": tier.direct_io,
+                           "verify_reads": not a.no_verify}
     try:
         for rep in range(a.reps + 1):
             keys = [os.urandom(32) for _ in range(n)]
@@ -263,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work-dir", required=True)
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--free-bytes", type=int, default=0)
+    ap.add_argument("--no-verify", action="store_true", help="disk figures: read verification off")
     a = ap.parse_args(argv)
     s = _Shape(a)
     if a.figure == "cpu":

@@ -114,6 +114,10 @@ def run_tiers_bench(sizes: TierBenchSizes, work_dir: Path | None = None, log: Ca
         for t in sizes.prompt_tokens:
             log(f"CPU tier, {t}-token prompt")
             cpu.append(bench_cpu(t, sizes.reps, paged))
+        # The CPU figures above run with NUMA placement as an engine gets it (cpu_numa_node auto);
+        # the largest prompt again without any policy, so the two can be compared (issue 29).
+        log(f"CPU tier, {max(sizes.prompt_tokens)}-token prompt, cpu_numa_node none (for comparison)")
+        cpu_numa_off = bench_cpu(max(sizes.prompt_tokens), sizes.reps, paged, cpu_numa_node="none")
         del paged
         disk = []
         direct_note = "direct_io parameter absent from DiskTier"
@@ -153,6 +157,8 @@ def run_tiers_bench(sizes: TierBenchSizes, work_dir: Path | None = None, log: Ca
         "cpu_get_ratio": worst(cpu, "get_ratio"),
         "cpu_put_ratio_same_ops": worst(cpu, "put_ratio_same_ops"),
         "cpu_get_ratio_same_ops": worst(cpu, "get_ratio_same_ops"),
+        "cpu_put_ratio_numa_off": cpu_numa_off["put_ratio"],
+        "cpu_get_ratio_numa_off": cpu_numa_off["get_ratio"],
         "disk_put_ratio": worst(buffered, "put_ratio"),
         "disk_get_ratio": worst(buffered, "get_ratio"),
         "disk_put_fsync_ratio": worst(fsynced, "put_ratio"),
@@ -166,6 +172,7 @@ def run_tiers_bench(sizes: TierBenchSizes, work_dir: Path | None = None, log: Ca
         "hash_tokens_per_s": hashing["tokens_per_s_list"],
         "hash_tokens_per_s_numpy": hashing["tokens_per_s_numpy"],
         "cpu": cpu,
+        "cpu_numa_off": cpu_numa_off,
         "disk": disk,
         "lookup": lookup,
         "hash": hashing,
@@ -218,6 +225,11 @@ def run_tiers(
     checks = checks_of(result)
     result["checks"] = [{**asdict(c), "passed": c.passed} for c in checks]
     print_checks("kvtier bench tiers (ratios: kvtier / plain, measured side by side)", checks)
+    on = next(c for c in result["cpu"] if c["prompt_tokens"] == result["cpu_numa_off"]["prompt_tokens"])
+    off = result["cpu_numa_off"]
+    console.print(f"CPU tier, {off['prompt_tokens']} tok, NUMA placement auto vs none (each / plain copies): "
+                  f"put {on['put_ratio']:.2f}x vs {off['put_ratio']:.2f}x, get {on['get_ratio']:.2f}x vs "
+                  f"{off['get_ratio']:.2f}x (not judged)")
     if not result["disk_direct_io_available"]:
         console.print(f"direct I/O not measured: {result['disk_direct_io_note']}")
     write_json(json_path, result)

@@ -35,8 +35,9 @@ def _best(samples: dict[str, list[float]], names: tuple[str, ...]) -> tuple[str,
 
 
 # -- CPU tier --------------------------------------------------------------------------
-def bench_cpu(prompt_tokens: int, reps: int, paged: PagedKV, seed: int = 0) -> dict[str, Any]:
-    """CPU tier put/get of one prompt's full chunks vs plain numpy copies (see module doc)."""
+def bench_cpu(prompt_tokens: int, reps: int, paged: PagedKV, seed: int = 0, cpu_numa_node: str = "auto") -> dict[str, Any]:
+    """CPU tier put/get of one prompt's full chunks vs plain numpy copies (see module doc);
+    ``cpu_numa_node``: the tier's NUMA placement (the default, ``auto``, as an engine gets it)."""
     ns = smollm2_namespace()
     layout = ns.layout
     nl, bpc = layout.num_layers, ns.blocks_per_chunk
@@ -48,7 +49,7 @@ def bench_cpu(prompt_tokens: int, reps: int, paged: PagedKV, seed: int = 0) -> d
     block_ids = paged.random_blocks(n_chunks * bpc, seed)
     chunks = [block_ids[i * bpc : (i + 1) * bpc] for i in range(n_chunks)]
     # Room for the get set plus one put set: put never evicts.
-    cfg = KVTierConfig(cpu_capacity=2 * nbytes, disk_path=None)
+    cfg = KVTierConfig(cpu_capacity=2 * nbytes, disk_path=None, cpu_numa_node=cpu_numa_node)
     mgr = StorageManager(cfg, ns)
     base = aligned_empty((n_chunks, nl, bpc, paged.block_bytes))  # page-aligned, like kvtier's pool
     base.fill(1)  # pre-touched

@@ -16,9 +16,12 @@ mode and fancy-index assignment both copy through one).
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import numpy as np
+import xxhash
+
+from kvtier.storage.types import ChunkUnavailable
 
 #: The engine's KV: a stacked ``[num_layers, num_blocks, block_bytes]`` view or per-layer views.
 PagedKV = Union[np.ndarray, Sequence[np.ndarray]]
@@ -46,6 +49,60 @@ def save_blocks(kv: PagedKV, chunk: np.ndarray, block_ids: Sequence[int]) -> Non
     for layer, out in zip(kv, chunk):
         for j, b in enumerate(block_ids):
             np.copyto(out[j], layer[b])
+
+
+def load_blocks_checked(
+    chunk: np.ndarray, kv: PagedKV, block_ids: Sequence[int], offset: int, expected: int
+) -> bool:
+    """:func:`load_blocks`, checking the chunk against ``expected`` (the xxh3-64 of its whole slot)
+    as it copies: in slot order (layer, then block), each run is hashed right after its copy
+    read it, while it is still in the CPU cache, so the check adds no pass over memory (runs
+    the load does not need are hashed too: the checksum covers the whole slot). The blocks are
+    written before the verdict: on False the caller treats them as unfilled (recomputed).
+
+    Returns:
+        True if the slot's bytes matched ``expected``.
+
+    Raises:
+        IndexError: a block id outside the KV cache.
+    """
+    layers = [kv[i] for i in range(kv.shape[0])] if isinstance(kv, np.ndarray) and kv.ndim == 3 else kv
+    if layers:
+        _check(block_ids, layers[0].shape[0])
+    to = {offset + j: b for j, b in enumerate(block_ids)}
+    h = xxhash.xxh3_64()
+    for src, layer in zip(chunk, layers):
+        for j in range(src.shape[0]):
+            b = to.get(j)
+            if b is not None:
+                np.copyto(layer[b], src[j])
+            h.update(src[j])
+    for src in chunk[len(layers):]:  # (a slot with more layers than the KV: hashed, not copied)
+        h.update(src)
+    return h.intdigest() == expected
+
+
+def load_handle(
+    handle: Any, view: Callable[[np.ndarray], np.ndarray], kv: PagedKV, block_ids: Sequence[int], offset: int = 0
+) -> None:
+    """Copy a read handle's chunk into engine blocks ``block_ids`` (``view`` maps its flat slot to
+    ``[num_layers, blocks_per_chunk, block_bytes]``). A handle that still carries a checksum to
+    check (a ``kvtier server`` client with ``verify="client"``: ``claim()``) is checked as it is
+    copied (:func:`load_blocks_checked`); any other is copied as it is.
+
+    Raises:
+        ChunkUnavailable: the chunk's bytes differ from its commit checksum (its blocks are unfilled).
+        IndexError: a block id outside the KV cache.
+    """
+    claim = getattr(handle, "claim", None)
+    want = claim() if claim is not None else None
+    if want is None:
+        load_blocks(view(handle.buffer), kv, block_ids, offset)
+        return
+    ok = load_blocks_checked(view(handle.view), kv, block_ids, offset, want)
+    handle.settle(ok)
+    if not ok:
+        raise ChunkUnavailable(f"kvtier: the bytes of chunk {handle.key.hex()[:16]} differ from its commit checksum")
 
 
 def load_blocks(chunk: np.ndarray, kv: PagedKV, block_ids: Sequence[int], offset: int = 0) -> None:

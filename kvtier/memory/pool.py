@@ -24,6 +24,8 @@ import numpy as np
 
 if TYPE_CHECKING:
     from kvtier.memory.budget import BudgetShare
+    from kvtier.memory.numa import NumaReport
+    from kvtier.memory.numa_topology import Placement
 
 
 #: Alignment of the private buffer (bytes): a page, as O_DIRECT requires.
@@ -62,11 +64,15 @@ class ChunkPool:
         pin_memory: allocate the private buffer page-locked (CUDA pinned, via
             torch) so GPU copies are DMA; default: when torch is loaded in this
             process and ``torch.cuda.is_available()``. Ignored with ``buffer``.
+        numa: NUMA placement of the private buffer (:mod:`kvtier.memory.numa`): its
+            policy is set before the pre-touch and the pages checked after
+            (:attr:`numa`). Ignored with ``buffer`` (the owner of that memory places it).
 
     Raises:
         ValueError: non-positive sizes, or ``buffer`` too small or read-only.
         MemoryError: the buffer cannot be allocated.
         RuntimeError: ``pin_memory=True`` without CUDA.
+        NumaUnavailable: ``numa`` binds to a node the kernel refuses.
     """
 
     def __init__(
@@ -77,20 +83,30 @@ class ChunkPool:
         budget: "BudgetShare | None" = None,
         release_pages: Callable[[int], None] | None = None,
         pin_memory: bool | None = None,
+        numa: "Placement | None" = None,
     ):
         if slot_bytes <= 0 or num_slots <= 0:
             raise ValueError(f"slot_bytes and num_slots must be positive, got {slot_bytes}, {num_slots}")
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self._pinned: object | None = None  # the torch tensor owning pinned memory
+        #: Where the pages are (None: no placement asked, or memory owned by someone else).
+        self.numa: NumaReport | None = None
         if buffer is None:
             # Page-aligned (O_DIRECT reads/writes go straight into slots whose size is a
             # multiple of 4096) and pre-touched: fill() writes every page, whereas
-            # np.empty/zeros would map them lazily.
-            raw = self._alloc_raw(slot_bytes * num_slots + PAGE_BYTES, pin_memory)
+            # np.empty/zeros would map them lazily. A NUMA policy is set before the
+            # pre-touch (page-locked memory is touched as it is allocated: the policy is
+            # this thread's during the allocation instead).
+            raw = self._alloc_raw(slot_bytes * num_slots + PAGE_BYTES, pin_memory, numa)
             offset = (-raw.ctypes.data) % PAGE_BYTES
             self._buf = raw[offset : offset + slot_bytes * num_slots].reshape(num_slots, slot_bytes)
-            self._buf.fill(1)
+            if numa is None:
+                self._buf.fill(1)
+            else:
+                from kvtier.memory.numa import place
+
+                self.numa = place(self._buf.ctypes.data, self._buf.nbytes, numa, lambda: self._buf.fill(1))
         else:
             flat = np.frombuffer(buffer, dtype=np.uint8)
             if flat.size < slot_bytes * num_slots:
@@ -105,7 +121,7 @@ class ChunkPool:
         self._release_pages = release_pages
         self._spare: list[int] = []  # free slots still charged to the budget (pages backed)
 
-    def _alloc_raw(self, nbytes: int, pin_memory: bool | None) -> np.ndarray:
+    def _alloc_raw(self, nbytes: int, pin_memory: bool | None, numa: "Placement | None" = None) -> np.ndarray:
         """``nbytes`` of host memory, page-locked (CUDA pinned) when asked or, by default,
         when torch is loaded in this process and reports CUDA (no-op on CPU-only hosts)."""
         if pin_memory is None:
@@ -116,8 +132,15 @@ class ChunkPool:
 
         if not _torch.cuda.is_available():
             raise RuntimeError("pin_memory=True needs a CUDA device (torch.cuda.is_available() is False)")
-        self._pinned = _torch.empty(nbytes, dtype=_torch.uint8, pin_memory=True)
+        from kvtier.memory.numa import thread_policy
+
+        with thread_policy(numa):  # cudaHostAlloc touches the pages as it allocates them
+            self._pinned = _torch.empty(nbytes, dtype=_torch.uint8, pin_memory=True)
         return self._pinned.numpy()  # type: ignore[attr-defined]
+
+    def numa_stats(self) -> dict[str, int | float]:
+        """``cpu_numa_*`` metrics of :attr:`numa` (empty when no placement was asked)."""
+        return {} if self.numa is None else self.numa.stats()
 
     @property
     def pinned(self) -> bool:

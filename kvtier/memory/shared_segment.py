@@ -29,9 +29,15 @@ import mmap
 import os
 import tempfile
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from kvtier.memory.pool import ChunkPool
+
+if TYPE_CHECKING:
+    from kvtier.memory.numa import NumaReport
+    from kvtier.memory.numa_topology import Placement
 
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _PAGE = mmap.PAGESIZE
@@ -52,21 +58,30 @@ class SharedSegment:
         self.keep_pages = False
         self._mm: mmap.mmap | None = mm
         self.array = np.frombuffer(mm, dtype=np.uint8, count=size)
+        #: Where the pages are (:mod:`kvtier.memory.numa`; None: no placement asked).
+        self.numa: NumaReport | None = None
 
     @classmethod
-    def create(cls, size: int, name: str = "kvtier", sparse: bool = False) -> "SharedSegment":
+    def create(cls, size: int, name: str = "kvtier", sparse: bool = False,
+               numa: "Placement | None" = None) -> "SharedSegment":
         """A new segment (server side): pre-touched, or ``sparse`` (pages backed on first write).
+
+        ``numa``: the segment's NUMA policy, set before any page is touched (a shared
+        memory policy: pages backed later, by any process, follow it too), checked
+        after the pre-touch (:attr:`numa`; a sparse segment's check finds no page yet).
 
         Raises:
             ValueError: ``size`` not positive.
-            OSError: the memory cannot be reserved.
+            OSError: the memory cannot be reserved (:class:`~kvtier.memory.numa.NumaUnavailable`:
+                ``numa`` binds to a node the kernel refuses).
         """
         if size <= 0:
             raise ValueError(f"segment size must be positive, got {size}")
         fd = _anonymous_fd(name)
         try:
             os.ftruncate(fd, size)
-            flags = mmap.MAP_SHARED if sparse else _MAP_FLAGS
+            # with a placement, no MAP_POPULATE: the policy must be set before the pages exist
+            flags = mmap.MAP_SHARED if sparse or numa is not None else _MAP_FLAGS
             mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -74,8 +89,21 @@ class SharedSegment:
         if not sparse:
             _advise_huge(mm)  # (sparse: a huge page would back 2 MiB where one slot is charged)
         seg = cls(fd, mm, size)
-        if not sparse:
-            seg.array.fill(1)  # allocate every page now: no faults or OOM surprises later
+
+        def touch() -> None:
+            if not sparse:
+                seg.array.fill(1)  # allocate every page now: no faults or OOM surprises later
+
+        if numa is None:
+            touch()
+        else:
+            from kvtier.memory.numa import place
+
+            try:
+                seg.numa = place(seg.array.ctypes.data, size, numa, touch)
+            except BaseException:
+                seg.close()
+                raise
         return seg
 
     @classmethod
@@ -168,9 +196,10 @@ def _anonymous_fd(name: str) -> int:
     return fd
 
 
-def shared_chunk_pool(slot_bytes: int, capacity_bytes: int, name: str = "kvtier-cpu") -> tuple[ChunkPool, SharedSegment]:
+def shared_chunk_pool(slot_bytes: int, capacity_bytes: int, name: str = "kvtier-cpu",
+                      numa: "Placement | None" = None) -> tuple[ChunkPool, SharedSegment]:
     """A :class:`ChunkPool` of ``capacity_bytes // slot_bytes`` slots inside a new pre-touched
-    segment (returned too: the caller shares it, e.g. with peers, and closes it).
+    segment (returned too: the caller shares it, e.g. with peers, and closes it), placed by ``numa``.
 
     Raises:
         ValueError: the capacity is below one slot.
@@ -179,5 +208,7 @@ def shared_chunk_pool(slot_bytes: int, capacity_bytes: int, name: str = "kvtier-
     num_slots = capacity_bytes // slot_bytes if slot_bytes > 0 else 0
     if num_slots < 1:
         raise ValueError(f"CPU tier capacity {capacity_bytes} B is below one chunk ({slot_bytes} B)")
-    seg = SharedSegment.create(num_slots * slot_bytes, name=name)
-    return ChunkPool(slot_bytes, num_slots, buffer=seg.array), seg
+    seg = SharedSegment.create(num_slots * slot_bytes, name=name, numa=numa)
+    pool = ChunkPool(slot_bytes, num_slots, buffer=seg.array)
+    pool.numa = seg.numa
+    return pool, seg

@@ -259,20 +259,30 @@ class Load(Request):
 
 @dataclass(frozen=True)
 class LoadMany(Request):
-    """Read references on many chunks in one round trip (prompt order)."""
+    """Read references on many chunks in one round trip (prompt order).
+
+    ``client_verifies``: the client checks each CPU chunk's commit checksum itself as it
+    reads the slot (:mod:`kvtier.service.integrity`); the reply then carries that checksum
+    as a fourth element of each handle entry (nil where the client need not check). An
+    older server ignores the field, checks the chunks itself and answers three elements.
+    """
 
     OP: ClassVar[str] = "load_many"
     keys: list[bytes]
     parents: list[bytes | None]
+    client_verifies: bool = False
 
     def fields_to_wire(self) -> dict[str, Any]:
-        return {"keys": join_keys(self.keys), "parents": list(self.parents)}
+        out: dict[str, Any] = {"keys": join_keys(self.keys), "parents": list(self.parents)}
+        if self.client_verifies:
+            out["client_verifies"] = True
+        return out
 
     @classmethod
     def from_fields(cls, o: dict[str, Any]) -> "LoadMany":
         keys = get_keys(o, "keys")
         parents = _get_parents(o, keys)
-        return cls(keys, parents)
+        return cls(keys, parents, o.get("client_verifies") is True)
 
 
 def _get_parents(o: dict[str, Any], keys: list[bytes]) -> list[bytes | None]:
@@ -290,12 +300,19 @@ def _get_parents(o: dict[str, Any], keys: list[bytes]) -> list[bytes | None]:
 
 @dataclass(frozen=True)
 class Unload(Request):
+    """Drop read reference ``handle``; ``corrupt``: the client found the slot's bytes differ from
+    the checksum the load gave it (the server checks again before it drops the chunk)."""
+
     OP: ClassVar[str] = "unload"
     handle: int
+    corrupt: bool = False
+
+    def fields_to_wire(self) -> dict[str, Any]:
+        return {"handle": self.handle, **({"corrupt": True} if self.corrupt else {})}
 
     @classmethod
     def from_fields(cls, o: dict[str, Any]) -> "Unload":
-        return cls(get_int(o, "handle"))
+        return cls(get_int(o, "handle"), o.get("corrupt") is True)
 
 
 @dataclass(frozen=True)

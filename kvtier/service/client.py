@@ -30,7 +30,8 @@ from kvtier.index.keys import KeyNamespace
 from kvtier.protocol import Backoff, parse_address
 from kvtier.protocol.messages import KVRegister, KVRelease, LoadBlocks, StoreBlocks
 from kvtier.service.connection import ClientCounters, ServiceConnection
-from kvtier.storage.types import LookupResult, WriteSkip
+from kvtier.service.load_verifier import BAD, GOOD, PENDING, LoadVerifier
+from kvtier.storage.types import ChunkUnavailable, LookupResult, WriteSkip
 
 __all__ = ["ClientCounters", "ServiceClient", "ServiceReadHandle", "ServiceUnavailable", "parse_address"]
 
@@ -44,24 +45,63 @@ class ServiceReadHandle:
 
     Attributes:
         key: chunk key.
-        buffer: ``uint8 [chunk_bytes]`` view of the slot in this process's mapping.
+        buffer: ``uint8 [chunk_bytes]`` view of the slot in this process's mapping. With
+            client-side verification (:mod:`kvtier.service.load_verifier`) the first access
+            waits for the chunk's checksum verdict and raises
+            :class:`~kvtier.storage.types.ChunkUnavailable` if the slot's bytes differ from
+            the chunk's commit checksum (a miss from this chunk on).
         source: tier kind that served it ("cpu", or the lower tier it was promoted from).
     """
 
-    __slots__ = ("_client", "_gen", "_handle", "key", "buffer", "source")
+    __slots__ = ("_client", "_gen", "_handle", "key", "view", "source", "expected", "verdict", "closed", "taken")
 
-    def __init__(self, client: "ServiceClient", gen: int, handle: int, key: bytes, buffer: np.ndarray, source: str):
+    def __init__(self, client: "ServiceClient", gen: int, handle: int, key: bytes, buffer: np.ndarray, source: str,
+                 expected: int | None = None):
         self._client: ServiceClient | None = client
         self._gen = gen
         self._handle = handle
         self.key = key
-        self.buffer = buffer
+        self.view = buffer
         self.source = source
+        self.expected = 0 if expected is None else expected
+        self.verdict = GOOD if expected is None else PENDING  # GOOD: checked by the server, or nothing to check
+        self.closed = False
+        self.taken = False  # picked up for checking (by the helper thread or the caller)
+
+    @property
+    def buffer(self) -> np.ndarray:
+        if self.verdict != GOOD:
+            client = self._client
+            verdict = client._verifier.wait(self) if client is not None else self.verdict
+            if verdict != GOOD:
+                why = "differ from its commit checksum" if verdict == BAD else "could not be verified in time"
+                raise ChunkUnavailable(f"kvtier: the bytes of chunk {self.key.hex()[:16]} {why}; a miss")
+        return self.view
+
+    def claim(self) -> int | None:
+        """The commit checksum to check this chunk against while copying it, or None when there is
+        nothing left to check (verified already, by the server or here) or the helper thread is on it
+        (then read :attr:`buffer`, which waits for it). A caller that gets a checksum must call
+        :meth:`settle` with its verdict (:func:`kvtier.integrations.block_copy.load_blocks_checked`)."""
+        client = self._client
+        if self.verdict != PENDING or client is None:
+            return None
+        return self.expected if client._verifier.claim(self) else None
+
+    def settle(self, ok: bool) -> None:
+        """Record the verdict of a check made by the caller after :meth:`claim` (a mismatch is
+        reported to the server when the handle closes)."""
+        client = self._client
+        if client is not None:
+            client._verifier.settle(self, ok)
+        else:
+            self.verdict = GOOD if ok else BAD
 
     def close(self) -> None:
         client, self._client = self._client, None
+        self.closed = True
         if client is not None:
-            client._unload(self._gen, self._handle)
+            client._unload(self._gen, self._handle, corrupt=self.verdict == BAD)
 
     def __enter__(self) -> "ServiceReadHandle":
         return self
@@ -95,6 +135,11 @@ class ServiceClient:
             request of this client, and other clients see it microseconds later
             (until then a lookup misses it, which is safe). :meth:`flush` waits
             for every commit sent before it.
+        verify: who checks a loaded CPU chunk against its commit checksum: ``"server"``
+            (before it answers; the default) or ``"client"`` (this process, on a helper
+            thread ahead of the caller's copies, :mod:`kvtier.service.load_verifier`; a
+            handle's ``buffer`` then raises ``ChunkUnavailable`` for a chunk that fails,
+            so use it where the caller treats that as a miss, as the vLLM connector does).
 
     Raises:
         ValueError: malformed address or non-positive timeouts.
@@ -113,9 +158,14 @@ class ServiceClient:
         token: str | None = None,
         wait_connected_s: float = 0.0,
         sync_commit: bool = False,
+        verify: str = "server",
     ):
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        if verify not in ("server", "client"):
+            raise ValueError(f"verify must be 'server' or 'client', got {verify!r}")
+        self.verify = verify
+        self._verifier = LoadVerifier()
         self.address = address
         family, addr = parse_address(address)
         self.namespace = namespace
@@ -263,24 +313,34 @@ class ServiceClient:
             return []
         if len(items) > P.MAX_KEYS:
             return [*self.open_read_many(items[: P.MAX_KEYS]), *self.open_read_many(items[P.MAX_KEYS :])]
-        reply, conn = self._link.call(P.LoadMany([k for k, _ in items], [p for _, p in items]))
+        mine = self.verify == "client"
+        reply, conn = self._link.call(P.LoadMany([k for k, _ in items], [p for _, p in items], mine))
         out: list[ServiceReadHandle | None] = [None] * len(items)
         got = reply.get("handles") if reply else None
         if conn is None or not isinstance(got, list) or len(got) != len(items):
             return out
+        pending: list[ServiceReadHandle] = []
         for i, entry in enumerate(got):
-            if not isinstance(entry, list) or len(entry) != 3 or type(entry[0]) is not int:
+            # [handle, slot, source] (checked by the server) or, when asked, [handle, slot, source, sum | nil]
+            if not isinstance(entry, list) or len(entry) not in (3, 4) or type(entry[0]) is not int:
                 continue
-            hid, slot, source = entry
+            hid, slot, source = entry[:3]
+            want = entry[3] if len(entry) == 4 else None
             view = conn.slot(slot)
-            if view is None or not isinstance(source, str):
+            if view is None or not isinstance(source, str) or not (want is None or type(want) is int):
                 self._unload(conn.gen, hid)
                 continue
-            out[i] = ServiceReadHandle(self, conn.gen, hid, items[i][0], view, source)
+            h = ServiceReadHandle(self, conn.gen, hid, items[i][0], view, source, want if mine else None)
+            out[i] = h
+            if h.verdict == PENDING:
+                pending.append(h)
+        self._verifier.submit(pending)  # hashed in prompt order while the caller copies
         return out
 
-    def _unload(self, gen: int, handle: int) -> None:
-        self._link.call(P.Unload(handle), noreply=True, gen=gen)
+    def _unload(self, gen: int, handle: int, corrupt: bool = False) -> None:
+        if corrupt:
+            self.counters.corrupt_loads += 1
+        self._link.call(P.Unload(handle, corrupt), noreply=True, gen=gen)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Ask the server to promote these chunks into its CPU tier; returns how many were queued."""
@@ -402,6 +462,7 @@ class ServiceClient:
 
     def close(self) -> None:
         """Disconnect (the server releases this client's reservations, reads and leases)."""
+        self._verifier.close()
         self._link.close()
 
     def __enter__(self) -> "ServiceClient":

@@ -49,6 +49,7 @@ class ClientCounters:
     skipped_calls: int = 0  # answered as a miss without a connection
     error_replies: int = 0
     lost_stores: int = 0  # commits dropped because their connection ended
+    corrupt_loads: int = 0  # loaded chunks this client found differing from their commit checksum
 
 
 class Conn:

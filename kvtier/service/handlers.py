@@ -194,17 +194,23 @@ class DataHandlers:
         return {"handle": hid, "slot": slot, "source": source}
 
     def load_many(self, h: Holds, reg: Registered, r: LoadMany) -> dict[str, Any]:
-        return {"handles": self._load(h, reg, r.keys, r.parents)}
+        return {"handles": self._load(h, reg, r.keys, r.parents, r.client_verifies)}
 
     def _load(
-        self, h: Holds, reg: Registered, keys: list[bytes], parents: list[bytes | None]
+        self, h: Holds, reg: Registered, keys: list[bytes], parents: list[bytes | None], client_verifies: bool = False
     ) -> list[list[Any] | None]:
         if len(keys) > h.room():
             raise ProtocolError(ErrorCode.TOO_MANY_HOLDS, f"at most {h.max_holds} reservations+reads per connection")
         n = _take_quota(h, reg, len(keys))  # beyond the client's quota: a miss
         host = reg.host
+        items = list(zip(keys[:n], parents[:n]))
         try:
-            handles = host.open_verified(list(zip(keys[:n], parents[:n])))
+            if client_verifies:  # the client checks each slot as it reads it (integrity.py)
+                opened = host.open_for_client(items)
+                handles = [None if o is None else o[0] for o in opened]
+                sums = [None if o is None else o[1] for o in opened]
+            else:
+                handles, sums = list(host.open_verified(items)), [None] * n
         except BaseException:
             _give_quota(h, n)
             raise
@@ -212,14 +218,14 @@ class DataHandlers:
         out: list[list[Any] | None] = []
         taken: list[int] = []
         try:
-            for handle in handles:
+            for handle, want in zip(handles, sums + [None] * (len(keys) - n)):
                 if handle is None:
                     out.append(None)
                     continue
                 slot = host.pool.slot_of(handle.buffer)
                 hid = h.add_read(handle)
                 taken.append(hid)
-                out.append([hid, slot, handle.source])
+                out.append([hid, slot, handle.source, want] if client_verifies else [hid, slot, handle.source])
                 self.metrics.load_tokens.labels(handle.source).inc(host.namespace.chunk_size)
         except BaseException:
             for handle in handles:
@@ -238,7 +244,10 @@ class DataHandlers:
         handle = h.pop_read(r.handle)
         if handle is None:
             raise ProtocolError(ErrorCode.UNKNOWN_HANDLE, "unload of a handle this client does not hold")
-        handle.close()
+        if r.corrupt and handle.source == "cpu":
+            reg.host.report_corrupt(handle)  # checked again here, dropped if it differs; closes the handle
+        else:
+            handle.close()
         return {}
 
     def prefetch(self, h: Holds, reg: Registered, r: Prefetch) -> dict[str, Any]:

@@ -11,7 +11,11 @@ xxh3-64 checksum of a slot at ``commit`` and verifies it
 - when it leaves the CPU tier (write-behind to disk or remote),
 
 and a chunk whose bytes no longer match is a miss: it is dropped from the CPU
-tier, never written below, and counted (``corrupt_chunks``). What this does not
+tier, never written below, and counted (``corrupt_chunks``). A client may check a
+load itself instead (``LoadMany.client_verifies``, the vLLM connector's client): the
+server then answers with each chunk's sum, the client hashes the slot ahead of its
+copy and reports a mismatch on ``unload``, which the server checks again before it
+drops the chunk (:mod:`kvtier.service.load_verifier` gives the safety argument). What this does not
 cover: a scribble between the server's check and the reader's copy (a window of
 one round trip), and a client corrupting a slot it reserved before committing it
 (its own data). Chunks promoted from disk/remote (checksummed by those tiers) get
@@ -40,10 +44,18 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import xxhash
 
+from kvtier.serde.nogil_hash import xxh3_64_int
+
 
 def chunk_sum(buf: np.ndarray) -> int:
     """xxh3-64 of a chunk's bytes."""
     return xxhash.xxh3_64_intdigest(memoryview(buf).cast("B"))
+
+
+def chunk_sum_nogil(buf: np.ndarray) -> int:
+    """:func:`chunk_sum` without holding the GIL while hashing (:mod:`kvtier.serde.nogil_hash`), so a
+    verifier thread hashes while the caller's thread copies."""
+    return xxh3_64_int(buf)
 
 
 class ChunkSums:
@@ -81,6 +93,16 @@ class ChunkSums:
         with self._lock:
             self.corrupt += 1
         return False
+
+    def expected(self, key: bytes, buf: np.ndarray) -> int:
+        """``key``'s recorded sum; with none recorded (pruned), record ``buf``'s and return it."""
+        with self._lock:
+            want = self._sums.get(key)
+        if want is None:
+            self.record(key, buf)
+            with self._lock:
+                want = self._sums.get(key)
+        return chunk_sum(buf) if want is None else want
 
     def forget(self, key: bytes) -> None:
         with self._lock:

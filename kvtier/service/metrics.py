@@ -184,6 +184,7 @@ class _StateCollector:
             g.add_metric([], sum(float(s.get(name, 0)) for s in stats))
             yield g
         yield from self._capacities(stats)
+        yield from _numa(stats)
         for stat, (metric, doc) in _REMOTE_COUNTERS.items():
             c = CounterMetricFamily(metric, doc)
             c.add_metric([], sum(float(s.get(f"remote_{stat}", 0)) for s in stats))
@@ -220,3 +221,24 @@ class _StateCollector:
             g.add_metric([node], 1.0 if is_open else 0.0)
         yield g
 
+
+
+#: NUMA placement of the namespaces' CPU segments (one server setting, so one node for all):
+#: metric -> (stat, help, how namespaces combine).
+_NUMA = {
+    "kvtier_cpu_numa_node": ("cpu_numa_node", "NUMA node of the CPU segments (-1: none or interleaved)", max),
+    "kvtier_cpu_numa_bound": ("cpu_numa_bound", "1 if every CPU segment's NUMA policy is set on its memory", min),
+    "kvtier_cpu_numa_pages_on_node": ("cpu_numa_pages_on_node",
+                                      "Share of sampled backed CPU-segment pages on the chosen node(s), worst namespace",
+                                      min),
+}
+
+
+def _numa(stats: list[dict[str, Any]]) -> Iterator[Metric]:
+    """The NUMA gauges (none until a namespace with a placement is hosted)."""
+    for metric, (stat, doc, combine) in _NUMA.items():
+        vals = [float(s[stat]) for s in stats if stat in s]
+        if vals:
+            g = GaugeMetricFamily(metric, doc)
+            g.add_metric([], combine(vals))
+            yield g

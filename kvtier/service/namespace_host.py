@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import KeyNamespace
 from kvtier.memory.budget import BudgetShare, ByteBudget
+from kvtier.memory.numa_topology import choose as choose_numa
 from kvtier.memory.pool import ChunkPool
 from kvtier.service.integrity import ChunkSums, verify_writes
 from kvtier.service.ratelog import RateLimitedLog
@@ -64,7 +65,11 @@ class NamespaceHost:
             raise ValueError(f"disk_capacity per namespace ({disk_bytes} B) is below one chunk ({cb} B)")
         self.namespace = namespace
         self.digest = namespace.digest()
-        self.segment = SharedSegment.create(num_slots * cb, f"kvtier-{self.digest.hex()[:12]}", sparse=budget is not None)
+        self.segment = SharedSegment.create(num_slots * cb, f"kvtier-{self.digest.hex()[:12]}", sparse=budget is not None,
+                                            numa=choose_numa(config.cpu_numa_node))
+        if self.segment.numa is not None:
+            log.info("kvtier server: namespace %s: CPU segment of %d B %s", namespace.model[:128], num_slots * cb,
+                     self.segment.numa.describe())
         self.share: BudgetShare | None = None
         if budget is not None:
             self.share = budget.share(self._give_back)
@@ -72,6 +77,7 @@ class NamespaceHost:
             cb, num_slots, buffer=self.segment.array, budget=self.share,
             release_pages=lambda slot: self.segment.release(slot * cb, cb),
         )
+        self.pool.numa = self.segment.numa
         disk_path = None if config.disk_path is None else Path(config.disk_path) / f"ns-{self.digest.hex()[:32]}"
         cfg = config.model_copy(
             update=dict(
@@ -164,15 +170,51 @@ class NamespaceHost:
                 self.sums.record(key, h.buffer)  # promoted just now (the lower tier checked its own sum)
             elif h is not None and self.verify_loads and not self.sums.verify(key, h.buffer):
                 h.close()
-                if self.manager.cpu.delete(key):
-                    self.sums.forget(key)
-                self._warn.warning(
-                    "", "corrupt", "kvtier server: chunk %s of %s failed its checksum (its slot was overwritten "
-                    "in shared memory); served as a miss and dropped", key.hex()[:16], self.namespace.model[:128],
-                )
+                self._drop_corrupt(key)
                 h = None
             out.append(h)
         return out
+
+    def open_for_client(self, items: Sequence[tuple[bytes, bytes | None]]) -> list[tuple[ReadHandle, int | None] | None]:
+        """``open_read_many`` for a client that verifies CPU chunks itself as it reads them.
+
+        Per item: None (a miss), or the handle and the commit checksum the client must find
+        (None: nothing to check, a chunk promoted just now from a lower tier, which checked
+        its own sum; its sum is recorded here for later loads). A CPU chunk whose sum was
+        pruned from the table gets one now (as :meth:`ChunkSums.verify` does).
+        """
+        out: list[tuple[ReadHandle, int | None] | None] = []
+        for (key, _), h in zip(items, self.manager.open_read_many(items)):
+            if h is None:
+                out.append(None)
+            elif h.source != "cpu":
+                self.sums.record(key, h.buffer)
+                out.append((h, None))
+            elif not self.verify_loads:  # the server's operator turned load checks off
+                out.append((h, None))
+            else:
+                out.append((h, self.sums.expected(key, h.buffer)))
+        return out
+
+    def report_corrupt(self, handle: ReadHandle) -> bool:
+        """A client found ``handle``'s slot differs from its commit checksum: check it here (the
+        client may be wrong, or the bytes changed back) and, if it does differ, drop the chunk as
+        :meth:`open_verified` does. Closes the handle. True if the chunk failed here too."""
+        try:
+            bad = not self.sums.verify(handle.key, handle.buffer)
+        finally:
+            handle.close()
+        if bad:
+            self._drop_corrupt(handle.key)
+        return bad
+
+    def _drop_corrupt(self, key: bytes) -> None:
+        if self.manager.cpu.delete(key):
+            self.sums.forget(key)
+        self._warn.warning(
+            "", "corrupt", "kvtier server: chunk %s of %s failed its checksum (its slot was overwritten "
+            "in shared memory); served as a miss and dropped", key.hex()[:16], self.namespace.model[:128],
+        )
 
     def close(self) -> None:
         if self.share is not None:

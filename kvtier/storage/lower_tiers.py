@@ -108,8 +108,11 @@ def open_disk_tier(config: KVTierConfig, namespace: KeyNamespace, is_pinned: Cal
         fsync=config.disk_fsync,
         direct_io=config.disk_direct_io,
         io_threads=config.disk_io_threads,
+        verify_reads=config.disk_verify_reads,
     )
     log.info("kvtier disk tier %s opened", config.disk_path)
+    if not config.disk_verify_reads:
+        log.warning("kvtier disk tier %s: reads are not checksum-verified (disk_verify_reads = false)", config.disk_path)
     return tier
 
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import ChunkHasher, KeyNamespace, is_lineage
+from kvtier.memory.numa_topology import choose as choose_numa
 from kvtier.memory.pool import ChunkPool, pins_by_default
 from kvtier.memory.shared_segment import SharedSegment, shared_chunk_pool
 from kvtier.storage.handles import CpuReadHandle
@@ -102,8 +103,14 @@ class StorageManager:
         #: The CPU tier's memory as a shared segment when this instance serves peers over shared
         #: memory (peers map it read-only and copy chunks straight out of it); else None.
         self.cpu_segment: SharedSegment | None = None
-        if pool is None and _cpu_shared_with_peers(config):
-            pool, self.cpu_segment = shared_chunk_pool(self.chunk_bytes, int(config.cpu_capacity))
+        if pool is None and int(config.cpu_capacity) >= self.chunk_bytes:  # (below one chunk: CpuTier says so)
+            placement = choose_numa(config.cpu_numa_node)  # NumaError: a node this machine lacks
+            if _cpu_shared_with_peers(config):
+                pool, self.cpu_segment = shared_chunk_pool(self.chunk_bytes, int(config.cpu_capacity), numa=placement)
+            else:
+                pool = ChunkPool(self.chunk_bytes, int(config.cpu_capacity) // self.chunk_bytes, numa=placement)
+            if pool.numa is not None:
+                log.info("kvtier CPU tier: %d B %s", pool.capacity_bytes, pool.numa.describe())
         self.cpu = CpuTier(
             self.chunk_bytes, int(config.cpu_capacity), make_policy(config.cpu_eviction), self.leases.is_pinned, pool=pool
         )
@@ -522,6 +529,7 @@ class StorageManager:
             pinned_chunks=self.leases.pinned_keys,
             referenced_chunks=cpu.referenced_chunks(),
         )
+        out.update(cpu.pool.numa_stats())  # cpu_numa_node, cpu_numa_bound, cpu_numa_pages_on_node
         p = self.promoter
         out.update(
             prefetch_queued_chunks=p.prefetch_queued,

@@ -46,6 +46,11 @@ class LookupResult:
     repeated: int = 0
 
 
+class ChunkUnavailable(RuntimeError):
+    """Raised by a read handle's ``buffer`` when the chunk failed a check made as it was read
+    (a ``kvtier server`` client that verifies loads itself): treat it as a miss from that chunk on."""
+
+
 class ReadHandle(Protocol):
     """A chunk held for reading: ``buffer`` (uint8 ``[chunk_bytes]``) stays valid until ``close()``.
 

@@ -19,11 +19,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.config import KVTierConfig, load_config
+from kvtier.config_lmcache import lmcache_connector_settings
 from kvtier.integrations.vllm.extras import check_engine_extra_keys
 from kvtier.integrations.vllm.failure_policy import log_failure_policy
 from kvtier.integrations.vllm.groups import kv_groups
 from kvtier.integrations.vllm.kv_events import group_specs, kv_events_enabled
-from kvtier.integrations.vllm.pd import PDSettings
+from kvtier.integrations.vllm.pd import PD_KEYS, PDSettings
 from kvtier.integrations.vllm.modes import engine_instance
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics, counter_delta, ledger_counters
 from kvtier.integrations.vllm.scheduler import KVTierScheduler
@@ -78,8 +79,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if role_name in ("kv_both", "kv_producer", "kv_consumer"):
             # vLLM's kv_role gates kvtier too: a producer only saves, a consumer only loads.
             extra.setdefault("kv_role", role_name)
-        self.pd = PDSettings.pop_from(extra)  # PD keys (pd.py) are not kvtier config keys
+        pd_extra = {k: extra.pop(k) for k in PD_KEYS if k in extra}  # PD keys (pd.py) are not kvtier config keys
         self.config: KVTierConfig = load_config(extra)
+        if self.config.lmcache_config_file is not None and "pd_role" not in pd_extra:
+            # An LMCache PD config (enable_pd + pd_role) gives the role; the connector's own keys win.
+            pd_extra = {**lmcache_connector_settings(self.config.lmcache_config_file), **pd_extra}
+        self.pd = PDSettings.pop_from(pd_extra)
         _ensure_log_handler(self.config.log_level)
         if vllm_config.parallel_config.world_size > 1:
             raise ValueError(

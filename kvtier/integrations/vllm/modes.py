@@ -66,6 +66,9 @@ def service_client(config: KVTierConfig, namespace: KeyNamespace, engine_id: str
         timeout_s=config.server_timeout_s,
         token=config.server_token,
         wait_connected_s=min(5.0, 10 * config.server_timeout_s),
+        # The worker treats a chunk whose buffer raises as a failed load (recomputed), so the
+        # commit checksum is checked here, ahead of the copies, not by the server before it answers.
+        verify="client",
     )
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import KeyNamespace
-from kvtier.integrations.block_copy import load_blocks, load_blocks_grouped, save_blocks, save_blocks_grouped
+from kvtier.integrations.block_copy import load_blocks, load_blocks_grouped, load_handle, save_blocks, save_blocks_grouped
 from kvtier.integrations.vllm.groups import KVGroups
 from kvtier.integrations.vllm.kv_events import TierChanges, WorkerTierFeed
 from kvtier.integrations.vllm.modes import close_worker_store, open_worker_store
@@ -303,7 +303,7 @@ class KVTierWorker:
                         load_blocks_grouped(self._chunk_view(handle.buffer), self._layers, self._layer_groups,
                                             (ch.block_ids, *ch.more_blocks), ch.offset, skip=-1)
                     else:
-                        load_blocks(self._chunk_view(handle.buffer), self._kv, ch.block_ids, ch.offset)
+                        load_handle(handle, self._chunk_view, self._kv, ch.block_ids, ch.offset)
                 except Exception:
                     log.exception("kvtier: loading chunk %s failed", ch.key.hex()[:16])
                     failed_at = i

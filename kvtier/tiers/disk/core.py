@@ -170,6 +170,7 @@ class DiskCore:
             written_chunks=self.written_chunks, dropped_writes=self.dropped_writes,
             failed_writes=self.failed_writes, corrupt_reads=self.corrupt_reads, read_errors=self.read_errors,
             writable=self.writable, direct_io=self.direct_io, io_threads=self._pool.threads,
+            verify_reads=self._io.verify,
         )
         return out
 

@@ -45,12 +45,14 @@ class RecordIO:
         fs: the file-system seam.
         namespace: 32-byte digest every record read must carry.
         fsync: fsync each file before its rename.
+        verify: check each payload's xxh3-64 on read (False: header checks only).
     """
 
-    def __init__(self, fs: FileOps, namespace: bytes, fsync: bool):
+    def __init__(self, fs: FileOps, namespace: bytes, fsync: bool, verify: bool = True):
         self.fs = fs
         self.namespace = namespace
         self.fsync = fsync
+        self.verify = verify
         self.scratch = Scratch()
 
     def probe_direct_io(self, directory: Path) -> bool:
@@ -180,7 +182,8 @@ class RecordIO:
         payload; O_DIRECT: ``DIRECT_READ_STEP_BYTES``) come in one ``preadv`` straight into
         ``dst``; each step is hashed (xxh3-64) right after it lands while the batch's other
         I/O threads read their chunks, and the digest must match the header's before the
-        chunk counts as a hit. On a miss ``dst`` may hold part of the record.
+        chunk counts as a hit (``verify`` False: no hash, the header checks only). On a
+        miss ``dst`` may hold part of the record.
 
         Raises:
             RecordError: the record is unusable (delete it).
@@ -210,11 +213,12 @@ class RecordIO:
         if hdr.payload_len != n:
             raise PayloadSizeMismatch(f"payload size {hdr.payload_len} != requested {n}")
         hdr.expect(key, self.namespace, size)
-        h = xxhash.xxh3_64()
         pos = max(0, got - HEADER_BYTES)
         if pos < len(first):
             raise RecordError("payload shorter than its header says")
-        h.update(first)
+        h = xxhash.xxh3_64() if self.verify else None
+        if h is not None:
+            h.update(first)
         preadv = self.fs.preadv  # the loop's one call per step (tens per chunk): no extra Python layers
         while pos < n:
             if pos < straight:
@@ -229,9 +233,10 @@ class RecordIO:
                 piece[:got] = s[:got]
             if got < len(piece):
                 raise RecordError("payload shorter than its header says")
-            h.update(piece)
+            if h is not None:
+                h.update(piece)
             pos += len(piece)
-        if h.digest() != hdr.body_sum:
+        if h is not None and h.digest() != hdr.body_sum:
             raise RecordError("payload checksum mismatch")
 
     def _pread(self, fd: int, bufs: list[memoryview], offset: int, direct: bool) -> int:

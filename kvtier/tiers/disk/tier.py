@@ -81,6 +81,11 @@ class DiskTier(DiskReads, DiskWrites, LowerTier):
         fs: file-system calls (the fault-injection seam); default :class:`FileOps`.
         io_threads: chunk reads/writes of one batch in flight at once (threads that
             release the GIL around ``preadv``/``pwritev``); 1 = one at a time, inline.
+        verify_reads: verify each payload's xxh3-64 on every read (default). False skips
+            that hash only (LMCache's trade-off, for operators who accept it: a record
+            whose payload bytes rotted on disk is served); the header checksum, key,
+            namespace and sizes are still checked, and writes still store the checksum,
+            so a tier reopened with verification on checks every record.
 
     Raises:
         DiskTierLocked: another live process owns ``path``.
@@ -109,6 +114,7 @@ class DiskTier(DiskReads, DiskWrites, LowerTier):
         direct_io: bool = False,
         fs: FileOps | None = None,
         io_threads: int = DEFAULT_IO_THREADS,
+        verify_reads: bool = True,
     ):
         if len(namespace) != 32:
             raise ValueError(f"namespace digests are 32 bytes, got {len(namespace)}")
@@ -118,7 +124,7 @@ class DiskTier(DiskReads, DiskWrites, LowerTier):
         self.path = Path(path)
         self._root = str(self.path) + os.sep  # record paths are built as strings on the I/O path
         self.namespace = bytes(namespace)
-        self._io = RecordIO(fs or FileOps(), self.namespace, fsync)
+        self._io = RecordIO(fs or FileOps(), self.namespace, fsync, verify_reads)
         self.direct_io = False
         self.counters = TierCounters()
         self._lock = threading.Lock()

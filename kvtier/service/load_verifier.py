@@ -1,0 +1,161 @@
+"""Client-side load verification: the engine checks each loaded CPU chunk's commit checksum itself,
+as it copies the chunk (``ServiceClient(verify="client")``, the vLLM connector's client).
+
+Why. The cache service checks every chunk it serves against the xxh3-64 taken at
+commit (:mod:`kvtier.service.integrity`: any client maps the pool read-write and a
+buggy one can scribble on slots). Checked by the server before it answers, the hash
+is a pass of its own over the chunk's memory, serially before the client's copy
+(another pass): 0.59x of an embedded load in ``kvtier bench server``, and on the
+2-vCPU VM under load the hash alone ran as slowly as the copy (both bound by memory).
+Here the server answers at once with each chunk's commit checksum and the client
+checks the chunk in the copy's own pass: the vLLM worker's copy
+(:func:`kvtier.integrations.block_copy.load_handle`) takes the checksum (:meth:`ServiceReadHandle.claim`)
+and hashes each run of the slot right after it copied it, while it is in the CPU cache
+(:func:`~kvtier.integrations.block_copy.load_blocks_checked`). A caller that reads
+``buffer`` instead gets the chunk checked just before (in this thread, or by the optional
+helper thread of :class:`LoadVerifier`, which hashes ahead of the caller: measured beside
+it as ``load_ratio_client_helper``).
+
+Safety argument (every load is still verified, against the same checksum):
+
+- no KV computed over a scribbled chunk is used or stored: a ``buffer`` reader gets
+  the bytes only after they matched (else :class:`~kvtier.storage.types.ChunkUnavailable`);
+  the fused copy writes the engine's blocks first and raises ``ChunkUnavailable`` when the
+  whole slot does not match, and the vLLM worker then reports that chunk's blocks and
+  every later one of the request for recompute, as for any failed load;
+- the bytes checked are the bytes copied: each run is hashed from the same mapping right
+  after the copy read it (the server-side check left a round trip between check and copy);
+  runs the load does not need are hashed too, since the checksum covers the whole slot;
+- the server stays the authority on its cache: a mismatch is reported on ``unload``
+  (``corrupt``), the server checks the slot again itself and drops the chunk if it
+  differs; a client that lies can only make the server re-hash one of its own
+  loads, and one that skips the check only serves itself unverified bytes, which a
+  client that scribbles could do anyway. Write-behind stays checked by the server.
+
+Measured side by side in ``kvtier bench server`` (``load_ratio``: this;
+``load_ratio_server_verify``: the server checks first; ``load_ratio_client_helper``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Protocol
+
+import numpy as np
+
+from kvtier.service.integrity import chunk_sum_nogil
+
+#: Verdicts of one handle.
+PENDING, GOOD, BAD = 0, 1, 2
+#: Most seconds ``buffer`` waits for a verdict before it gives up (the chunk is then a miss).
+VERDICT_TIMEOUT_S = 10.0
+
+
+class Checked(Protocol):
+    """What the verifier needs of a handle: its slot view, expected sum and verdict."""
+
+    view: np.ndarray
+    expected: int
+    verdict: int
+    closed: bool
+    taken: bool
+
+
+class LoadVerifier:
+    """One helper thread that hashes handed-in slots in order and records each one's verdict.
+
+    The caller never waits for a chunk the thread has not started: :meth:`wait` takes such a
+    chunk out of the queue and hashes it on the caller's thread (so a busy machine, where the
+    helper gets no core, costs what checking inline costs: hash, then copy while the chunk is
+    still in cache). Started on first use; :meth:`close` stops it (pending handles are then
+    left unverified, and their ``buffer`` raises).
+
+    Args:
+        helper: run the helper thread. Default False: each chunk is checked by its caller, as
+            it copies it (:meth:`claim`, :func:`kvtier.integrations.block_copy.load_blocks_checked`)
+            or, for a caller reading ``buffer``, just before.
+    """
+
+    def __init__(self, helper: bool = False) -> None:
+        self.helper = helper
+        self._cv = threading.Condition()
+        self._queue: deque[Checked] = deque()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.checked = 0
+        self.mismatches = 0
+
+    def submit(self, handles: list[Checked]) -> None:
+        """Queue ``handles`` (in the order the caller will read them)."""
+        if not handles:
+            return
+        with self._cv:
+            if self._closed:
+                return
+            self._queue.extend(handles)
+            if self._thread is None and self.helper:
+                self._thread = threading.Thread(target=self._run, name="kvtier-load-verify", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def wait(self, handle: Checked, timeout_s: float = VERDICT_TIMEOUT_S) -> int:
+        """``handle``'s verdict (``GOOD`` or ``BAD``), waiting up to ``timeout_s`` (then ``PENDING``)."""
+        if handle.verdict != PENDING:
+            return handle.verdict
+        with self._cv:
+            mine = not handle.taken and not self._closed
+            if mine:  # not started by the helper: check it here instead of waiting
+                handle.taken = True
+                try:
+                    self._queue.remove(handle)
+                except ValueError:
+                    pass
+            else:
+                self._cv.wait_for(lambda: handle.verdict != PENDING or self._closed, timeout_s)
+                return handle.verdict
+        self._check(handle)
+        return handle.verdict
+
+    def claim(self, handle: Checked) -> bool:
+        """Take ``handle`` for a check its caller makes itself (as it copies); False if taken already."""
+        with self._cv:
+            if handle.taken or handle.verdict != PENDING:
+                return False
+            handle.taken = True
+            try:
+                self._queue.remove(handle)
+            except ValueError:
+                pass
+            return True
+
+    def settle(self, handle: Checked, ok: bool) -> None:
+        """Record the verdict of a check made by the caller after :meth:`claim`."""
+        with self._cv:
+            self.checked += 1
+            if not ok:
+                self.mismatches += 1
+            handle.verdict = GOOD if ok else BAD
+            self._cv.notify_all()
+
+    def _check(self, h: Checked) -> None:
+        self.settle(h, chunk_sum_nogil(h.view) == h.expected)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                h = self._queue.popleft()
+                h.taken = True
+            if h.closed:  # closed unread: its slot may already hold another chunk
+                continue
+            self._check(h)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._queue.clear()
+            self._cv.notify_all()

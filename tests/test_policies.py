@@ -51,7 +51,7 @@ def drain(p: EvictionPolicy) -> list[bytes]:
 
 
 def test_registry_and_config_accept_every_policy() -> None:
-    assert set(POLICIES) == {"lru", "lfu", "fifo", "s3fifo"}
+    assert set(POLICIES) == {"lru", "lfu", "fifo", "s3fifo", "a2q"}
     for name in POLICIES:
         assert make_policy(name).name == name
         cfg = KVTierConfig(cpu_eviction=name, disk_eviction=name)

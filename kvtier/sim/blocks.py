@@ -30,7 +30,6 @@ from kvtier.storage.trace_file import TraceRecord
 
 MODES = ("every-block", "engine")
 
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
 _C2 = np.uint64(0x94D049BB133111EB)
@@ -52,19 +51,30 @@ def block_tokens(hash_id: int, block_size: int) -> np.ndarray:
     Raises:
         ValueError: ``hash_id`` outside ``[0, 2**63)`` or ``block_size < 2``.
     """
-    if not 0 <= hash_id < 1 << 63:
-        raise ValueError(f"hash id {hash_id} outside [0, 2**63)")
+    return blocks_tokens([hash_id], block_size)[0]
+
+
+def blocks_tokens(hash_ids: "list[int] | tuple[int, ...]", block_size: int) -> np.ndarray:
+    """:func:`block_tokens` of each id at once: uint32 ``[len(hash_ids), block_size]``.
+
+    Raises:
+        ValueError: an id outside ``[0, 2**63)`` or ``block_size < 2``.
+    """
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2, got {block_size}")
+    ids = np.asarray(hash_ids, dtype=np.int64 if not len(hash_ids) or max(hash_ids) < 1 << 63 else object)
+    if ids.dtype == object or (ids.size and int(ids.min()) < 0):
+        raise ValueError(f"hash ids must be in [0, 2**63), got {min(hash_ids)}..{max(hash_ids)}")
+    u = ids.astype(np.uint64)
     with np.errstate(over="ignore"):
-        x = (np.uint64(hash_id % (1 << 64)) * np.uint64(block_size) + np.arange(block_size, dtype=np.uint64)) & _M64
-        x = x + _GOLDEN
+        x = u[:, None] * np.uint64(block_size) + np.arange(block_size, dtype=np.uint64)[None, :]
+        x += _GOLDEN
         x = (x ^ (x >> np.uint64(30))) * _C1
         x = (x ^ (x >> np.uint64(27))) * _C2
-        x = x ^ (x >> np.uint64(31))
+        x ^= x >> np.uint64(31)
     out = (x ^ (x >> np.uint64(32))).astype(np.uint32)
-    out[0] = hash_id & 0xFFFFFFFF
-    out[1] = hash_id >> 32
+    out[:, 0] = (u & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    out[:, 1] = (u >> np.uint64(32)).astype(np.uint32)
     return out
 
 

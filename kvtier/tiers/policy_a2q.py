@@ -252,6 +252,7 @@ class A2QPolicy(ChainAwarePolicy):
         self._ghost = GhostTable()
         self.mini = MiniSims(history=self.HISTORY)
         self._tick = 0
+        self._victims = 0
 
     def _ref(self, key: bytes) -> int:
         self._tick += 1
@@ -297,7 +298,8 @@ class A2QPolicy(ChainAwarePolicy):
             self._t2[key] = self._tick
             return
         q = self._t1 if seg == 1 else self._t2
-        q[key] = -1  # oldest of all: the next victim
+        self._victims += 1
+        q[key] = -self._victims  # older than every key, the latest such key first: the next victim
         q.move_to_end(key, last=False)
 
     def _forget(self, key: bytes, in_order: bool) -> None:

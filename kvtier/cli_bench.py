@@ -207,12 +207,8 @@ def bench_fleet(
     engine: str = typer.Option("mocker-like", help="Engine timing preset: mocker-like or vllm-cpu-smollm2."),
     pool_policy: str = typer.Option("lru", help="Eviction policy of the shared pool."),
     max_requests: Optional[int] = typer.Option(None, min=1, help="Replay only the first N requests (kvtier side)."),
-    timing_json: Optional[Path] = typer.Option(None, "--timing-json", help="A `kvtier bench fleet-timing` JSON: "
-        "its ttft_error becomes timing_model_ttft_error."),
 ) -> None:
     """A production trace through kvtier's policies, router and tiers, Dynamo's KV router side by side."""
-    import json as _json
-
     from kvtier.bench.common import BenchUsageError
     from kvtier.bench.fleet import run_bench_fleet
 
@@ -224,14 +220,21 @@ def bench_fleet(
             raise BenchUsageError("--workers and --speeds take comma-separated numbers") from None
         if not ws or not sp or min(ws) < 1 or min(sp) <= 0:
             raise BenchUsageError("--workers and --speeds need positive values")
-        timing = None
-        if timing_json is not None:
-            try:
-                timing = _json.loads(timing_json.read_text())
-            except (OSError, ValueError) as exc:
-                raise BenchUsageError(f"--timing-json {timing_json}: {exc}") from None
         return run_bench_fleet(trace, out, dynamo_python, ws, sp, capacity_tokens, block_size, engine, pool_policy,
-                               max_requests, timing)
+                               max_requests)
 
     with _json_target(json_path) as out:
         _finish("bench fleet", run)
+
+
+@bench_app.command("policies")
+def bench_policies(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    chunks: int = typer.Option(1_000_000, min=1000, help="Chunks resident."),
+    ops: int = typer.Option(200_000, min=1000, help="Timed touches and evictions."),
+) -> None:
+    """Each eviction policy's insert / touch / evict cost in us per operation (target: a2q <= 2 us at 1M chunks)."""
+    from kvtier.bench.policies import run_bench_policies
+
+    with _json_target(json_path) as out:
+        _finish("bench policies", lambda: run_bench_policies(chunks, ops, out))

@@ -401,9 +401,9 @@ def test_a2q_chooses_its_mode_by_miniature_simulation() -> None:
     rng = random.Random(1)
     for n in range(60_000):
         f = (rng.randrange(150) if n % 2 else 10_000 + n) * 2 + 1
-        loop.observe(f, 0, 100)
+        loop.observe(f, None, 100)
     assert loop.mode != "lru"
     recent = MiniSims(min_cache=64)  # pure recency: a sliding window smaller than the cache
     for n in range(60_000):
-        recent.observe((n - rng.randrange(60)) * 2 + 1, 0, 100)
+        recent.observe((n - rng.randrange(60)) * 2 + 1, None, 100)
     assert recent.mode == "lru"

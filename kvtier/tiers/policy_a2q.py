@@ -51,13 +51,11 @@ _GOLDEN = 0x9E3779B97F4A7C15
 
 
 def fingerprint(key: bytes) -> int:
-    """A non-zero 64-bit fingerprint of ``key``: its first 16 bytes through the splitmix64
-    finalizer (Steele, Lea, Flood, OOPSLA 2014), so every bit depends on every input bit."""
-    x = (int.from_bytes(key[:8], "little") ^ (int.from_bytes(key[8:16], "little") * _GOLDEN)) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    x ^= x >> 31
-    return x or 1
+    """A non-zero 64-bit fingerprint of ``key``: its first 8 bytes times the golden-ratio
+    constant (Knuth's multiplicative hashing), high half folded onto the low half so the low
+    bits (set index, sample) depend on every input bit. kvtier keys are blake3 digests."""
+    x = (int.from_bytes(key[:8], "little") * _GOLDEN) & _MASK64
+    return (x ^ (x >> 32)) or 1
 
 
 class GhostTable:
@@ -199,21 +197,28 @@ class MiniSims:
         self.sampled = 0
         self.switches = 0
         self._due = min_cache
+        self._lo, self._hi = 0, min_cache << 1
 
     def _shift_for(self, resident: int) -> int:
         return max(0, min(self.max_shift, (resident // self.min_cache).bit_length() - 1))
 
-    def observe(self, f: int, pf: int, resident: int) -> None:
-        """A reference to the key of fingerprint ``f`` whose parent's is ``pf`` (0: none);
-        ``resident``: the real cache's size."""
-        shift = self._shift_for(resident)
-        if shift != self.shift:
-            self.shift = shift
-            self.minis = [_Mini(m) for m in MODES]
-        if f & ((1 << shift) - 1):
+    def observe(self, f: int, parent: bytes | None, resident: int) -> None:
+        """A reference to the key of fingerprint ``f`` whose parent key is ``parent`` (None:
+        none); ``resident``: the real cache's size."""
+        if not self._lo <= resident < self._hi:  # the sample rate changes only at powers of two
+            shift = self._shift_for(resident)
+            self._lo = self.min_cache << shift if shift else 0
+            self._hi = self.min_cache << (shift + 1) if shift < self.max_shift else 1 << 62
+            if shift != self.shift:
+                self.shift = shift
+                self.minis = [_Mini(m) for m in MODES]
+        shift = self.shift
+        mask = (1 << shift) - 1
+        if f & mask:
             return
         cap = max(1, resident >> shift)
-        pf = 0 if pf & ((1 << shift) - 1) else pf >> shift
+        pf = 0 if parent is None else fingerprint(parent)
+        pf = 0 if pf & mask else pf >> shift
         f >>= shift
         for m in self.minis:
             m.ref(f, pf, cap, self.history)
@@ -250,6 +255,7 @@ class A2QPolicy(ChainAwarePolicy):
         self._t2: OrderedDict[bytes, int] = OrderedDict()  # keys used again, least recent first
         self._dseg: dict[bytes, int] = {}  # deferred key -> its queue (1 or 2)
         self._ghost = GhostTable()
+        self._ghost_slots = len(self._ghost)
         self.mini = MiniSims(history=self.HISTORY)
         self._tick = 0
         self._victims = 0
@@ -257,11 +263,11 @@ class A2QPolicy(ChainAwarePolicy):
     def _ref(self, key: bytes) -> int:
         self._tick += 1
         resident = len(self._parent)
-        if resident * self.HISTORY > len(self._ghost):
+        if resident * self.HISTORY > self._ghost_slots:
             self._ghost.grow_to(resident * self.HISTORY)
+            self._ghost_slots = len(self._ghost)
         f = fingerprint(key)
-        parent = self._parent.get(key)
-        self.mini.observe(f, 0 if parent is None else fingerprint(parent), resident)
+        self.mini.observe(f, self._parent.get(key), resident)
         return f
 
     def _add(self, key: bytes) -> None:

@@ -84,6 +84,7 @@ class FleetResult:
     makespan_s: float
     router_decisions: dict[str, int]
     index_bad_events: int
+    rejected: int = 0
 
     @property
     def reuse(self) -> float:
@@ -134,6 +135,8 @@ class FleetSim:
         self.ttfts: list[float] = []
         self.served = [0] * cfg.workers
         self.hits: dict[str, int] = {}
+        #: Requests larger than an engine's whole block cache (refused, as vLLM does).
+        self.rejected = 0
 
     # -- KV events ----------------------------------------------------------------------
     def _event(self, worker: int, kind: str, ids: list[int], parent: int | None) -> None:
@@ -241,6 +244,10 @@ class FleetSim:
             if kind == 0:
                 req = data  # type: ignore[assignment]
                 rec = req._rec  # type: ignore[attr-defined]
+                if req.blocks > cfg.engine_blocks:  # vLLM refuses a request its KV cache cannot hold
+                    self.rejected += 1
+                    next_arrival()
+                    continue
                 tokens = blocks_tokens(rec.hash_ids, bs).ravel()[: rec.input_length] \
                     if cfg.routing == "kv-aware" else np.zeros(0, dtype=np.uint32)
                 w = self._route(req, tokens)
@@ -270,7 +277,7 @@ class FleetSim:
             requests=reqs_done, input_tokens=total_in, computed_tokens=computed,
             hit_tokens_by_tier=dict(self.hits), requests_per_worker=list(self.served),
             ttft_mean_s=statistics.fmean(tt) if tt else 0.0, ttft_p50_s=_pct(tt, 0.5), ttft_p99_s=_pct(tt, 0.99),
-            makespan_s=self.now, router_decisions=dict(self.decisions), index_bad_events=bad)
+            makespan_s=self.now, router_decisions=dict(self.decisions), index_bad_events=bad, rejected=self.rejected)
 
 
 def _pct(sorted_vals: list[float], q: float) -> float:

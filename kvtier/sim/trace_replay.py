@@ -228,7 +228,7 @@ def write_plot(rep: TraceReplayReport, png: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("cache capacity (tokens)")
     ax.set_ylabel("fraction of chunk references hit")
-    ax.set_title(f"{rep.trace}: {rep.requests:,} requests, {rep.chunk_size}-token chunks ({rep.mode})")
+    ax.set_title(f"{rep.trace}: {rep.requests:,} requests, {rep.chunk_size}-token chunks ({rep.mode})", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -96,6 +96,22 @@ def simulate(
         )
 
 
+@app.command("demo-mooncake")
+def demo_mooncake(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the runs, hit tokens and answer checks here (- for stdout)."),
+) -> None:
+    """Two `kvtier server`s over one Mooncake Store pool: a prefix stored through one is a hit through the other."""
+    import os
+
+    from kvtier.demo.mooncake_pool import main as mooncake_pool
+    from kvtier.integrations.vllm_engine import engine_env
+
+    os.environ.update(engine_env(os.environ))
+
+    with _json_target(json_path) as out:
+        _finish("demo-mooncake", lambda: mooncake_pool(["--json", str(out)] if out else []))
+
+
 @app.command("demo-server")
 def demo_server(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the runs, hit tokens and answer checks here (- for stdout)."),
@@ -237,6 +253,42 @@ ctl_app = typer.Typer(
     rich_markup_mode=HELP_MARKUP,
 )
 app.add_typer(ctl_app, name="ctl")
+keys_app = typer.Typer(
+    help="Fleet keys (README, the trust model): each instance, controller and router has its own; the "
+    "authorized-members file lists the public keys a node admits. Exit codes: 0 done, 2 usage error.",
+    no_args_is_help=True,
+)
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("new")
+def keys_new(
+    path: Path = typer.Argument(..., help="Where to write the key file (0600; its directory is created 0700)."),
+    name: str = typer.Option("", "--name", help="A label stored in the file (e.g. the instance's name)."),
+) -> None:
+    """Make a key pair; prints the members-file line of its public key (NAME PUBLIC_KEY)."""
+    from kvtier.protocol.trust import FleetKey, TrustError
+
+    try:
+        key = FleetKey.generate(name)
+        key.save(path)
+    except TrustError as exc:
+        typer.echo(f"kvtier keys: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"{name or path.stem} {key.public}")
+
+
+@keys_app.command("show")
+def keys_show(path: Path = typer.Argument(..., help="A key file made by `kvtier keys new` (or pyzmq).")) -> None:
+    """Print a key file's public key (what members files and controller_key take)."""
+    from kvtier.protocol.trust import FleetKey, TrustError
+
+    try:
+        key = FleetKey.load(path)
+    except TrustError as exc:
+        typer.echo(f"kvtier keys: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(key.public)
 
 _CTL_URL = typer.Option("http://127.0.0.1:7601", "--url", help="Controller HTTP URL.")
 _CTL_TOKEN = typer.Option(None, "--token", help="Bearer token (default $KVTIER_CONTROLLER_TOKEN).")
@@ -258,15 +310,27 @@ def controller(
         None, "--token", help="Bearer token for HTTP and agents (default $KVTIER_CONTROLLER_TOKEN); "
         "required when an address is beyond loopback."),
     op_deadline: float = typer.Option(10.0, "--op-deadline", min=0.01, help="Seconds an operation may take before it fails."),
+    key: Optional[Path] = typer.Option(
+        None, "--key", help="The controller's fleet key file (created 0600 if missing); with --members the agent "
+        "endpoint is CURVE-authenticated. Required beyond loopback."),
+    members: Optional[Path] = typer.Option(
+        None, "--members", help="Authorized-members file or directory: the instances' public keys that may register."),
 ) -> None:
     """Run the fleet controller: one HTTP API over every registered kvtier instance's cache."""
     from kvtier.controller.server import Controller, ControllerConfigError
+    from kvtier.protocol.trust import Credentials, TrustError
 
     try:
-        ctl = Controller(http_host=host, http_port=port, zmq_endpoint=zmq, token=token, op_deadline_s=op_deadline)
-        typer.echo(f"kvtier controller: HTTP on {host}:{port}, agents on {zmq}", err=True)
+        if (key is None) != (members is None):
+            raise ControllerConfigError("--key and --members go together (the controller's key, and who may register)")
+        creds = Credentials.from_paths(key, members) if key is not None and members is not None else None
+        ctl = Controller(http_host=host, http_port=port, zmq_endpoint=zmq, token=token, op_deadline_s=op_deadline,
+                         credentials=creds)
+        typer.echo(f"kvtier controller: HTTP on {host}:{port}, agents on {zmq}"
+                   + (f" (CURVE; controller key {creds.key.public}, {len(creds.members)} members)" if creds
+                      else " (open: loopback agents, no member keys)"), err=True)
         ctl.serve_forever()
-    except (ControllerConfigError, OSError) as exc:
+    except (ControllerConfigError, TrustError, OSError) as exc:
         typer.echo(f"kvtier controller: {exc}", err=True)
         raise typer.Exit(2) from None
     except ModuleNotFoundError as exc:
@@ -427,10 +491,23 @@ def router(
     model: Optional[str] = typer.Option(None, "--model", help="Model folder (tokenizer, chat template)."),
     policy: str = typer.Option("kv-aware", "--policy", help="kv-aware, round-robin or least-loaded."),
     controller_url: Optional[str] = typer.Option(None, "--controller", help="Fleet controller URL for /lookup."),
-    controller_token: Optional[str] = typer.Option(None, "--controller-token", help="Its bearer token."),
+    controller_token: Optional[str] = typer.Option(
+        None, "--controller-token", help="Its bearer token (visible in ps: prefer the file or $KVTIER_CONTROLLER_TOKEN)."),
+    controller_token_file: Optional[Path] = typer.Option(
+        None, "--controller-token-file", help="File whose first line is the controller's bearer token."),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8100, "--port", help="Port of the OpenAI-compatible API (0: any free port)."),
     load_weight: float = typer.Option(0.5, "--load-weight", min=0.0, help="Score penalty per token of load."),
+    max_body_bytes: int = typer.Option(16 << 20, "--max-body-bytes", min=1, help="Largest request body (larger: 413)."),
+    max_prompt_tokens: Optional[int] = typer.Option(
+        None, "--max-prompt-tokens", min=1, help="Longest prompt in tokens (longer: 400); default: the backends' "
+        "max_model_len from /v1/models."),
+    fleet_key: Optional[Path] = typer.Option(
+        None, "--fleet-key", help="The router's fleet key file (created 0600 if missing): it reads keyed KV event "
+        "streams with it."),
+    fleet_members: Optional[Path] = typer.Option(
+        None, "--fleet-members", help="Members file naming the publishers' keys: a backend whose INSTANCE_ID is a "
+        "member there has its events read over CURVE."),
 ) -> None:
     """OpenAI-compatible KV-aware proxy in front of N vLLM servers (routes each prompt to the best cached prefix net of load)."""
     from kvtier.router.app import RouterServer
@@ -438,14 +515,19 @@ def router(
         RouterConfig,
         RouterConfigError,
         Weights,
+        controller_token_from,
         parse_backend,
     )
     from kvtier.router.tokenize import TokenizeError
 
     try:
+        token = controller_token_from(controller_token, controller_token_file)
         cfg = RouterConfig(backends=tuple(parse_backend(b) for b in backend), policy=policy, model=model,
-                           controller_url=controller_url, controller_token=controller_token,
-                           weights=Weights(load=load_weight)).validate()
+                           controller_url=controller_url, controller_token=token,
+                           weights=Weights(load=load_weight), max_body_bytes=max_body_bytes,
+                           max_prompt_tokens=max_prompt_tokens,
+                           fleet_key=None if fleet_key is None else str(fleet_key),
+                           fleet_members=None if fleet_members is None else str(fleet_members)).validate()
         server = RouterServer(cfg, host=host, port=port)
     except (RouterConfigError, TokenizeError, OSError) as exc:
         typer.echo(f"kvtier router: {exc}", err=True)
@@ -474,13 +556,14 @@ def pd_proxy(
     decode: list[str] = typer.Option(..., "--decode", help="A decode instance's URL (repeatable; round robin)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8200, help="Port to listen on."),
+    max_body_bytes: int = typer.Option(16 << 20, "--max-body-bytes", min=1, help="Largest request body (larger: 413)."),
 ) -> None:
     """PD disaggregation proxy: each request is prefilled (max_tokens=1) on a prefiller, then decoded
     on a decoder with the prefiller's kv_transfer_params. Exit code 2: bad arguments or port in use."""
     from kvtier.router.pd_proxy import PDProxyServer
 
     try:
-        server = PDProxyServer(prefill, decode, host=host, port=port)
+        server = PDProxyServer(prefill, decode, host=host, port=port, max_body_bytes=max_body_bytes)
     except (ValueError, OSError) as exc:
         typer.echo(f"kvtier pd-proxy: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -51,12 +51,16 @@ def bench_miss_overhead(
 
 @bench_app.command("remote")
 def bench_remote(
-    url: str = typer.Option(..., "--url", help="Redis URL of the store to measure, e.g. redis://127.0.0.1:6379/0."),
+    url: str = typer.Option(
+        ..., "--url",
+        help="Store to measure: a Redis URL (redis://127.0.0.1:6379/0) or a Mooncake master (mooncake://127.0.0.1:50051).",
+    ),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
     chunks: int = typer.Option(16, min=1, help="Chunks of 5,898,240 bytes per put/get round."),
     reps: int = typer.Option(5, min=1, help="Timed repetitions of each measurement (interleaved)."),
 ) -> None:
-    """kvtier's remote tier vs raw redis-py SET/GET/pipelined EXISTS of the same bytes, and round trips."""
+    """kvtier's remote tier vs the raw client on the same bytes: redis-py SET/GET/EXISTS, or
+    Mooncake's zero-copy batch_put_from/batch_get_into (mooncake_put_ratio, mooncake_get_ratio)."""
     from kvtier.bench.remote import run_remote
 
     with _json_target(json_path) as out:

@@ -53,9 +53,11 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from kvtier.sizes import SIZE_FORMS, parse_size
+from kvtier.urls import mask_url
 from kvtier.tiers.policies import POLICIES
 
 ENV_PREFIX = "KVTIER_"
@@ -77,6 +79,7 @@ SERVER_KEYS = frozenset(
         "remote_timeout_s", "remote_write_queue", "lease_ttl_s", "log_level", "config_file", "lmcache_config_file",
         "controller", "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint",
         "peer_listen", "peers", "peer_timeout_s", "peer_retry_s", "peer_discovery",
+        "fleet_key", "fleet_members", "controller_key", "peer_allow_remote", "kv_events_plain",
         "trace_capture_path", "trace_capture_max_bytes",
     }
 )
@@ -170,6 +173,12 @@ class KVTierConfig(BaseModel):
         None,
         description="Model identity in the key namespace; default: model name plus a fingerprint of its weights.",
     )
+    reset_shared: bool = Field(
+        False,
+        description="vLLM's reset_prefix_cache(reset_connector=True) also clears this model's chunks in the remote "
+        "tier and on the kvtier server, which other engines share (they lose them too); false: such an engine "
+        "clears nothing and answers False.",
+    )
     save: bool = Field(True, description="Store newly computed full prompt chunks.")
     load: bool = Field(True, description="Report hits and load cached chunks.")
     kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = Field(
@@ -224,6 +233,29 @@ class KVTierConfig(BaseModel):
     peer_retry_s: float = Field(
         5.0, gt=0, description="After a peer fails, seconds its calls are misses without trying it again."
     )
+    fleet_key: Path | None = Field(
+        None,
+        description="This instance's fleet key file (Curve25519, owner-only; created on first use): it authenticates "
+        "the instance to the controller (CURVE), to peers and to KV event subscribers. See README, the trust model.",
+    )
+    fleet_members: Path | None = Field(
+        None,
+        description="Authorized-members file or directory: the public keys this instance admits as peers and event "
+        "subscribers (one 'NAME KEY [roles=] [models=] [salts=]' line each; re-read when it changes).",
+    )
+    controller_key: str | None = Field(
+        None,
+        description="The controller's public key (40 Z85 characters, `kvtier keys show`): with fleet_key set the "
+        "agent connects over CURVE and talks only to that controller.",
+    )
+    peer_allow_remote: bool = Field(
+        False, description="Let peer_listen bind beyond loopback (tcp://0.0.0.0:PORT); off: refused."
+    )
+    kv_events_plain: bool = Field(
+        False,
+        description="Publish kv_events_endpoint over plain TCP (vLLM-compatible, anyone who can connect reads it); "
+        "off: a TCP endpoint needs fleet_key/fleet_members (CURVE; subscribers need the events role).",
+    )
     log_level: str = Field("INFO", description="Log level of kvtier's loggers: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
     config_file: Path | None = Field(
         None, description="TOML or JSON file with any of these keys, or an LMCache YAML config (.yaml/.yml)."
@@ -237,7 +269,7 @@ class KVTierConfig(BaseModel):
     @field_validator(
         "disk_path", "config_file", "lmcache_config_file", "model_id", "remote_url", "remote_ttl_s", "server", "server_token", "controller",
         "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint", "peer_listen",
-        "peer_discovery", mode="before",
+        "peer_discovery", "fleet_key", "fleet_members", "controller_key", mode="before",
     )
     @classmethod
     def _empty_is_unset(cls, v: Any) -> Any:
@@ -348,6 +380,42 @@ class KVTierConfig(BaseModel):
             raise ValueError(f"peers names this instance's own peer_listen {info.data['peer_listen']!r}")
         return v
 
+    @field_validator("controller_key")
+    @classmethod
+    def _controller_key(cls, v: str | None) -> str | None:
+        if v is not None and (len(v) != 40 or not v.isascii() or not v.isprintable() or " " in v):
+            raise ValueError(f"controller_key must be the controller's 40-character Z85 public key "
+                             f"(kvtier keys show KEYFILE), got {v[:48]!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _trust(self) -> "KVTierConfig":
+        """Settings that would let a stranger in are refused (README, the trust model)."""
+        creds = self.fleet_key is not None and self.fleet_members is not None
+        if (self.fleet_key is None) != (self.fleet_members is None):
+            raise ValueError("fleet_key and fleet_members go together (this instance's key, and whom it admits)")
+        if self.controller_key is not None and not creds:
+            raise ValueError("controller_key needs fleet_key and fleet_members (the agent's own key)")
+        open_urls = [("peer_listen", u) for u in ((self.peer_listen,) if self.peer_listen else ())]
+        open_urls += [("peers", u) for u in self.peers]
+        open_urls = [(k, u) for k, u in open_urls if not u.startswith("shm://")]
+        if open_urls and not creds:
+            raise ValueError(f"{open_urls[0][0]} {open_urls[0][1]}: TCP/NIXL peers authenticate with fleet keys: set "
+                             "fleet_key and fleet_members (without them, peers share over shm:///PATH between one "
+                             "user's processes)")
+        if self.peer_listen and not self.peer_listen.startswith("shm://") and not self.peer_allow_remote:
+            host = self.peer_listen.split("://", 1)[1].rstrip("/").rpartition(":")[0]
+            if not _is_loopback(host):
+                raise ValueError(f"peer_listen {self.peer_listen}: {host or 'every interface'} is beyond loopback; "
+                                 "set peer_allow_remote to serve other machines")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            url = getattr(self, name)
+            if url and url.startswith("tcp://") and not creds and not self.kv_events_plain:
+                raise ValueError(f"{name} {url}: a TCP event stream is CURVE-authenticated with fleet_key and "
+                                 "fleet_members, or plain (vLLM-compatible, readable by anyone who connects) "
+                                 "with kv_events_plain; the default ipc:// endpoint is owner-only")
+        return self
+
     @field_validator("cpu_eviction", "disk_eviction")
     @classmethod
     def _known_policy(cls, v: str) -> str:
@@ -416,6 +484,24 @@ def _check_ports(url: str, rest: str) -> None:
             raise ValueError(f"remote_url {mask_url(url)!r}: port {port!r} is not a number in 1-65535")
 
 
+def _key_named_by(msg: str) -> str:
+    """The setting a cross-setting error names first (its message starts with it), or "?"."""
+    first = msg.removeprefix("Value error, ").split(" ", 1)[0]
+    return first if first in KVTierConfig.model_fields else "?"
+
+
+def _is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (a wildcard or another host is not)."""
+    import ipaddress
+
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 #: Transfer channel schemes a peer URL may name (see :mod:`kvtier.transfer.urls`).
 PEER_SCHEMES = ("tcp", "shm", "nixl")
 
@@ -453,19 +539,6 @@ def validate_config(config: KVTierConfig, chunk_bytes: int | None = None) -> Non
     from kvtier.config_checks import validate_config as check
 
     check(config, chunk_bytes)
-
-
-def mask_url(url: str) -> str:
-    """``url`` with the password of its ``user:password@`` part replaced by ``***``."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    netloc, slash, path = rest.partition("/")
-    if "@" not in netloc:
-        return url
-    cred, _, host = netloc.rpartition("@")
-    user, colon, _ = cred.partition(":")
-    return f"{scheme}://{user}{':***' if colon else ''}@{host}{slash}{path}"
 
 
 def is_yaml(path: Path | str) -> bool:
@@ -612,7 +685,7 @@ def load_config(
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            key = str(err["loc"][0]) if err["loc"] else "?"
+            key = str(err["loc"][0]) if err["loc"] else _key_named_by(str(err["msg"]))
             where = origin.get(key, "default")
             if err["type"] == "extra_forbidden":
                 close = difflib.get_close_matches(key, sorted(KVTierConfig.model_fields), n=1)

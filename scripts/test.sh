@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Quick start 2: set up, start the services the tests need (Redis), run the suite.
+# Quick start 2: set up, start the services the tests need (Redis, a Mooncake master), run the suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -10,6 +10,14 @@ if [ -x .ci/redis.sh ] || [ -f .ci/redis.sh ]; then
   redis_how="$(bash .ci/redis.sh start)"
   if [ "$redis_how" = started ]; then
     trap 'bash .ci/redis.sh stop || true' EXIT
+  fi
+fi
+if [ -f .ci/mooncake.sh ]; then
+  # The Mooncake master the mooncake:// tier's tests use (loopback only; "missing" without
+  # Mooncake: those tests then skip). Stopped at the end only if this run started it.
+  mooncake_how="$(bash .ci/mooncake.sh start)" || mooncake_how=failed
+  if [ "$mooncake_how" = started ]; then
+    trap 'bash .ci/mooncake.sh stop || true; [ "${redis_how:-}" = started ] && bash .ci/redis.sh stop || true' EXIT
   fi
 fi
 python -m pytest -q -rs -p no:cacheprovider "$@"

@@ -106,3 +106,12 @@ def make_config(tmp_path: Path) -> Callable[..., KVTierConfig]:
         return KVTierConfig(**fields)  # type: ignore[arg-type]
 
     return make
+
+
+@pytest.fixture
+def fleet(tmp_path: Path):
+    """Fleet keys of members ``a``, ``b``, ``c`` and their members file (kvtier.testing.fleet_keys):
+    ``fleet.config("a")`` is member a's ``fleet_key``/``fleet_members`` settings."""
+    from kvtier.testing.fleet_keys import make_fleet
+
+    return make_fleet(tmp_path / "fleet-keys", ["a", "b", "c"])

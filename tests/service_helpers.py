@@ -78,7 +78,7 @@ def store(c: ServiceClient, keys: list[bytes]) -> None:
     """Store ``keys`` as one chain through ``c`` (payloads from ``payload_for``); every slot must be granted."""
     parent = None
     for k in keys:
-        buf = c.open_write(k)
+        buf = c.open_write(k, parent)
         assert buf is not None
         buf[:] = payload_for(k, c.chunk_bytes)
         c.commit(k, parent)

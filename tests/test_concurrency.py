@@ -82,7 +82,7 @@ class ManagerMachine(RuleBasedStateMachine):
     # -- helpers --
     def _store(self, i: int, commit: bool = True) -> bool:
         key = key_of(i)
-        buf = self.m.open_write(key)
+        buf = self.m.open_write(key, None)
         if buf is None:
             return False
         assert self.m.where(key) is None, "open_write gave a slot for a chunk a tier already holds"
@@ -92,7 +92,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.m.abort(key)
             assert self.m.where(key) is None, "an aborted store became visible"
             return False
-        self.m.commit(key)
+        self.m.commit(key, None)
         # Wait for write-behind: the disk writer thread's timing must not change what the
         # next rule sees (hypothesis needs reproducible runs; threads are tested below).
         assert self.m.flush(10)
@@ -234,16 +234,16 @@ def test_leased_disk_chunk_loads_when_cpu_slots_are_all_pinned(tmp_path: Path, p
     m = make_manager(tmp_path / "disk", cpu_chunks=2, disk_chunks=8)
     try:
         for i in range(3):
-            buf = m.open_write(key_of(i))
+            buf = m.open_write(key_of(i), None)
             buf[:] = payload(i)
-            m.commit(key_of(i))
+            m.commit(key_of(i), None)
             assert m.flush(10)
         m.cpu.clear()  # chunks 0..2 now only on disk
         if pinned_by == "other lease":
             for i in (10, 11):  # two other chunks fill the CPU tier, leased by another request
-                buf = m.open_write(key_of(i))
+                buf = m.open_write(key_of(i), None)
                 buf[:] = payload(i)
-                m.commit(key_of(i))
+                m.commit(key_of(i), None)
             assert m.flush(10)
             assert m.lookup_keys([key_of(10), key_of(11)], lease_owner="other").num_tokens == 2 * CHUNK
             wanted = [0]
@@ -291,7 +291,7 @@ def test_threads_on_overlapping_keys_read_exact_bytes_and_leak_nothing(tmp_path:
                 i = rng.randrange(THREAD_KEYS)
                 key = key_of(i)
                 if op < 0.30:
-                    buf = m.open_write(key)
+                    buf = m.open_write(key, key_of(i - 1) if i else None)
                     if buf is not None:
                         buf[:] = payloads[i]
                         if rng.random() < 0.1:
@@ -392,7 +392,7 @@ def test_threads_with_disk_and_remote_tiers_read_exact_bytes_and_leak_nothing(tm
                 key, parent = key_of(i), key_of(i - 1) if i else None
                 op = rng.random()
                 if op < 0.3:
-                    (buf,) = m.open_write_many([key])
+                    (buf,) = m.open_write_many([key], [parent])
                     if isinstance(buf, np.ndarray):
                         buf[:] = payloads[i]
                         m.commit(key, parent)

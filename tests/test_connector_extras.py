@@ -207,12 +207,12 @@ def test_chunk_reserved_by_another_writer_does_not_drop_the_tail(engine) -> None
     m = pair.worker.manager
     prompt = tokens_of(9, 3 * CHUNK + 1)
     keys = m.keys(prompt)
-    other = m.open_write(keys[0])  # another engine's uncommitted reservation of the shared head
+    other = m.open_write(keys[0], None)  # another engine's uncommitted reservation of the shared head
     assert other is not None
-    assert m.open_write_many([keys[0]]) == [WriteSkip.IN_FLIGHT]
+    assert m.open_write_many([keys[0]], [None]) == [WriteSkip.IN_FLIGHT]
     eng.serve(prompt)  # stores chunks 1 and 2 (chunk 0 is the other writer's)
     other[:] = 0
-    m.commit(keys[0])
+    m.commit(keys[0], None)
     assert m.flush(10)
     assert m.lookup_keys(keys).num_tokens == 3 * CHUNK
 
@@ -284,11 +284,11 @@ def test_chunk_reserved_by_another_engine_on_the_server_does_not_drop_the_tail(e
             third = connect(d / "s.sock", ns, client_id="engine-c")
             prompt = tokens_of(13, 3 * CHUNK + 1)
             keys = ChunkHasher(ns).keys(prompt)
-            (slot,) = a.open_write_many([keys[0]])
+            (slot,) = a.open_write_many([keys[0]], [None])
             assert isinstance(slot, np.ndarray)
             eng.serve(prompt)  # engine B: chunk 0 is IN_FLIGHT (A's), chunks 1 and 2 are B's to store
             slot[:] = payload_for(keys[0], a.chunk_bytes)
-            a.commit(keys[0])
+            a.commit(keys[0], None)
             wait_until(lambda: third.lookup_keys(keys).num_tokens == 3 * CHUNK, 10, "3 of 3 chunks found")
             a.close()
             third.close()

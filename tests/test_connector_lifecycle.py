@@ -248,10 +248,10 @@ def fill_tiers(pair: ConnectorPair, seed: int, num_chunks: int) -> int:
     m = pair.worker.manager
     stored = 0
     for key in m.keys(tokens_of(seed, num_chunks * CHUNK)):
-        buf = m.open_write(key)
+        buf = m.open_write(key, None)
         if buf is not None:
             buf[:] = key[0]
-            m.commit(key)
+            m.commit(key, None)
             assert m.flush(10)
             stored += 1
     return stored

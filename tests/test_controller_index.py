@@ -153,8 +153,14 @@ def test_state_register_token_epochs_and_expiry():
     st.handle("a", Changes("a", "e1", 2, [Change("s", D, "cpu", blob(ks))]), now=0.3)
     assert st.index.longest_prefix("a", D, ks)["cpu"] == 0
     assert st.handle("zz", Heartbeat("zz", "e", 0)).known is False
-    with pytest.raises(FleetProtocolError):
-        st.handle("b", Heartbeat("a", "e2", 0))  # identity mismatch
+    # Another connection with the record's (secret) epoch is the agent reconnected: replies go there now.
+    assert st.handle("b", Heartbeat("a", "e2", 0), now=0.3).known is True
+    assert st.registry.get("a").routing_id == b"b"
+    # Another connection with another epoch cannot speak for it, nor take its id over (issue 24, kind 1).
+    assert st.handle("c", Heartbeat("a", "e9", 0), now=0.3).known is False
+    refused = st.handle("c", register(epoch="e9", token="s3cret"), now=0.3)
+    assert not refused.known and "held by another live connection" in refused.refused and refused.retry_s > 0
+    assert st.registry.get("a").epoch == "e2" and st.registry.get("a").routing_id == b"b"
     assert st.sweep(now=0.3 + 0.4) == []
     assert st.sweep(now=0.3 + 0.6) == ["a"]
     assert "a" not in st.registry and st.index.instances() == []

@@ -3,7 +3,9 @@
 Checks, against running services with a workload: the page's numbers equal ``/metrics``
 read at the same moment (the workload paused), the charts move while the workload runs,
 a Clear button really empties an instance's tier (read from the manager, not the page),
-operations are refused without the token, and axe-core finds no serious or critical
+a controller with a token shows nothing but a sign-in form until the viewer signs in (a
+wrong token is refused; the session is a cookie the page's script never reads), and axe-core
+finds no serious or critical
 accessibility violation. Screenshots go to ``$KVTIER_TEST_ARTIFACTS`` (default
 ``tests/artifacts``); the controller view's is also written to ``docs/dashboard.png``
 when ``KVTIER_UPDATE_DOCS=1``.
@@ -112,7 +114,7 @@ class Workload:
             if len(got.keys) < len(chain):
                 parent = chain[len(got.keys) - 1] if got.keys else None
                 for k in chain[len(got.keys):]:
-                    buf = c.open_write(k)
+                    buf = c.open_write(k, parent)
                     if buf is None:
                         break
                     buf[:] = 7
@@ -211,7 +213,18 @@ def test_controller_page_clear_button_empties_the_tier(page: Any, fleet: tuple[T
     cluster.settle()
     base = cluster.controller.http_url
     page.goto(base + "/")
+    page.wait_for_selector("#token-form:not([hidden])")  # signed out: a sign-in form, no data
+    assert page.evaluate("window.__kvtier.renders") == 0 and page.locator("#tiers tbody tr").count() == 0
+    assert axe_serious(page) == []
+    page.fill("#token", "wrong")
+    page.click("#token-form button[type=submit]")
+    page.wait_for_function("document.getElementById('status').textContent.includes('wrong token')")
+    assert page.evaluate("window.__kvtier.renders") == 0
+    page.fill("#token", TOKEN)
+    page.click("#token-form button[type=submit]")
     page.wait_for_function("window.__kvtier.renders > 0")
+    assert page.evaluate("document.cookie") == ""  # HttpOnly: the page's script never sees the session
+    assert page.evaluate("Object.keys(sessionStorage).length + Object.keys(localStorage).length") == 0
     for i in range(24):  # the demo's prompts asked again over ~5 s, with a question tail not cached
         lookup(base, prompts[i % len(prompts)] + [7] * 64)
         if i % 3 == 2:
@@ -220,8 +233,6 @@ def test_controller_page_clear_button_empties_the_tier(page: Any, fleet: tuple[T
     wait_render_after(page, time.time() + 0.2)
     held_a = len(a.manager.cpu)
     assert held_a > 0 and len(b.manager.cpu) > 0
-    clear = page.locator(f'#tiers tr[data-instance="{a.name}"][data-tier="cpu"] button')
-    assert clear.is_disabled()  # read-only without the token
     metrics = parse_exposition(get(base + "/metrics", {"Authorization": f"Bearer {TOKEN}"}).decode())
     for c in page_cells(page):  # no workload runs: the page and /metrics agree
         assert float(c["value"]) == metrics[c["series"]], c
@@ -233,8 +244,6 @@ def test_controller_page_clear_button_empties_the_tier(page: Any, fleet: tuple[T
         page.screenshot(path=str(ROOT / "docs" / "dashboard.png"), full_page=True)
     assert axe_serious(page) == []
 
-    page.fill("#token", TOKEN)
-    page.click("#token-form button[type=submit]")
     clear = page.locator(f'#tiers tr[data-instance="{a.name}"][data-tier="cpu"] button')
     clear.click()
     page.click("#confirm-cancel")  # cancelled: nothing runs

@@ -1,5 +1,6 @@
 """Controller-directed P2P: a real controller (in process, real ZMQ and HTTP), three storage managers
-with real fleet agents, real peer servers over TCP.
+with real fleet agents, real peer servers over TCP. The fleet is keyed (issue 24): the controller's agent
+endpoint is CURVE, each instance has its own key, and peers authenticate.
 
 A has ``peer_discovery`` (the controller-directed peer tier); B and C serve peers (``peer_listen``);
 C holds a prompt's 4 chunks, B only the first 2. Every check reads real state: payload bytes, where
@@ -27,10 +28,13 @@ from kvtier.protocol import fleet as F
 from kvtier.service.server import CacheServer, ServerOptions
 from kvtier.storage.instance_ops import InstanceOps
 from kvtier.storage.manager import StorageManager
+from kvtier.testing.fleet_keys import FleetKeys, make_fleet
 from kvtier.transfer.directed_peer import DirectedPeerTier
 
 NS = small_namespace()
 TIMEOUT_S = 0.5
+#: Every key is in the members file before any instance starts (as an operator would write it).
+MEMBERS = ["controller", "A", "B", "C", "X", "srv"]
 
 
 def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -44,19 +48,29 @@ def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
 class Fleet:
     """A controller and named instances (manager + agent)."""
 
-    def __init__(self, token: str = "") -> None:
+    def __init__(self, keys: FleetKeys, token: str = "") -> None:
         self.token = token
-        self.ctl = Controller(http_port=0, zmq_endpoint="tcp://127.0.0.1:0", token=token).start()
+        self.keys = keys
+        self.ctl = Controller(http_port=0, zmq_endpoint="tcp://127.0.0.1:0", token=token,
+                              credentials=keys.credentials("controller")).start()
         self.managers: dict[str, StorageManager] = {}
         self.agents: dict[str, FleetAgent] = {}
 
+    def settings(self, name: str) -> dict[str, Any]:
+        """Member ``name``'s key settings (its key added to the members file first)."""
+        if name not in self.keys.keys:
+            self.keys.add(name)
+        return {**self.keys.config(name), "controller_key": self.keys.public("controller")}
+
     def add(self, name: str, **cfg: Any) -> StorageManager:
         cfg.setdefault("controller_token", self.token or None)
+        keyed = self.settings(name)
         m = StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB, instance_id=name,
-                                        peer_timeout_s=TIMEOUT_S, peer_retry_s=0.2, **cfg), NS)
+                                        peer_timeout_s=TIMEOUT_S, peer_retry_s=0.2, **keyed, **cfg), NS)
         info = namespace_info(NS)
         self.agents[name] = FleetAgent(self.ctl.zmq_url, name, "embedded", {info.digest: (info, InstanceOps(m))},
-                                       tier_infos(m), token=self.token).start()
+                                       tier_infos(m), token=self.token, credentials=self.keys.credentials(name),
+                                       controller_key=self.keys.public("controller")).start()
         self.managers[name] = m
         return m
 
@@ -78,8 +92,8 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet():
-    f = Fleet()
+def fleet(tmp_path: Path):
+    f = Fleet(make_fleet(tmp_path / "keys", MEMBERS))
     yield f
     f.close()
 
@@ -180,8 +194,10 @@ def test_an_instance_never_pulls_from_itself(fleet: Fleet) -> None:
     assert tier.pool_urls == [] and a.peer_server.connections == 0
     assert fleet.locate(keys, exclude_instance="A") == {}
     # Without an instance id the asking process is excluded (host and pid), whatever the instance's id.
-    anon = DirectedPeerTier(fleet.ctl.http_url, NS.digest(), instance_id=None, timeout_s=TIMEOUT_S)
-    other = DirectedPeerTier(fleet.ctl.http_url, NS.digest(), instance_id="someone-else", timeout_s=TIMEOUT_S)
+    creds = fleet.keys.credentials("A")
+    anon = DirectedPeerTier(fleet.ctl.http_url, NS.digest(), instance_id=None, timeout_s=TIMEOUT_S, credentials=creds)
+    other = DirectedPeerTier(fleet.ctl.http_url, NS.digest(), instance_id="someone-else", timeout_s=TIMEOUT_S,
+                             credentials=creds)
     try:
         assert anon.contains_many(keys) == [False] * 4 and anon.pool_urls == []
         assert other.contains_many(keys) == [True] * 4  # the same call from another instance does hit
@@ -190,8 +206,8 @@ def test_an_instance_never_pulls_from_itself(fleet: Fleet) -> None:
         other.close()
 
 
-def test_a_wrong_token_is_a_miss_the_right_one_a_hit() -> None:
-    fleet = Fleet(token="s3cret")
+def test_a_wrong_token_is_a_miss_the_right_one_a_hit(tmp_path: Path) -> None:
+    fleet = Fleet(make_fleet(tmp_path / "keys", MEMBERS), token="s3cret")
     try:
         tokens = list(range(4000, 4000 + 2 * CHUNK + 1))
         good = fleet.add("A", peer_discovery=fleet.ctl.http_url)
@@ -206,7 +222,7 @@ def test_a_wrong_token_is_a_miss_the_right_one_a_hit() -> None:
 
 
 def test_a_kvtier_server_registers_its_peer_url_and_serves_a_pull(fleet: Fleet, short_dir: Path) -> None:  # noqa: F811
-    srv = CacheServer(server_config(32, peer_listen="tcp://127.0.0.1:0"),
+    srv = CacheServer(server_config(32, peer_listen="tcp://127.0.0.1:0", **fleet.settings("srv")),
                       ServerOptions(socket_path=str(short_dir / "s.sock"), controller=fleet.ctl.zmq_url,
                                     instance_id="srv")).start()
     try:

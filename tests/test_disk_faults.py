@@ -557,10 +557,10 @@ def test_storage_manager_is_unaffected_by_a_full_disk(make_config) -> None:  # t
         tokens = list(range(ns.chunk_size * 6 + 1))
         keys = mgr.keys(tokens)
         for k in keys:
-            buf = mgr.open_write(k)
+            buf = mgr.open_write(k, None)
             assert buf is not None
             buf[:] = payload_for(k, ns.chunk_bytes)
-            mgr.commit(k)  # must not raise although the disk is full
+            mgr.commit(k, None)  # must not raise although the disk is full
             assert mgr.flush(30)  # the write-behind released its CPU reference
         stats = mgr.stats()
         assert stats["disk_writable"] == 0 and stats["disk_chunks"] == 0

@@ -123,9 +123,10 @@ def test_events_we_encode_decode_with_vllms_decoder(vkv) -> None:
     s0, s1, r0, r1, _, s2 = got.events
     assert isinstance(s0, vkv.BlockStored)
     assert (s0.block_hashes, s0.parent_block_hash, s0.token_ids, s0.block_size, s0.medium) == \
-        ([H[0], H[1]], None, list(range(1, 9)), 4, "DISK")
+        ([H[0], H[1]], None, list(range(1, 9)), 4, "STORAGE")
+    assert (s0.locality, s0.ownership) == ("LOCAL", "kvtier")
     assert (s1.block_hashes, s1.parent_block_hash, s1.token_ids) == ([H[3]], H[2], [9, 10, 11, 12])
-    assert (r0.block_hashes, r0.medium) == ([H[1]], "REMOTE")
+    assert (r0.block_hashes, r0.medium, r0.locality) == ([H[1]], "STORAGE", "REMOTE")
     assert r1.block_hashes == [7, 2**64 - 1]
     assert (s2.lora_name, s2.extra_keys) == ("x", [("x",)])
     # and back: vLLM's encoder writes what we wrote
@@ -222,22 +223,27 @@ def test_stored_chunks_group_into_one_event_per_chain_run() -> None:
     parents = [b"\x00" * 32, H[0], H[4], H[2]]  # H[2]'s parent is not H[1]: a new run
     toks = [[1, 2], [3, 4], [5, 6], [7, 8]]
     evs = tier_change_events("s", "cpu", keys, parents, 2, toks)
-    assert evs == [stored([H[0], H[1]], None, [1, 2, 3, 4], block_size=2),
-                   stored([H[2], H[3]], H[4], [5, 6, 7, 8], block_size=2)]
+    ours = {"locality": "LOCAL", "ownership": "kvtier"}
+    assert evs == [stored([H[0], H[1]], None, [1, 2, 3, 4], block_size=2, **ours),
+                   stored([H[2], H[3]], H[4], [5, 6, 7, 8], block_size=2, **ours)]
     evs = tier_change_events("s", "peer", [H[0], H[1]], [H[4], None], 2)
-    assert evs == [stored([H[0]], H[4], [], block_size=2, medium="REMOTE"),
-                   stored([H[1]], None, [], block_size=2, medium="REMOTE")]
+    remote = {"medium": "STORAGE", "locality": "REMOTE", "ownership": "kvtier"}
+    assert evs == [stored([H[0]], H[4], [], block_size=2, **remote),
+                   stored([H[1]], None, [], block_size=2, **remote)]
 
 
 def test_removed_cleared_and_mediums() -> None:
     assert tier_change_events("r", "disk", [H[0], H[1]], [], 16) == \
-        [BlockRemoved(block_hashes=[H[0], H[1]], medium="DISK")]
+        [BlockRemoved(block_hashes=[H[0], H[1]], medium="STORAGE", locality="LOCAL", ownership="kvtier")]
     assert tier_change_events("c", "remote", [], [], 16) == [AllBlocksCleared()]
     assert tier_change_events("s", "cpu", [], [], 16) == []
     assert [medium_of_tier(t) for t in ("cpu", "disk", "remote", "peer")] == \
-        ["CPU", "DISK", "REMOTE", "REMOTE"]
+        [("CPU", "LOCAL"), ("STORAGE", "LOCAL"), ("STORAGE", "REMOTE"), ("STORAGE", "REMOTE")]
     assert (normalize_medium("STORAGE"), normalize_medium("GPU"), normalize_medium(None)) == \
         ("DISK", "GPU", None)
+    assert (normalize_medium("STORAGE", "REMOTE"), normalize_medium("STORAGE", "LOCAL"),
+            normalize_medium("CPU", "REMOTE"), normalize_medium("CPU", "LOCAL")) == ("REMOTE", "DISK", "REMOTE", "CPU")
+    assert (normalize_medium("DISK"), normalize_medium("REMOTE")) == ("DISK", "REMOTE")  # pre-0.32 kvtier media
 
 
 @pytest.mark.parametrize("args, match", [
@@ -281,7 +287,7 @@ def test_round_trip_and_replay_after_injected_gap() -> None:
     from kvtier.events import EventPublisher, EventSubscriber
 
     lost: set[int] = set()
-    pub = EventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", topic="kv",
+    pub = EventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", topic="kv", plain=True,
                          data_parallel_rank=5, drop_filter=lambda seq: seq in lost)
     sub = EventSubscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint, topic="kv",
                           from_seq=0)
@@ -314,7 +320,7 @@ def test_gap_without_replay_is_counted_not_waited_for() -> None:
     from kvtier.events import EventPublisher, EventSubscriber
 
     drop: set[int] = set()
-    pub = EventPublisher("tcp://127.0.0.1:0", topic="", drop_filter=lambda s: s in drop)
+    pub = EventPublisher("tcp://127.0.0.1:0", topic="", drop_filter=lambda s: s in drop, plain=True)
     sub = EventSubscriber(pub.endpoint, topic="")
     try:
         connect_pair(pub, sub)
@@ -360,7 +366,7 @@ def test_subscriber_skips_malformed_messages_and_other_topics() -> None:
 def test_publish_after_close_and_unencodable_batches_are_dropped_and_counted() -> None:
     from kvtier.events import EventPublisher
 
-    pub = EventPublisher("tcp://127.0.0.1:0")
+    pub = EventPublisher("tcp://127.0.0.1:0", plain=True)
     assert pub.publish([]) is True
     pub.publish([BlockRemoved(block_hashes=[2**70], medium="CPU")])  # int hash > 64 bits
     end = time.monotonic() + 5
@@ -385,7 +391,7 @@ def test_full_queue_drops_without_blocking_and_counts() -> None:
         release.wait(5)
         return False
 
-    pub = EventPublisher("tcp://127.0.0.1:0", queue_size=1, drop_filter=stall)
+    pub = EventPublisher("tcp://127.0.0.1:0", queue_size=1, drop_filter=stall, plain=True)
     try:
         assert pub.publish([AllBlocksCleared()])
         assert entered.wait(5)
@@ -427,7 +433,7 @@ def test_subscriber_reads_vllms_publisher_and_replay_matches_ours(vkv) -> None:
                                      replay_endpoint=f"tcp://*:{rport}", topic="kv-events")
     except Exception as exc:  # noqa: BLE001 - a vLLM build needing more config
         pytest.skip(f"vLLM's ZmqEventPublisher cannot be built here: {exc!r}")
-    ours = EventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0",
+    ours = EventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", plain=True,
                           topic="kv-events")
     sub = EventSubscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}",
                           topic="kv-events", from_seq=0)

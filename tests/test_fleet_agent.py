@@ -9,6 +9,7 @@ blocks when no controller listens.
 from __future__ import annotations
 
 import os
+import stat
 import time
 from typing import Any
 
@@ -146,7 +147,9 @@ def test_register_snapshot_changes_heartbeat(manager) -> None:
     agent, ops = _agent(router, manager)
     try:
         ident, reg = _register(router)
-        assert ident == b"inst-1" and reg.role == "embedded" and reg.version == F.FLEET_PROTOCOL_VERSION
+        # The controller's ROUTER names the connection (issue 24): the agent claims no routing identity.
+        assert ident[:1] == b"\x00" and reg.instance == "inst-1" and reg.role == "embedded"
+        assert reg.version == F.FLEET_PROTOCOL_VERSION
         assert reg.namespaces[0].digest == manager.namespace.digest() and reg.token == "t"
         assert {t.kind for t in reg.tiers} == {"cpu", "disk"}
         state, seq = _snapshot_state(router, ident)
@@ -229,9 +232,14 @@ def test_op_request_runs_against_the_tiers(manager) -> None:
                                                                   "codec": "no-such-codec"}))
         _, res = router.recv_until(F.OpResult)
         assert res.op_id == "op2" and not res.ok and res.error
-        router.send(ident, F.OpRequest("op3", "health", ns, {}, deadline=time.time() - 1))
+        router.send(ident, F.OpRequest("op3", "health", ns, {}, timeout_s=1e-9))
         _, res = router.recv_until(F.OpResult)
         assert not res.ok and res.error == "deadline"
+        # Issue 24: a deadline is a duration on the agent's clock; an absolute time from a controller whose
+        # clock is 15 s behind this one (or ahead) changes nothing.
+        router.send(ident, F.OpRequest("op3b", "health", ns, {}, deadline=time.time() - 15, timeout_s=5.0))
+        _, res = router.recv_until(F.OpResult)
+        assert res.op_id == "op3b" and res.ok, res.error
         router.send(ident, F.OpRequest("op4", "health", ns, {}))
         _, res = router.recv_until(F.OpResult)
         assert res.ok and res.result
@@ -384,11 +392,12 @@ def test_kvtier_server_registers_and_publishes(short_dir) -> None:
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.LINGER, 0)
     server = start_server(short_dir, controller=router.url, instance_id="srv-1",
-                          kv_events_endpoint="tcp://127.0.0.1:0")  # binds an ephemeral port
+                          kv_events_endpoint=f"ipc://{short_dir}/ev.sock")  # owner-only (issue 24)
     try:
         sub.connect(server.fleet.publisher.endpoint)
         ident, reg = _register(router)  # no namespace yet
-        assert ident == b"srv-1" and reg.role == "server" and reg.namespaces == []
+        assert reg.instance == "srv-1" and reg.role == "server" and reg.namespaces == []
+        assert stat.S_IMODE(os.stat(short_dir / "ev.sock").st_mode) == 0o600
         client = connect(short_dir / "s.sock")
         try:
             _, reg = router.recv_until(F.Register)
@@ -447,7 +456,7 @@ def test_embedded_connector_worker_runs_an_agent(tmp_path) -> None:
     try:
         assert worker.agent is not None and worker.tier_feed is not None
         ident, reg = _register(router)
-        assert ident == b"eng-1" and reg.role == "embedded" and reg.token == "tok"
+        assert reg.instance == "eng-1" and reg.role == "embedded" and reg.token == "tok"
         assert [n.digest for n in reg.namespaces] == [ns.digest()]
         keys = _store(worker.store, 2)
         state, _ = _snapshot_state(router, ident, tiers_expected=("cpu",))
@@ -484,7 +493,7 @@ def test_kvtier_server_process_registers_from_settings(short_dir) -> None:
     )
     try:
         ident, reg = router.recv_until(F.Register, timeout_s=60)
-        assert ident == b"srv-proc" and reg.role == "server" and reg.pid == proc.pid
+        assert reg.instance == "srv-proc" and reg.role == "server" and reg.pid == proc.pid
         router.send(ident, F.Ack("c1", True))
         _, hb = router.recv_until(F.Heartbeat, timeout_s=10)
         assert hb.instance == "srv-proc"

@@ -1,7 +1,8 @@
 """The device-agnostic parts of the vLLM GPU path, on CPU tensors (kvtier.integrations.vllm.gpu).
 
-KV tensors are built with vLLM's own ``create_kv_cache_views`` for every
-``KVCacheLayout``, so the layouts tested are the ones vLLM 0.32 allocates.
+KV tensors are built for every vLLM 0.32 ``KVCacheLayout`` by ``paged_kv`` (no vLLM
+needed, so these tests run on the GPU check machine); ``test_layouts_equal_vllms_own``
+checks, where vLLM is installed, that they are exactly the views vLLM allocates.
 Tests marked ``cuda`` need a CUDA device and skip with a reason without one.
 """
 
@@ -14,31 +15,38 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, compute_layout_strides, create_kv_cache_views
-from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvtier.integrations.vllm.gpu.gather import ChunkGather, gather, plan_chunks, scatter
 from kvtier.integrations.vllm.gpu.layerwise import ChunkJob, LayerwiseLoader, LayerwiseSaver
 from kvtier.integrations.vllm.gpu.layout import RegisteredKV, UnsupportedKVLayout, check_namespace, register_kv
 from kvtier.integrations.vllm.gpu.streams import SyncStream
+from kvtier.integrations.vllm.gpu.layout import KV_LAYOUTS
 from kvtier.memory.pool import ChunkPool
+from paged_kv import LAYOUTS, paged_kv
 
-LAYOUTS = [m.name for m in KVCacheLayout]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+vllm_kv = paged_kv  # the layouts vLLM 0.32 allocates, built without vLLM (see test_layouts_equal_vllms_own)
 
 
-def vllm_kv(layout: str, L: int = 3, B: int = 9, H: int = 2, N: int = 4, D: int = 8,
-            device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
-    """Per-layer bf16 KV views laid out by vLLM for ``layout``, filled with distinct random bytes."""
-    lay = KVCacheLayout[layout]
-    spec = FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
-    bstride = spec.page_size_bytes * L if lay.is_block_outermost else None
-    ls, bs, *_ = compute_layout_strides(spec, B, L, lay, fixed_strides=(None, bstride, None, None, None))
-    gen = torch.Generator().manual_seed(seed)
-    raw = torch.randint(-128, 128, (L * B * spec.page_size_bytes,), dtype=torch.int8, generator=gen).to(device)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
-    views = create_kv_cache_views(raw, spec, B, lay, KVCacheTensor(size=raw.numel(), layers=names, layer_stride=ls, block_stride=bs))
-    return dict(zip(names, views))
+def test_layouts_equal_vllms_own() -> None:
+    """kvtier's layout table and the tests' paged views are exactly what vLLM 0.32 allocates
+    (a vLLM-specific check: it skips where vLLM is not installed, e.g. on the GPU check machine)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: the layout table is checked against it where it is")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, compute_layout_strides, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    assert {m.name: tuple(m.stride_order) for m in KVCacheLayout} == KV_LAYOUTS
+    L, B, H, N, D = 3, 9, 2, 4, 8
+    for lay in KVCacheLayout:
+        spec = FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+        bstride = spec.page_size_bytes * L if lay.is_block_outermost else None
+        ls, bs, *_ = compute_layout_strides(spec, B, L, lay, fixed_strides=(None, bstride, None, None, None))
+        raw = torch.zeros(L * B * spec.page_size_bytes, dtype=torch.int8)
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+        theirs = create_kv_cache_views(raw, spec, B, lay, KVCacheTensor(size=raw.numel(), layers=names, layer_stride=ls, block_stride=bs))
+        ours = paged_kv(lay.name, L, B, H, N, D)
+        for t, o in zip(theirs, ours.values()):
+            assert (t.dtype, tuple(t.shape), t.stride(), t.storage_offset()) == (o.dtype, tuple(o.shape), o.stride(), o.storage_offset()), lay.name
 
 
 def naive_block(kv: RegisteredKV, layer: int, block: int) -> bytes:
@@ -61,7 +69,11 @@ def test_every_vllm_layout_registers_with_its_geometry(layout: str) -> None:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_layout_declared_wrongly_is_rejected(layout: str) -> None:
     tensors = vllm_kv(layout)
-    wrong = [o for o in LAYOUTS if KVCacheLayout[o].layer_view_order != KVCacheLayout[layout].layer_view_order]
+    def view_order(name: str) -> tuple[int, ...]:  # physical order of a layer's [B, H, N, C] view
+        return tuple(d - 1 for d in KV_LAYOUTS[name] if d != 0)
+
+    wrong = [o for o in LAYOUTS if view_order(o) != view_order(layout)]
+    assert wrong
     for other in wrong:
         with pytest.raises(UnsupportedKVLayout, match="physical order"):
             register_kv(tensors, other, "FLASH_ATTN")

@@ -32,11 +32,11 @@ def store(mgr: StorageManager, tokens: Sequence[int], salt: str | None = None, o
     for i, k in enumerate(keys):
         if only is not None and i not in only:
             continue
-        buf = mgr.open_write(k)
+        buf = mgr.open_write(k, None)
         if buf is None:
             continue
         buf[:] = payload_for(k, CB)
-        mgr.commit(k)
+        mgr.commit(k, None)
     mgr.touch_chain(keys)
     return keys
 
@@ -143,11 +143,11 @@ def test_everything_leased_skips_stores(make_config: MakeConfig, managers) -> No
     keys = store(mgr, a)
     mgr.lookup(a + [1], lease_owner="r")
     other = mgr.keys(prompt(12, CHUNK))[0]
-    assert mgr.open_write(other) is None
+    assert mgr.open_write(other, None) is None
     assert mgr.stats()["store_skipped"] == 1
     assert all(mgr.contains(k) for k in keys)
     mgr.release("r")
-    assert mgr.open_write(other) is not None
+    assert mgr.open_write(other, None) is not None
     mgr.abort(other)
     assert not mgr.contains(other)
 
@@ -220,7 +220,7 @@ def test_restart_serves_from_disk(make_config: MakeConfig, tmp_path: Path) -> No
         r = second.lookup(tokens)
         assert r.num_tokens == 4 * CHUNK and r.tiers == ["disk"] * 4
         assert all(load_ok(second, k) == "disk" for k in keys)
-        assert second.open_write(keys[0]) is None  # already stored: nothing rewritten
+        assert second.open_write(keys[0], None) is None  # already stored: nothing rewritten
         second.flush(30)
         assert second.stats()["disk_written_chunks"] == 0
     finally:
@@ -248,10 +248,10 @@ def test_open_read_and_open_write_edge_cases(make_config: MakeConfig, managers) 
     mgr = managers(make_config(cpu_chunks=4, disk_chunks=8))
     keys = store(mgr, prompt(34, 2 * CHUNK))
     assert mgr.open_read(b"\x00" * 32) is None
-    assert mgr.open_write(keys[0]) is None  # in CPU
+    assert mgr.open_write(keys[0], None) is None  # in CPU
     mgr.flush(30)
     mgr.cpu.clear()
-    assert mgr.open_write(keys[0]) is None  # on disk only
+    assert mgr.open_write(keys[0], None) is None  # on disk only
     h = mgr.open_read(keys[0])
     assert isinstance(h, CpuReadHandle) and h.source == "disk"
     h.close()
@@ -356,23 +356,23 @@ def test_open_write_many_says_why(make_config: MakeConfig, managers) -> None:
     mgr = managers(make_config(cpu_chunks=8, disk_chunks=16))
     tokens = prompt(50, 3 * CHUNK + 1)
     head, u1, u2 = mgr.keys(tokens)
-    a_buf = mgr.open_write(head)  # engine A: reserved, not committed
+    a_buf = mgr.open_write(head, None)  # engine A: reserved, not committed
     assert a_buf is not None
-    got = mgr.open_write_many([head, u1, u2])  # engine B
+    got = mgr.open_write_many([head, u1, u2], [None, head, u1])  # engine B
     assert got[0] is WriteSkip.IN_FLIGHT
     assert isinstance(got[1], np.ndarray) and isinstance(got[2], np.ndarray)
     for key, parent, buf in ((u1, head, got[1]), (u2, u1, got[2])):
         buf[:] = payload_for(key, CB)
         mgr.commit(key, parent)
     a_buf[:] = payload_for(head, CB)
-    mgr.commit(head)
+    mgr.commit(head, None)
     r = mgr.lookup(tokens)
     assert r.num_tokens == 3 * CHUNK and r.keys == [head, u1, u2]
     # now PRESENT, in CPU and (after write-behind) on disk only
-    assert mgr.open_write_many([head, u1]) == [WriteSkip.PRESENT, WriteSkip.PRESENT]
+    assert mgr.open_write_many([head, u1], [None, head]) == [WriteSkip.PRESENT, WriteSkip.PRESENT]
     assert mgr.flush(30)
     mgr.cpu.clear()
-    assert mgr.open_write_many([head]) == [WriteSkip.PRESENT]
+    assert mgr.open_write_many([head], [None]) == [WriteSkip.PRESENT]
     mgr.check_invariants()
 
 
@@ -382,10 +382,10 @@ def test_open_write_many_no_room(make_config: MakeConfig, managers) -> None:
     store(mgr, a)
     mgr.lookup(a + [1], lease_owner="r")  # both slots leased
     (other,) = mgr.keys(prompt(52, CHUNK))
-    assert mgr.open_write_many([other]) == [WriteSkip.NO_ROOM]
+    assert mgr.open_write_many([other], [None]) == [WriteSkip.NO_ROOM]
     assert mgr.stats()["store_skipped"] == 1
     mgr.release("r")
-    (buf,) = mgr.open_write_many([other])
+    (buf,) = mgr.open_write_many([other], [None])
     assert isinstance(buf, np.ndarray)
     mgr.abort(other)
     mgr.check_invariants()

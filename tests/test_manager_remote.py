@@ -39,7 +39,7 @@ def store(mgr: StorageManager, tokens: Sequence[int], flush_each: bool = False) 
     """
     keys = mgr.keys(tokens)
     for i, k in enumerate(keys):
-        buf = mgr.open_write(k)
+        buf = mgr.open_write(k, keys[i - 1] if i else None)
         if buf is None:
             continue
         buf[:] = payload_for(k, CB)
@@ -130,9 +130,9 @@ def test_lookup_mixes_local_and_remote_and_keeps_faster_label(managers, make_con
     keys = m.keys(tokens)
     fill(mem, keys)
     for i in (0, 2):  # chunks 0 and 2 also in CPU
-        buf = m.open_write(keys[i])
+        buf = m.open_write(keys[i], None)
         buf[:] = payload_for(keys[i], CB)
-        m.commit(keys[i])
+        m.commit(keys[i], None)
     res = m.lookup(tokens)
     assert res.tiers == ["cpu", "remote", "cpu", "remote"]
 

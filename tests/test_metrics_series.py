@@ -91,3 +91,34 @@ def test_lookup_tokens_give_a_token_hit_rate(short_dir: Path) -> None:  # noqa: 
         assert v['kvtier_lookup_hit_tokens_total{tier="cpu"}'] == 2 * cs
         assert v["kvtier_cpu_capacity_bytes"] == int(srv.config.cpu_capacity)
         a.close()
+
+
+def test_a_requests_repeated_lookups_count_its_hit_once(short_dir: Path) -> None:  # noqa: F811
+    """Issue 23, item 11: vLLM repeats a lookup after each failed block allocation (same request id,
+    its lease still live). Three failed allocations and one load: the request's 3-chunk hit is
+    counted once (it was counted 4 times). After its load ends the lease, a new request is a new
+    count; a repeat that finds more adds only the new chunks."""
+    with start_server(short_dir, metrics_port=0) as srv:
+        a = connect(short_dir / "s.sock")
+        cs = srv.hosts()[0].namespace.chunk_size
+
+        def counters() -> tuple[float, float]:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
+            v = _values(text)
+            return v['kvtier_lookup_hit_tokens_total{tier="cpu"}'], v["kvtier_lookup_tokens_total"]
+
+        store(a, KEYS[:3])
+        for _ in range(4):  # the first lookup, then three after failed allocations
+            assert a.lookup_keys(KEYS, "req-1").num_tokens == 3 * cs
+        assert counters() == (3 * cs, 4 * cs)
+        a.release("req-1")  # the load ended the lease
+        a.lookup_keys(KEYS, "req-1")  # e.g. preempted and looked up again: a new attempt
+        assert counters() == (6 * cs, 8 * cs)
+        a.release("req-1")
+        a.lookup_keys(KEYS[:1], "req-2")
+        store(a, KEYS[3:])
+        assert a.lookup_keys(KEYS, "req-2").num_tokens == 4 * cs  # its repeat finds 3 more chunks
+        assert counters() == (10 * cs, 9 * cs)
+        st = srv.hosts()[0].manager.stats()
+        assert st["lookup_hit_tokens"] == 10 * cs  # the manager's own count, the same mechanism
+        a.close()

@@ -16,12 +16,14 @@ def test_defaults_share_nothing():
     assert c.peer_timeout_s > 0 and c.peer_retry_s > 0
 
 
-def test_env_comma_list_and_file_list(tmp_path):
-    c = load_config(environ={"KVTIER_PEERS": "tcp://10.0.0.5:7700, shm:///run/kv.sock", "KVTIER_PEER_LISTEN": ""})
+def test_env_comma_list_and_file_list(tmp_path, fleet):
+    keys = {"KVTIER_FLEET_KEY": str(fleet.key_path("a")), "KVTIER_FLEET_MEMBERS": str(fleet.members_path)}
+    c = load_config(environ={"KVTIER_PEERS": "tcp://10.0.0.5:7700, shm:///run/kv.sock", "KVTIER_PEER_LISTEN": "",
+                             **keys})
     assert c.peers == ("tcp://10.0.0.5:7700", "shm:///run/kv.sock") and c.peer_listen is None
     f = tmp_path / "kv.toml"
-    f.write_text('peer_listen = "tcp://0.0.0.0:7700"\npeers = ["tcp://10.0.0.6:7700"]\n')
-    c = load_config({"config_file": str(f)}, environ={})
+    f.write_text('peer_listen = "tcp://0.0.0.0:7700"\npeers = ["tcp://10.0.0.6:7700"]\npeer_allow_remote = true\n')
+    c = load_config({"config_file": str(f)}, environ=keys)
     assert c.peer_listen == "tcp://0.0.0.0:7700" and c.peers == ("tcp://10.0.0.6:7700",)
 
 
@@ -43,9 +45,10 @@ def test_env_comma_list_and_file_list(tmp_path):
         ({"peer_retry_s": -1}, "greater than 0"),
     ],
 )
-def test_bad_settings_are_refused_with_the_key_named(settings, words):
+def test_bad_settings_are_refused_with_the_key_named(settings, words, fleet):
+    keys = {} if "peer_timeout_s" in settings or "peer_retry_s" in settings else fleet.config("a")
     with pytest.raises(ConfigError) as err:
-        load_config(settings, environ={})
+        load_config({**settings, **keys}, environ={})
     key = next(iter(settings)) if "own" not in words and "twice" not in words else "peers"
     assert words in str(err.value) and key in str(err.value)
 
@@ -55,10 +58,11 @@ def test_bad_env_value_names_the_variable():
         load_config(environ={"KVTIER_PEERS": "tcp://h:1,redis://h:2"})
 
 
-def test_peers_are_the_last_lower_tiers_in_order(tmp_path):
+def test_peers_are_the_last_lower_tiers_in_order(tmp_path, fleet):
     cfg = KVTierConfig(
         chunk_size=CHUNK, cpu_capacity=1 << 20, disk_path=tmp_path / "d", disk_capacity=1 << 20,
         peers=["tcp://127.0.0.1:9", f"shm://{tmp_path}/p.sock"], peer_timeout_s=0.25, peer_retry_s=7,
+        **fleet.config("a"),
     )
     tiers = open_lower_tiers(cfg, small_namespace(), lambda k: False)
     try:
@@ -70,3 +74,31 @@ def test_peers_are_the_last_lower_tiers_in_order(tmp_path):
     finally:
         for t in tiers:
             t.close()
+
+
+@pytest.mark.parametrize(
+    "settings, words",
+    [  # issue 24, kind 3: no setting serves chunks or keys to a stranger without saying so
+        ({"peer_listen": "tcp://127.0.0.1:7700"}, "authenticate with fleet keys"),
+        ({"peer_listen": "nixl://127.0.0.1:7700"}, "authenticate with fleet keys"),
+        ({"peers": ["tcp://10.0.0.5:7700"]}, "authenticate with fleet keys"),
+        ({"kv_events_endpoint": "tcp://*:5557"}, "kv_events_plain"),
+        ({"kv_events_replay_endpoint": "tcp://127.0.0.1:5558"}, "kv_events_plain"),
+        ({"fleet_key": "/tmp/k.key"}, "go together"),
+        ({"controller_key": "x" * 40}, "needs fleet_key"),
+    ],
+)
+def test_open_fleet_surfaces_are_refused_without_credentials(settings, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(settings, environ={})
+    assert words in str(err.value) and next(iter(settings)) in str(err.value)
+
+
+def test_a_peer_server_beyond_loopback_needs_the_opt_in(fleet):
+    for host in ("0.0.0.0", "10.0.0.5", "[::]"):
+        with pytest.raises(ConfigError, match="peer_allow_remote"):
+            load_config({"peer_listen": f"tcp://{host}:7700", **fleet.config("a")}, environ={})
+    c = load_config({"peer_listen": "tcp://0.0.0.0:7700", "peer_allow_remote": True, **fleet.config("a")}, environ={})
+    assert c.peer_listen == "tcp://0.0.0.0:7700"
+    assert load_config({"peer_listen": "shm:///tmp/x.sock"}, environ={}).peer_listen  # tokenless: same user only
+    assert load_config({"kv_events_endpoint": "tcp://*:5557", "kv_events_plain": True}, environ={}).kv_events_plain

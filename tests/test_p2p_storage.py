@@ -22,10 +22,12 @@ def _config(**kw) -> KVTierConfig:
 
 
 @pytest.fixture(params=["tcp", "shm"])
-def pair(request, tmp_path):
+def pair(request, tmp_path, fleet):
     listen = "tcp://127.0.0.1:0" if request.param == "tcp" else f"shm://{tmp_path}/peer-a.sock"
-    a = StorageManager(_config(peer_listen=listen), small_namespace())
-    b = StorageManager(_config(peers=[a.peer_server.url], peer_retry_s=60.0), small_namespace())
+    keys = (lambda name: fleet.config(name)) if request.param == "tcp" else (lambda name: {})
+    a = StorageManager(_config(peer_listen=listen, **keys("a")), small_namespace())
+    b = StorageManager(_config(peers=[a.peer_server.url], peer_retry_s=60.0, **keys("b")), small_namespace())
+    request.node.peer_keys = keys("c")  # a third instance's settings, for the tests that start one
     yield a, b
     b.close()
     a.close()
@@ -54,12 +56,13 @@ def test_b_gets_a_prefix_only_a_holds_and_promotes_it(pair):
     assert s["peer_get_hits"] == 5 and s["peer_errors"] == 0
 
 
-def test_partial_prefix_and_other_namespace_miss(pair):
+def test_partial_prefix_and_other_namespace_miss(pair, request):
     a, b = pair
     tokens = list(range(6 * CHUNK + 1))
     keys = store_chain(a, tokens[: 3 * CHUNK])
     assert b.lookup(tokens).keys == keys  # B gets exactly what A holds, nothing past the gap
-    other = StorageManager(_config(peers=[a.peer_server.url]), small_namespace(model="test/other-model"))
+    other = StorageManager(_config(peers=[a.peer_server.url], **request.node.peer_keys),
+                           small_namespace(model="test/other-model"))
     try:
         assert other.lookup(tokens).num_tokens == 0  # keys are per namespace: another model never hits
     finally:
@@ -83,14 +86,14 @@ def test_a_closed_between_lookup_and_pull_is_a_miss(pair):
     b.check_invariants()
 
 
-def test_dead_and_silent_peers_cost_one_timeout_then_are_skipped():
+def test_dead_and_silent_peers_cost_one_timeout_then_are_skipped(fleet):
     silent = socket.create_server(("127.0.0.1", 0))  # accepts connections, never answers the hello
     dead = socket.create_server(("127.0.0.1", 0))
     dead_port = dead.getsockname()[1]
     dead.close()  # nothing listens there: connection refused
     try:
         cfg = _config(peers=[f"tcp://127.0.0.1:{dead_port}", f"tcp://127.0.0.1:{silent.getsockname()[1]}"],
-                      peer_timeout_s=0.3, peer_retry_s=60.0)
+                      peer_timeout_s=0.3, peer_retry_s=60.0, **fleet.config("b"))
         b = StorageManager(cfg, small_namespace())
         try:
             tokens = list(range(3 * CHUNK + 1))
@@ -108,13 +111,13 @@ def test_dead_and_silent_peers_cost_one_timeout_then_are_skipped():
         silent.close()
 
 
-def test_listen_address_taken_is_an_error_and_close_frees_it():
-    a = StorageManager(_config(peer_listen="tcp://127.0.0.1:0"), small_namespace())
+def test_listen_address_taken_is_an_error_and_close_frees_it(fleet):
+    a = StorageManager(_config(peer_listen="tcp://127.0.0.1:0", **fleet.config("a")), small_namespace())
     url = a.peer_server.url
     with pytest.raises(OSError):
-        StorageManager(_config(peer_listen=url), small_namespace())
+        StorageManager(_config(peer_listen=url, **fleet.config("a")), small_namespace())
     a.close()
-    a2 = StorageManager(_config(peer_listen=url), small_namespace())  # the port is free again after close
+    a2 = StorageManager(_config(peer_listen=url, **fleet.config("a")), small_namespace())  # the port is free again after close
     try:
         assert a2.peer_server.url == url
     finally:

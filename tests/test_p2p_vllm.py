@@ -38,7 +38,9 @@ def _llm(extra: dict):
     from kvtier.demo.model import prepare_model
     from kvtier.integrations.vllm_engine import build_llm
 
-    cfg = {"cpu_capacity": "256MiB", "peer_timeout_s": 10.0, **extra}
+    keys = json.loads(os.environ.get("TEST_PEER_KEYS", "{}"))  # TCP peers authenticate (issue 24)
+    role = "a" if "peer_listen" in extra else "b"
+    cfg = {"cpu_capacity": "256MiB", "peer_timeout_s": 10.0, **keys.get(role, {}), **extra}
     return build_llm(str(prepare_model().path), cfg, max_model_len=4096, num_gpu_blocks_override=40)
 
 
@@ -120,7 +122,13 @@ pytestmark = [
 
 
 def test_b_is_served_a_prefix_only_a_holds_with_identical_tokens() -> None:
+    import tempfile
+
+    from kvtier.testing.fleet_keys import make_fleet
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    fleet = make_fleet(Path(tempfile.mkdtemp(prefix="kvtier-p2p-keys-")), ["a", "b"])
+    env["TEST_PEER_KEYS"] = json.dumps({n: fleet.config(n) for n in ("a", "b")})
     script = str(Path(__file__))
     a = subprocess.Popen([sys.executable, script, "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env)

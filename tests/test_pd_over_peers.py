@@ -20,12 +20,13 @@ from test_pd_protocol import CHUNK, GEOM, Side, decode, free_port, req, tokens_o
 
 
 @pytest.fixture
-def embedded() -> Iterator[Any]:
+def embedded(fleet) -> Iterator[Any]:
     made: list[ConnectorPair] = []
 
     def make(role: str, **extra: Any) -> Side:
+        keys = fleet.config("a" if role == "prefill" else "b")  # TCP peers authenticate (issue 24)
         cfg: dict[str, Any] = dict(chunk_size=CHUNK, model_id="fake/pd-peers", cpu_capacity=64 * CHUNK * GEOM.token_bytes,
-                                   pd_role=role, lease_ttl_s=3600.0, **extra)
+                                   pd_role=role, lease_ttl_s=3600.0, **keys, **extra)
         pair = make_connectors(GEOM, cfg, engine_id=f"pdp-{role}-{uuid.uuid4().hex[:8]}")
         made.append(pair)
         return Side(pair)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kvtier import protocol as P
+from kvtier.index.keys import chain_parents
 from kvtier.protocol.messages import KVRegister, KVRelease, LoadBlocks, ShmBuffer, StoreBlocks
 from kvtier.service.kv_export import kv_register_request
 from kvtier.service.pinning import SegmentPins
@@ -112,7 +113,7 @@ def test_store_from_blocks_then_load_into_other_blocks_is_byte_identical(server,
         k = keys("roundtrip", 2)
         src = [[3, 1], [6, 0]]
         want = [shm_kv.blocks(ids) for ids in src]
-        assert c.store_blocks(k, src) == [None, None]
+        assert c.store_blocks(k, src, chain_parents(k)) == [None, None]
         # The stored slots hold exactly the slot layout [L, blocks, page] the slot copies use.
         for key, w in zip(k, want):
             h = other.open_read(key)
@@ -129,7 +130,7 @@ def test_store_from_blocks_then_load_into_other_blocks_is_byte_identical(server,
         assert c.load_blocks(k[1:], [k[0]], [[2]], [1]) == ["cpu"]
         assert torch.equal(shm_kv.blocks([2]), want[1][:, 1:2])
         # Storing again: present; a miss ends the loaded prefix.
-        assert c.store_blocks(k[:1], [[3, 1]]) == [WriteSkip.PRESENT]
+        assert c.store_blocks(k[:1], [[3, 1]], chain_parents(k[:1])) == [WriteSkip.PRESENT]
         missing = keys("never-stored", 1)
         assert c.load_blocks([missing[0], k[0]], [None, None], [[2, 4], [5, 7]]) == [None, None]
         assert c.stats()["server_holds"] == 0  # every reservation and read of the requests was given back
@@ -225,7 +226,7 @@ def test_release_and_disconnect_free_the_registration(server, shm_kv: ShmKV) -> 
     wait_until(lambda: not server_maps(proc, shm_kv.path), 10, "buffer unmapped after the disconnect")
     c = connect(sock, NS, "bc-after")  # and the server still serves
     assert c.register_kv(kv_register_request(shm_kv.layers, shm_kv.name)) is not None
-    assert c.store_blocks(keys("after", 1), [[0, 1]]) == [None]
+    assert c.store_blocks(keys("after", 1), [[0, 1]], chain_parents(keys("after", 1))) == [None]
     c.close()
     wait_until(lambda: not server_maps(proc, shm_kv.path), 10, "buffer unmapped after the client closed")
 
@@ -235,11 +236,11 @@ def test_client_without_registration_falls_back_cleanly(server) -> None:
     c = connect(sock, NS, "bc-none")
     try:
         k = keys("none", 1)
-        assert c.store_blocks(k, [[0, 1]]) == [WriteSkip.NO_ROOM]
+        assert c.store_blocks(k, [[0, 1]], chain_parents(k)) == [WriteSkip.NO_ROOM]
         assert c.load_blocks(k, [None], [[0, 1]]) == [None]
         bad = KVRegister("shm", [ShmBuffer("kvtier-kvtest-missing", 8192)], (B, H, N, C), [(0, 0, 1024, 512, 32)] * 2)
         assert c.register_kv(bad) is None
-        assert c.store_blocks(k, [[0, 1]]) == [WriteSkip.NO_ROOM]  # refused registration: still the slot path
+        assert c.store_blocks(k, [[0, 1]], chain_parents(k)) == [WriteSkip.NO_ROOM]  # refused registration: still the slot path
     finally:
         c.close()
 
@@ -337,7 +338,7 @@ def test_cuda_store_and_load_by_block_id_through_ipc(server) -> None:
         k = keys("cuda", 2)
         want = [raw[:, [3, 1]].cpu(), raw[:, [6, 0]].cpu()]
         torch.cuda.synchronize()
-        assert c.store_blocks(k, [[3, 1], [6, 0]]) == [None, None]
+        assert c.store_blocks(k, [[3, 1], [6, 0]], chain_parents(k)) == [None, None]
         raw[:, [2, 4, 5, 7]] = 0
         torch.cuda.synchronize()
         assert c.load_blocks(k, [None, k[0]], [[2, 4], [5, 7]]) == ["cpu", "cpu"]
@@ -360,11 +361,60 @@ def test_cuda_registration_over_several_allocations(server) -> None:
         k = keys("cuda-many", 1)
         want = torch.stack([x[[1, 2]].reshape(2, -1) for x in layers]).cpu()
         torch.cuda.synchronize()
-        assert c.store_blocks(k, [[1, 2]]) == [None]
+        assert c.store_blocks(k, [[1, 2]], chain_parents(k)) == [None]
         assert c.load_blocks(k, [None], [[6, 7]]) == ["cpu"]
         assert torch.equal(torch.stack([x[[6, 7]].reshape(2, -1) for x in layers]).cpu(), want)
     finally:
         c.close()
+
+
+#: The engine of the kill test: registers ``argv[2]`` blocks of CUDA KV with the server at
+#: ``argv[1]``, stores one chunk from them, says so, and waits to be killed.
+KILLED_ENGINE = """
+import sys, time, torch
+from test_service_block_copy import NS, L, H, N, C, keys
+from service_helpers import connect
+from kvtier.service.kv_export import kv_register_request
+kv = torch.randint(0, 256, (L, int(sys.argv[2]), H, N, C), dtype=torch.uint8, device="cuda")
+c = connect(sys.argv[1], NS, "bc-cuda-killed")
+assert c.register_kv(kv_register_request([kv[i] for i in range(L)])) is not None
+torch.cuda.synchronize()
+assert c.store_blocks(keys("killed", 1), [[0, 1]]) == [None]
+print("registered", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_kv_of_a_killed_engine_is_released_by_the_server(server) -> None:
+    """The server's IPC mapping of an engine's KV dies with the engine's connection: the
+    device memory comes back after a ``kill -9`` (a mapping kept open would hold it)."""
+    import sys
+
+    _, sock = server
+    warm = torch.zeros(L, B, H, N, C, dtype=torch.uint8, device="cuda")  # the server's CUDA context first
+    c = connect(sock, NS, "bc-cuda-warm")
+    try:
+        assert c.register_kv(kv_register_request([warm[i] for i in range(L)])) is not None
+        assert c.release_kv() is True
+    finally:
+        c.close()
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    gib = 1 << 30
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen([sys.executable, "-c", KILLED_ENGINE, str(sock), str(gib // (L * H * N * C))],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        line = child.stdout.readline()  # type: ignore[union-attr]
+        assert "registered" in line, line + child.stdout.read(4000)  # type: ignore[union-attr]
+        assert free0 - torch.cuda.mem_get_info()[0] >= 0.9 * gib, "the engine's KV allocation does not show"
+    finally:
+        child.kill()
+        child.wait(30)
+    wait_until(lambda: torch.cuda.mem_get_info()[0] >= free0 - (128 << 20), 30,
+               "the killed engine's KV memory freed (the server released its IPC mapping)")
 
 
 def _registered(kv: ShmKV) -> Any:
@@ -420,7 +470,7 @@ def test_worker_steps_use_server_copies_and_keep_the_slot_layout(server, shm_kv:
         assert {"store_blocks", "load_blocks"} <= set(spy.called)
         assert not {"open_write_many", "open_read_many", "commit"} & set(spy.called)  # no slot copies here
         steps.close()
-        assert c.store_blocks(keys("worker-closed", 1), [[0, 1]]) == [WriteSkip.NO_ROOM]  # released
+        assert c.store_blocks(keys("worker-closed", 1), [[0, 1]], chain_parents(keys("worker-closed", 1))) == [WriteSkip.NO_ROOM]  # released
     finally:
         c.close()
 
@@ -433,7 +483,7 @@ def test_a_chain_without_room_stores_a_prefix_and_keeps_no_holds(short_dir: Path
         try:
             assert c.register_kv(kv_register_request(shm_kv.layers, shm_kv.name)) is not None
             k = keys("full", 4)
-            got = c.store_blocks(k, [[0, 1], [2, 3], [4, 5], [6, 7]])
+            got = c.store_blocks(k, [[0, 1], [2, 3], [4, 5], [6, 7]], chain_parents(k))
             n = got.index(WriteSkip.NO_ROOM)
             assert n >= 1 and got[:n] == [None] * n and got[n:] == [WriteSkip.NO_ROOM] * (4 - n)
             assert [c.contains(x) for x in k] == [True] * n + [False] * (4 - n)

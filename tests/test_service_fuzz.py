@@ -182,10 +182,10 @@ def test_fuzz_server_survives_and_leaks_nothing(short_dir: Path) -> None:
         c = connect(path)
         m.clear()
         key = b"\xee" * 32
-        buf = c.open_write(key)
+        buf = c.open_write(key, None)
         assert buf is not None
         buf[:] = payload_for(key, c.chunk_bytes)
-        c.commit(key)
+        c.commit(key, None)
         with c.open_read(key) as h:
             assert np.array_equal(h.buffer, payload_for(key, c.chunk_bytes))
         c.close()

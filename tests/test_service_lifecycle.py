@@ -36,7 +36,7 @@ def run_child(mode: str, sock: Path, *args: str) -> subprocess.Popen:
 def _store(c, keys: list[bytes]) -> None:  # type: ignore[no-untyped-def]
     parent = None
     for k in keys:
-        buf = c.open_write(k)
+        buf = c.open_write(k, parent)
         assert buf is not None, "store skipped"
         buf[:] = payload_for(k, c.chunk_bytes)
         c.commit(k, parent)
@@ -51,7 +51,7 @@ def child_main(mode: str, sock: str, *args: str) -> None:
     if mode == "hold":
         # Commit one chunk, then stop mid-store (reserved slot) and mid-load (read reference), with a lease.
         _store(c, KEYS[:1])
-        assert c.open_write(KEYS[1]) is not None
+        assert c.open_write(KEYS[1], None) is not None
         handle = c.open_read(KEYS[0])
         assert handle is not None
         assert c.lookup_keys(KEYS[:1], "req-1").num_tokens == 32
@@ -137,10 +137,10 @@ def test_server_restart_serves_its_disk_tier_and_clients_reconnect(short_dir: Pa
     try:
         c = connect(short_dir / "s.sock", timeout_s=0.5, backoff_max_s=0.2)
         for k in KEYS[:3]:
-            buf = c.open_write(k)
+            buf = c.open_write(k, None)
             assert buf is not None
             buf[:] = payload_for(k, c.chunk_bytes)
-            c.commit(k)
+            c.commit(k, None)
         assert c.flush(10)
         assert c.stats()["disk_written_chunks"] == 3
         server.kill()  # no clean shutdown
@@ -148,7 +148,7 @@ def test_server_restart_serves_its_disk_tier_and_clients_reconnect(short_dir: Pa
         # Server down: calls are misses, quickly (the first one finds the connection dead).
         t0 = time.monotonic()
         assert c.lookup_keys(KEYS[:3]).num_tokens == 0
-        assert c.open_read(KEYS[0]) is None and c.open_write(KEYS[3]) is None
+        assert c.open_read(KEYS[0]) is None and c.open_write(KEYS[3], None) is None
         assert time.monotonic() - t0 < 5  # hang guard
         assert not c.connected
         server = start_server_process(short_dir, disk=True)

@@ -31,9 +31,12 @@ def _embedded(**kw: object) -> StorageManager:
 
 
 @pytest.fixture(params=["tcp", "shm"])
-def serving(request, short_dir: Path):
+def serving(request, short_dir: Path, fleet):
     listen = "tcp://127.0.0.1:0" if request.param == "tcp" else f"shm://{short_dir}/peer.sock"
-    srv = CacheServer(server_config(32, peer_listen=listen), ServerOptions(socket_path=str(short_dir / "s.sock"))).start()
+    keys = fleet.config("a") if request.param == "tcp" else {}
+    srv = CacheServer(server_config(32, peer_listen=listen, **keys),
+                      ServerOptions(socket_path=str(short_dir / "s.sock"))).start()
+    srv.test_client_keys = fleet.config("b") if request.param == "tcp" else {}
     yield srv, short_dir
     srv.close()
 
@@ -55,7 +58,8 @@ def test_one_listener_serves_every_hosted_namespace(serving) -> None:
         keys_by_ns[ns.model] = keys
     assert keys_by_ns["test/tiny-model"] != keys_by_ns["test/other-model"]
     for ns in (small_namespace(), OTHER):
-        b = StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB, peers=[srv.peer_server.url]), ns)
+        b = StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB, peers=[srv.peer_server.url],
+                                        **srv.test_client_keys), ns)
         try:
             keys = keys_by_ns[ns.model]
             hit = b.lookup(tokens)
@@ -82,7 +86,7 @@ def test_a_corrupt_slot_is_not_served_to_peers(serving) -> None:
     assert view is not None
     view[:16] ^= 0xFF  # a stray write into the shared segment after the commit
     cpu.release(keys[1])
-    b = _embedded(peers=[srv.peer_server.url])
+    b = _embedded(peers=[srv.peer_server.url], **srv.test_client_keys)
     try:
         assert b.lookup(tokens).num_tokens == 3 * CHUNK  # presence is cheap; the bytes are checked on read
         got = read_chain(b, keys)
@@ -93,8 +97,8 @@ def test_a_corrupt_slot_is_not_served_to_peers(serving) -> None:
         c.close()
 
 
-def test_a_namespace_held_by_a_peer_read_is_not_released(short_dir: Path) -> None:
-    srv = CacheServer(server_config(16, peer_listen="tcp://127.0.0.1:0"),
+def test_a_namespace_held_by_a_peer_read_is_not_released(short_dir: Path, fleet) -> None:
+    srv = CacheServer(server_config(16, peer_listen="tcp://127.0.0.1:0", **fleet.config("a")),
                       ServerOptions(socket_path=str(short_dir / "s.sock"), namespace_idle_s=0.01)).start()
     try:
         c = connect(short_dir / "s.sock")
@@ -121,9 +125,9 @@ def test_a_namespace_held_by_a_peer_read_is_not_released(short_dir: Path) -> Non
         srv.close()
 
 
-def test_server_with_peers_serves_its_clients_from_an_embedded_peer(short_dir: Path) -> None:
-    a = _embedded(peer_listen="tcp://127.0.0.1:0")
-    srv = CacheServer(server_config(32, peers=[a.peer_server.url], peer_timeout_s=1.0),
+def test_server_with_peers_serves_its_clients_from_an_embedded_peer(short_dir: Path, fleet) -> None:
+    a = _embedded(peer_listen="tcp://127.0.0.1:0", **fleet.config("a"))
+    srv = CacheServer(server_config(32, peers=[a.peer_server.url], peer_timeout_s=1.0, **fleet.config("b")),
                       ServerOptions(socket_path=str(short_dir / "s.sock"))).start()
     try:
         tokens = list(range(3 * CHUNK + 7))
@@ -139,10 +143,11 @@ def test_server_with_peers_serves_its_clients_from_an_embedded_peer(short_dir: P
         a.close()
 
 
-def test_kvtier_server_cli_takes_peer_settings_as_flags_and_variables(short_dir: Path) -> None:
+def test_kvtier_server_cli_takes_peer_settings_as_flags_and_variables(short_dir: Path, fleet) -> None:
     import os
 
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}, "KVTIER_PEERS": "tcp://127.0.0.1:1"}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}, "KVTIER_PEERS": "tcp://127.0.0.1:1",
+           "KVTIER_FLEET_KEY": str(fleet.key_path("a")), "KVTIER_FLEET_MEMBERS": str(fleet.members_path)}
     p = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "server", "--socket", str(short_dir / "s.sock"),
                           "--no-metrics", "--peer-listen", "tcp://127.0.0.1:0", "--peer", "tcp://127.0.0.1:2"],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

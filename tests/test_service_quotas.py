@@ -59,7 +59,7 @@ def test_one_client_id_over_many_connections_stays_within_its_quota(short_dir: P
         got = 0
         for i, c in enumerate(hoarder):
             for k in KEYS[2 * i : 2 * i + 2]:
-                got += c.open_write(k) is not None
+                got += c.open_write(k, None) is not None
         assert got == 4
         srv.check_invariants()
         b = connect(short_dir / "s.sock", client_id="engine-b")
@@ -67,7 +67,7 @@ def test_one_client_id_over_many_connections_stays_within_its_quota(short_dir: P
         st = b.stats()
         assert st["client_max_holds"] == 4 and st["quota_refusals"] == 12
         c = connect(short_dir / "s.sock", client_id="engine-c")  # a batch over the quota: its prefix fits
-        got = c.open_write_many([bytes([0xC0 + i]) * 32 for i in range(6)])
+        got = c.open_write_many([bytes([0xC0 + i]) * 32 for i in range(6)], [None] * 6)
         assert [isinstance(g, np.ndarray) for g in got] == [True] * 4 + [False] * 2
         assert got[4] == WriteSkip.NO_ROOM
         c.close()
@@ -85,7 +85,7 @@ def test_hoarded_reservations_expire_then_another_client_stores(short_dir: Path)
         reply = hoarder.call(P.ReserveMany(KEYS[:4], None))
         assert reply["ok"] and all(s is not None for s in reply["slots"])
         b = connect(short_dir / "s.sock", client_id="engine-b")
-        assert b.open_write(KEYS[8]) is None  # the pool is held
+        assert b.open_write(KEYS[8], None) is None  # the pool is held
         wait_until(lambda: srv.total_holds() == 0, timeout_s=10, what="reservations expired")
         store(b, KEYS[8:11])  # slots are free again
         late = hoarder.call(P.Commit(KEYS[0], None))

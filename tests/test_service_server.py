@@ -16,6 +16,7 @@ import pytest
 
 from conftest import payload_for, small_namespace
 from kvtier import protocol as P
+from kvtier.index.keys import chain_parents
 from kvtier.service.client import ServiceClient
 from kvtier.storage.types import WriteSkip
 from service_helpers import connect, store, short_dir, start_server, wait_until  # noqa: F401 (fixture)
@@ -35,7 +36,7 @@ def test_store_then_load_through_shared_memory(short_dir: Path) -> None:
                 assert np.array_equal(h.buffer, payload_for(k, a.chunk_bytes))
         assert a.open_read(KEYS[4]) is None
         assert a.contains(KEYS[0]) and not a.contains(KEYS[4])
-        assert a.open_write(KEYS[0]) is None  # already stored
+        assert a.open_write(KEYS[0], None) is None  # already stored
         st = a.stats()
         assert st["stored_chunks"] == 3 and st["referenced_chunks"] == 0 and st["server_holds"] == 0
         a.close()
@@ -78,7 +79,7 @@ def test_disconnect_releases_holds_but_keeps_commits(short_dir: Path) -> None:
     with start_server(short_dir, cpu_chunks=4) as srv:
         a = connect(short_dir / "s.sock")
         store(a, KEYS[:1])
-        assert a.open_write(KEYS[1]) is not None  # reserved, never committed
+        assert a.open_write(KEYS[1], None) is not None  # reserved, never committed
         h = a.open_read(KEYS[0])
         assert h is not None
         assert a.lookup_keys(KEYS[:1], "r").num_tokens == 32
@@ -98,12 +99,12 @@ def test_only_own_reservations_can_be_committed(short_dir: Path) -> None:
     with start_server(short_dir) as srv:
         a = connect(short_dir / "s.sock", sync_commit=True)
         b = connect(short_dir / "s.sock", client_id="engine-b", sync_commit=True)
-        assert a.open_write(KEYS[0]) is not None
+        assert a.open_write(KEYS[0], None) is not None
         b._writes[KEYS[0]] = b._link.conn.gen  # forge: b pretends it reserved a's key
-        b.commit(KEYS[0])
+        b.commit(KEYS[0], None)
         assert b.counters.lost_stores == 1  # refused by the server
         assert not srv.hosts()[0].manager.contains(KEYS[0])
-        a.commit(KEYS[0])
+        a.commit(KEYS[0], None)
         assert srv.hosts()[0].manager.contains(KEYS[0])
         a.close()
         b.close()
@@ -113,14 +114,14 @@ def test_reserve_many_in_one_round_trip(short_dir: Path) -> None:
     with start_server(short_dir, max_holds_per_client=4) as srv:
         a = connect(short_dir / "s.sock")
         store(a, KEYS[:1])
-        bufs = a.open_write_many(KEYS[:3])
+        bufs = a.open_write_many(KEYS[:3], chain_parents(KEYS[:3]))
         assert bufs[0] is WriteSkip.PRESENT  # KEYS[0] already stored: the reply says why
         assert isinstance(bufs[1], np.ndarray) and isinstance(bufs[2], np.ndarray)
         for k, b in zip(KEYS[1:3], bufs[1:]):
             b[:] = payload_for(k, a.chunk_bytes)
-            a.commit(k)
+            a.commit(k, None)
         a.flush()  # commits are one-way: wait until they are applied
-        over = a.open_write_many(KEYS[3:8])  # more than the holds bound (4): refused whole
+        over = a.open_write_many(KEYS[3:8], chain_parents(KEYS[3:8]))  # more than the holds bound (4): refused whole
         assert over == [WriteSkip.NO_ROOM] * 5  # a refused call: stop storing
         b = connect(short_dir / "s.sock")
         with b.open_read(KEYS[2]) as h:
@@ -135,11 +136,11 @@ def test_reserve_many_in_one_round_trip(short_dir: Path) -> None:
 def test_holds_per_client_are_bounded(short_dir: Path) -> None:
     with start_server(short_dir, max_holds_per_client=2) as srv:
         a = connect(short_dir / "s.sock")
-        assert a.open_write(KEYS[0]) is not None and a.open_write(KEYS[1]) is not None
-        assert a.open_write(KEYS[2]) is None
+        assert a.open_write(KEYS[0], None) is not None and a.open_write(KEYS[1], None) is not None
+        assert a.open_write(KEYS[2], None) is None
         assert a.counters.error_replies == 1 and a.connected
         a.abort(KEYS[0])
-        assert a.open_write(KEYS[2]) is not None
+        assert a.open_write(KEYS[2], None) is not None
         a.close()
         wait_until(lambda: srv.total_holds() == 0)
 
@@ -201,9 +202,9 @@ def test_unreachable_server_gives_misses_within_the_timeout(short_dir: Path) -> 
     c = ServiceClient(str(short_dir / "none.sock"), small_namespace(), "x", timeout_s=0.2)
     t0 = time.monotonic()
     assert c.lookup_keys(KEYS).num_tokens == 0
-    assert c.open_write(KEYS[0]) is None and c.open_read(KEYS[0]) is None
+    assert c.open_write(KEYS[0], None) is None and c.open_read(KEYS[0]) is None
     assert not c.contains(KEYS[0])
-    c.commit(KEYS[0])
+    c.commit(KEYS[0], None)
     c.release("r")
     assert c.flush(0.1) is False
     assert c.stats()["client_connected"] == 0
@@ -293,7 +294,7 @@ def chain_store(c: ServiceClient, keys: list[bytes]) -> int:
     """Store a prompt's chain as the connector does: one reserve_many, fill, commit; a chunk being
     written by someone else (IN_FLIGHT) is skipped, anything else that got no slot ends the chain."""
     stored, parent = 0, None
-    for key, got in zip(keys, c.open_write_many(keys)):
+    for key, got in zip(keys, c.open_write_many(keys, chain_parents(keys))):
         if isinstance(got, np.ndarray):
             got[:] = payload_for(key, c.chunk_bytes)
             c.commit(key, parent)
@@ -312,9 +313,9 @@ def test_concurrent_writer_does_not_drop_the_rest_of_the_chain(short_dir: Path) 
         b = connect(short_dir / "s.sock", client_id="engine-b", sync_commit=True)
         c = connect(short_dir / "s.sock", client_id="engine-c")
         head, u1, u2 = KEYS[0], KEYS[1], KEYS[2]
-        (slot,) = a.open_write_many([head])
+        (slot,) = a.open_write_many([head], [None])
         assert isinstance(slot, np.ndarray)
-        got = b.open_write_many([head, u1, u2])
+        got = b.open_write_many([head, u1, u2], [None, head, u1])
         assert got[0] is WriteSkip.IN_FLIGHT  # was a bare None: indistinguishable from "no room"
         for g in got[1:]:
             assert isinstance(g, np.ndarray)
@@ -322,14 +323,14 @@ def test_concurrent_writer_does_not_drop_the_rest_of_the_chain(short_dir: Path) 
         b.abort(u2)
         assert chain_store(b, [head, u1, u2]) == 2
         slot[:] = payload_for(head, a.chunk_bytes)
-        a.commit(head)
+        a.commit(head, None)
         res = c.lookup_keys([head, u1, u2])
         assert res.num_tokens == 3 * 32 and res.keys == [head, u1, u2]
         for k in (head, u1, u2):
             with c.open_read(k) as h:
                 assert np.array_equal(h.buffer, payload_for(k, c.chunk_bytes))
         srv.check_invariants()
-        assert b.open_write_many([head, u1]) == [WriteSkip.PRESENT, WriteSkip.PRESENT]
+        assert b.open_write_many([head, u1], [None, head]) == [WriteSkip.PRESENT, WriteSkip.PRESENT]
         for x in (a, b, c):
             x.close()
         wait_until(lambda: srv.total_holds() == 0)

@@ -34,7 +34,7 @@ from fake_vllm import expected_kv
 from test_pd_protocol import CHUNK as PD_CHUNK
 from test_pd_protocol import GEOM, cluster, decode, free_port, req, tokens_of, wait_sending  # noqa: F401 (fixture)
 from service_helpers import wait_until
-from transfer_helpers import CB, PeerProcess, store_chain
+from transfer_helpers import CB, PeerProcess, peer_keys, store_chain
 from kvtier.config import KVTierConfig
 from kvtier.storage.manager import StorageManager
 
@@ -47,6 +47,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def _peer_keys(fleet, monkeypatch) -> None:
+    """TCP peers authenticate: every process of a test finds the test fleet's keys in TEST_PEER_KEYS."""
+    monkeypatch.setenv("TEST_PEER_KEYS", json.dumps({n: fleet.config(n) for n in ("a", "b", "c")}))
 
 
 @pytest.fixture(params=["tcp", "shm"])
@@ -62,13 +68,14 @@ def _tokens() -> list[int]:
 
 def _puller(url: str, **kw: object) -> StorageManager:
     fields: dict[str, object] = dict(chunk_size=CHUNK, cpu_capacity=64 * CB, peers=[url], peer_timeout_s=10.0,
-                                     peer_retry_s=0.2)
+                                     peer_retry_s=0.2, **peer_keys(url, "c"))
     fields.update(kw)
     return StorageManager(KVTierConfig(**fields), small_namespace())  # type: ignore[arg-type]
 
 
 def _server(url: str) -> StorageManager:
-    cfg = KVTierConfig(chunk_size=CHUNK, cpu_capacity=64 * CB, peer_listen=url, peer_timeout_s=2.0)
+    cfg = KVTierConfig(chunk_size=CHUNK, cpu_capacity=64 * CB, peer_listen=url, peer_timeout_s=2.0,
+                       **peer_keys(url, "a"))
     return StorageManager(cfg, small_namespace())
 
 

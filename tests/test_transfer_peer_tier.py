@@ -14,6 +14,8 @@ from kvtier.storage.manager import StorageManager
 from kvtier.transfer.peer_tier import PeerServer, PeerTier
 from kvtier.transfer.shm import ShmChannel
 from kvtier.transfer.shm_listener import ShmListener
+from kvtier.testing.fleet_keys import make_fleet
+from kvtier.transfer.peer_auth import ClientAuth
 from kvtier.transfer.tcp import TcpChannel, TcpListener
 
 
@@ -22,15 +24,19 @@ def _config(chunks: int = 16) -> KVTierConfig:
 
 
 @pytest.fixture(params=["tcp", "shm"])
-def peers(request):
+def peers(request, tmp_path):
     a = StorageManager(_config(), small_namespace())
+    creds = None
     if request.param == "tcp":
+        fleet = make_fleet(tmp_path / "keys", ["a", "b"])
+        creds = fleet.credentials("a")
         listener = TcpListener(timeout_s=5)
-        connect = lambda: TcpChannel.connect(*listener.address, timeout_s=2)  # noqa: E731
+        connect = lambda: TcpChannel.connect(*listener.address, timeout_s=2,  # noqa: E731
+                                             auth=ClientAuth(fleet.credentials("b")))
     else:
         listener = ShmListener(timeout_s=5, staging_bytes=1 << 20)
         connect = lambda: ShmChannel.connect(listener.path, 2, staging_bytes=1 << 20)  # noqa: E731
-    server = PeerServer(a, listener)
+    server = PeerServer(a, listener, credentials=creds)
     tier = PeerTier(connect, timeout_s=2.0, retry_s=0.2)
     b = StorageManager(_config(), small_namespace(), lower=[tier])
     yield a, b, tier, server
@@ -114,7 +120,7 @@ def test_over_shared_memory_peers_copy_straight_out_of_the_cpu_tier(tmp_path):
             assert h is not None and h.source == "peer"
             with h:
                 assert np.array_equal(h.buffer, payload_for(k, CB))
-        served = a.peer_server._channels
+        served = a.peer_server.channels
         assert len(served) == 1 and served[0]._staging is None  # every chunk went in place
         mapped = list(tier._chan._theirs.values())
         assert len(mapped) == 1 and not mapped[0].array.flags.writeable  # read-only on B
@@ -125,7 +131,8 @@ def test_over_shared_memory_peers_copy_straight_out_of_the_cpu_tier(tmp_path):
 
 
 def test_without_shared_memory_peering_the_cpu_tier_stays_private(tmp_path):
-    for extra in ({}, {"peer_listen": "tcp://127.0.0.1:0"}):
+    fleet = make_fleet(tmp_path / "keys", ["a"])
+    for extra in ({}, {"peer_listen": "tcp://127.0.0.1:0", **fleet.config("a")}):
         m = StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=4 * CB, **extra), small_namespace())
         try:
             assert m.cpu_segment is None

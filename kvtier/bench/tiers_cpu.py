@@ -57,7 +57,7 @@ def bench_cpu(prompt_tokens: int, reps: int, paged: PagedKV, seed: int = 0) -> d
     get_keys = _fresh_keys(n_chunks, rng)
     parent = None
     for key, blocks in zip(get_keys, chunks):
-        buf = mgr.open_write(key)
+        buf = mgr.open_write(key, parent)
         assert buf is not None
         save_chunk_blocks(layers, chunk_view(buf, nl, bpc), blocks)
         mgr.commit(key, parent)
@@ -71,7 +71,7 @@ def bench_cpu(prompt_tokens: int, reps: int, paged: PagedKV, seed: int = 0) -> d
         with Stopwatch() as sw:
             parent = None
             for key, blocks in zip(put_keys, chunks):
-                buf = mgr.open_write(key)
+                buf = mgr.open_write(key, parent)
                 if buf is None:
                     raise RuntimeError("CPU tier refused a store in the benchmark")
                 save_chunk_blocks(layers, chunk_view(buf, nl, bpc), blocks)

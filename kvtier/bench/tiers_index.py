@@ -45,7 +45,7 @@ def bench_lookup(num_chunks: int, num_prompts: int, seed: int = 0) -> dict[str, 
         parent: bytes | None = None
         for i in range(num_chunks):
             key = blake3.blake3(i.to_bytes(8, "little")).digest()
-            if mgr.open_write(key) is None:
+            if mgr.open_write(key, parent if i % chain else None) is None:
                 raise RuntimeError("CPU tier refused a store while indexing")
             mgr.commit(key, parent if i % chain else None)
             parent = key

@@ -9,7 +9,9 @@ text, a private registry).
 Errors: malformed input is 422 and ``detail`` names the field (e.g. ``tokens.3: ...``);
 an unknown instance is 404 naming it; a request that cannot be served as asked (a tier
 the instance lacks, no shared tier for a move, an unresolvable salt scope) is 400; a
-missing or wrong bearer token is 401 (when the controller has a token).
+missing or wrong bearer token is 401 (when the controller has a token). A controller
+without a token (loopback only) answers 403 to any request whose ``Host`` header is not a
+loopback name or address (a DNS-rebinding page; :mod:`kvtier.dashboard.access`).
 """
 
 from __future__ import annotations
@@ -257,9 +259,12 @@ def create_app(controller: "Controller") -> FastAPI:
         return JSONResponse({"detail": str(exc), "field": exc.field}, status_code=400)
 
     deps = [Depends(auth)]
-    from kvtier.dashboard.fastapi_routes import mount_dashboard  # the page at /, read-only without the token
+    from kvtier.dashboard.access import DashboardAccess, LoopbackHostOnly
+    from kvtier.dashboard.fastapi_routes import mount_dashboard  # the page at /; its data behind the token
 
-    dash = mount_dashboard(app, controller, registry, deps)
+    access = DashboardAccess(lambda: controller.token, controller.http_host, lambda: controller.http_port)
+    app.add_middleware(LoopbackHostOnly, access=access)  # tokenless: loopback Host names only (DNS rebinding)
+    dash = mount_dashboard(app, controller, registry, access)
 
     def _answer(rec_json: dict[str, Any] | None, event_id: str, wait: bool) -> dict[str, Any]:
         if wait:

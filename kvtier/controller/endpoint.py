@@ -1,8 +1,16 @@
 """The controller's ZMQ endpoint: one ``ROUTER`` socket served by one thread.
 
 Every frame from an agent is decoded with :func:`kvtier.protocol.fleet.decode_agent_message`;
-a malformed frame (or one that does not fit: wrong sender, unknown tier) is dropped and
+a malformed frame (or one that does not fit: unknown tier, bad key lists) is dropped and
 counted (``malformed_frames``), never fatal. ``Register``/``Heartbeat`` get an ``Ack``.
+
+Identity (issue 24, kind 1): the ROUTER assigns each connection its routing id (agents set
+none; ``ROUTER_HANDOVER`` is off, so no connection can take over another's pipe), and with
+credentials the socket is a CURVE server whose ZAP handler admits only current members with the
+``register`` role; each message's authenticated key comes with it (``User-Id``). Which record a
+connection may speak for is :meth:`kvtier.controller.registry.InstanceRegistry.owner`. Every
+message is at most :data:`~kvtier.protocol.fleet.MAX_MESSAGE_BYTES` (``ZMQ_MAXMSGSIZE``: a larger
+one disconnects its sender before libzmq allocates it).
 :meth:`Endpoint.request` sends an ``OpRequest`` from any thread and returns a future the
 matching ``OpResult`` resolves; it fails with :class:`InstanceOpError` when the instance is
 unknown, unreachable, drops out, or does not answer before the deadline.
@@ -21,14 +29,20 @@ from typing import Any
 
 import zmq
 
+from kvtier.controller.registry import Sender
 from kvtier.controller.state import FleetState
 from kvtier.protocol.fleet import (
+    MAX_MESSAGE_BYTES,
     FleetProtocolError,
     OpRequest,
     OpResult,
     decode_agent_message,
     encode,
 )
+from kvtier.protocol.trust import CurveGate, FleetKey, bound_messages, curve_server, sender_key
+
+#: ZAP domain of the agent endpoint.
+ZAP_DOMAIN = "kvtier-agents"
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +69,14 @@ class Endpoint:
         state: the fleet state messages are applied to.
         bind: ZMQ endpoint to bind, e.g. ``tcp://127.0.0.1:7600`` (port 0 or ``*``: any free port).
         poll_s: longest wait for a frame before outgoing requests and sweeps run (seconds).
+        key: the controller's key pair: the socket is a CURVE server admitting the members of
+            ``state.registry.members`` with the ``register`` role; None: plain (loopback only).
     """
 
-    def __init__(self, state: FleetState, bind: str, poll_s: float = 0.005):
+    def __init__(self, state: FleetState, bind: str, poll_s: float = 0.005, key: FleetKey | None = None):
         self.state = state
+        self.key = key
+        self.gate: CurveGate | None = None
         self._bind = bind[:-2] + ":*" if bind.endswith(":0") else bind
         self._poll_ms = max(1, int(poll_s * 1000))
         self._ctx: zmq.Context | None = None
@@ -78,16 +96,24 @@ class Endpoint:
             zmq.ZMQError: the address cannot be bound (in use, bad address).
         """
         self._ctx = zmq.Context()
+        members = self.state.registry.members
+        if self.key is not None and members is not None:
+            self.gate = CurveGate(self._ctx, members).allow(ZAP_DOMAIN, "register").start()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted agent with the same id takes over
+        # No ROUTER_HANDOVER: a connection claiming a live routing id never takes its pipe over.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to an unconnected id raises
         sock.setsockopt(zmq.SNDHWM, 10000)
         sock.setsockopt(zmq.RCVHWM, 100000)
+        bound_messages(sock, MAX_MESSAGE_BYTES)
+        if self.gate is not None and self.key is not None:
+            curve_server(sock, self.key, ZAP_DOMAIN)
         try:
             sock.bind(self._bind)
         except zmq.ZMQError:
             sock.close(0)
+            if self.gate is not None:
+                self.gate.stop()
             self._ctx.term()
             raise
         self.url = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -106,6 +132,9 @@ class Endpoint:
             _fail(w.future, "controller stopped")
         if self._sock is not None:
             self._sock.close(0)
+        if self.gate is not None:
+            self.gate.stop()
+            self.gate = None
         if self._ctx is not None:
             self._ctx.term()
         self._sock = None
@@ -122,15 +151,17 @@ class Endpoint:
         """
         fut: Future = Future()
         with self.state.lock:
-            known = self.state.registry.get(instance) is not None
-        if not known:
+            rec = self.state.registry.get(instance)
+            routing_id = rec.routing_id if rec is not None else b""
+        if rec is None:
             _fail(fut, f"unknown instance {instance!r} (not registered or expired)")
             return fut
         op_id = os.urandom(8).hex()
-        msg = OpRequest(op_id=op_id, op=op, namespace=namespace, args=args, deadline=time.time() + timeout_s)
+        # A duration, never an absolute time: the instance's clock may differ from this one.
+        msg = OpRequest(op_id=op_id, op=op, namespace=namespace, args=args, timeout_s=timeout_s)
         with self._wlock:
             self._waiting[op_id] = _Waiting(instance, fut, time.monotonic() + timeout_s, timeout_s)
-        self._outbox.put((instance.encode(), encode(msg), op_id))
+        self._outbox.put((routing_id, encode(msg), op_id))
         return fut
 
     def _instance_dropped(self, instance: str) -> None:
@@ -154,7 +185,7 @@ class Endpoint:
                 if sock in events:
                     for _ in range(1000):  # bounded burst, then serve the outbox
                         try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
                         self._on_frames(sock, frames)
@@ -171,21 +202,23 @@ class Endpoint:
             except Exception:  # noqa: BLE001 - keep serving the fleet
                 log.exception("controller endpoint: unexpected error")
 
-    def _on_frames(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+    def _on_frames(self, sock: zmq.Socket, frames: list[Any]) -> None:
         if len(frames) == 2:
-            identity, payload = frames
-        elif len(frames) == 3 and frames[1] == b"":
-            identity, _, payload = frames
+            ident_frame, payload_frame = frames
+        elif len(frames) == 3 and len(frames[1].bytes) == 0:
+            ident_frame, _, payload_frame = frames
         else:
             self.state.count("malformed_frames")
             return
+        identity = ident_frame.bytes
+        payload = payload_frame.bytes
+        sender = Sender(identity, sender_key(payload_frame) if self.gate is not None else "")
         try:
-            ident = identity.decode()
             msg = decode_agent_message(payload)
             if isinstance(msg, OpResult):
-                self._route_result(ident, msg)
-            reply = self.state.handle(ident, msg)
-        except (FleetProtocolError, UnicodeDecodeError) as exc:
+                self._route_result(sender, msg)
+            reply = self.state.handle(sender, msg, size=len(payload))
+        except FleetProtocolError as exc:
             self.state.count("malformed_frames")
             log.debug("controller endpoint: dropped frame from %r: %s", identity[:64], exc)
             return
@@ -195,12 +228,20 @@ class Endpoint:
             except zmq.ZMQError as exc:
                 log.debug("controller endpoint: ack to %r not sent: %s", identity[:64], exc)
 
-    def _route_result(self, identity: str, msg: OpResult) -> None:
+    def _route_result(self, sender: Sender, msg: OpResult) -> None:
+        """Resolve the waiting request ``msg`` answers, if ``sender`` speaks for its instance."""
         with self._wlock:
             w = self._waiting.get(msg.op_id)
-            if w is None or w.instance != identity:
+        if w is None:
+            return
+        with self.state.lock:
+            rec = self.state.registry.get(w.instance)
+            if rec is None or rec.routing_id != sender.routing_id or (rec.member_key and rec.member_key != sender.key):
+                return  # an answer from a connection that does not speak for the instance
+            rec.last_seen = time.monotonic()
+        with self._wlock:
+            if self._waiting.pop(msg.op_id, None) is None:
                 return
-            del self._waiting[msg.op_id]
         if not w.future.done():
             w.future.set_result(msg)
 

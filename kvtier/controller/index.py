@@ -3,8 +3,16 @@
 Per instance, per namespace digest, per tier label (``cpu``/``disk``/``remote``/``peer``)
 a table ``key -> parent`` (32-byte keys; parent None for a chain's first chunk) plus the
 keys pinned there. A tier registered as ``shared`` (the same Redis URL or shared
-filesystem on several instances) is one table keyed by its ``TierInfo.name``: any
-instance's snapshot or changes update it, and every instance that has it sees it.
+filesystem on several instances) keeps one *view* per sharer, keyed by its ``TierInfo.name``;
+every sharer sees the union of the views. A sharer's snapshot replaces its own view only, so
+one member's empty (or lying) snapshot never erases what the others report; a removal or clear
+in the shared store applies to every view and makes the other sharers resync, whose snapshots
+(listings of the real store) then repair their views.
+
+Claims are bounded (issue 24): a table holds at most the chunks its tier's declared capacity
+fits (``capacity_bytes // chunk_bytes``, plus 1/16 slack for index lag; :data:`UNBOUNDED_TIER_KEYS`
+for a tier without a capacity) and an instance at most ``max_keys_per_instance`` keys over all its
+tables; stores beyond are not indexed (counted in :attr:`FleetIndex.claims_dropped`).
 
 Consistency (see :mod:`kvtier.protocol.fleet`): ``Changes`` are numbered per epoch; a gap
 (or a heartbeat whose ``seq`` is ahead of the last applied one) marks the instance
@@ -19,14 +27,19 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from kvtier.index.keys import is_lineage
-from kvtier.protocol.fleet import NO_PARENT, Changes, Snapshot, TierInfo, split_keys
+from kvtier.protocol.fleet import NO_PARENT, Changes, FleetProtocolError, Snapshot, TierInfo, split_keys
 
 #: Recent ``Changes`` kept per instance to replay after a snapshot swap.
 CHANGE_LOG = 512
+#: Most keys of one table of a tier that declares no capacity (Redis, a shared filesystem).
+UNBOUNDED_TIER_KEYS = 1 << 20
+#: Default most keys one instance may have indexed (over its namespaces and tiers).
+DEFAULT_MAX_KEYS_PER_INSTANCE = 1 << 21
 
-TableId = tuple[str, str, bytes, str]
+TableId = tuple
 
 
 @dataclass
@@ -52,12 +65,41 @@ class _Pending:
     pinned: set[bytes] = field(default_factory=set)
 
 
+class _Union:
+    """The read view of a shared tier: the union of its sharers' views (``in``, iteration, ``items``)."""
+
+    def __init__(self, views: list[dict[bytes, bytes | None]]):
+        self.views = views
+
+    def __contains__(self, key: object) -> bool:
+        return any(key in v for v in self.views)
+
+    def __iter__(self) -> Iterator[bytes]:
+        seen: set[bytes] = set()
+        for v in self.views:
+            for k in v:
+                if k not in seen:
+                    seen.add(k)
+                    yield k
+
+    def __len__(self) -> int:
+        return len(self.views[0]) if len(self.views) == 1 else len(set(self))
+
+    def items(self) -> Iterator[tuple[bytes, bytes | None]]:
+        for v in self.views:
+            yield from v.items()
+
+    def get(self, key: bytes, default: bytes | None = None) -> bytes | None:
+        for v in self.views:
+            if key in v:
+                return v[key]
+        return default
+
+
 def _pairs(keys: bytes, parents: bytes) -> list[tuple[bytes, bytes | None]]:
     ks = split_keys(keys)
     ps = split_keys(parents) if parents else []
     if ps and len(ps) != len(ks):
-        from kvtier.protocol.fleet import FleetProtocolError
-
         raise FleetProtocolError(f"{len(ks)} keys but {len(ps)} parents")
     if not ps:
         return [(k, None) for k in ks]
@@ -65,14 +107,21 @@ def _pairs(keys: bytes, parents: bytes) -> list[tuple[bytes, bytes | None]]:
 
 
 class FleetIndex:
-    """Index of every registered instance's chunks (see the module docstring)."""
+    """Index of every registered instance's chunks (see the module docstring).
 
-    def __init__(self) -> None:
+    Args:
+        max_keys_per_instance: most keys one instance may have indexed over all its tables.
+    """
+
+    def __init__(self, max_keys_per_instance: int = DEFAULT_MAX_KEYS_PER_INSTANCE) -> None:
+        self.max_keys_per_instance = max_keys_per_instance
         self._tables: dict[TableId, dict[bytes, bytes | None]] = {}
         self._shared_refs: dict[TableId, set[str]] = {}
         #: instance -> tier label -> TierInfo
         self._tiers: dict[str, dict[str, TierInfo]] = {}
         self._namespaces: dict[str, set[bytes]] = {}
+        self._limits: dict[tuple[str, bytes, str], int] = {}
+        self._held: dict[str, int] = {}
         self._pins: dict[tuple[str, bytes], dict[str, set[bytes]]] = {}
         self._seq: dict[str, int | None] = {}
         self._log: dict[str, deque[Changes]] = {}
@@ -82,43 +131,62 @@ class FleetIndex:
         self.gaps = 0
         self.snapshots_applied = 0
         self.changes_applied = 0
+        self.claims_dropped = 0
 
     # -- membership ---------------------------------------------------------------
 
-    def add_instance(self, instance: str, tiers: dict[str, TierInfo], namespaces: list[bytes]) -> None:
-        """Start (or restart) indexing ``instance`` with these tiers and namespaces (empty tables)."""
+    def add_instance(self, instance: str, tiers: dict[str, TierInfo], namespaces: list[bytes],
+                     chunk_bytes: dict[bytes, int] | None = None) -> None:
+        """Start (or restart) indexing ``instance`` with these tiers and namespaces (empty tables).
+
+        ``chunk_bytes``: namespace digest -> bytes of one chunk, to bound each table by its tier's
+        declared capacity (a namespace without it: :data:`UNBOUNDED_TIER_KEYS`).
+        """
         self.drop_instance(instance)
         self._tiers[instance] = dict(tiers)
         self._namespaces[instance] = set(namespaces)
         self._seq[instance] = None
         self._log[instance] = deque(maxlen=CHANGE_LOG)
+        self._held[instance] = 0
         for label, info in tiers.items():
-            if info.shared:
-                for ns in namespaces:
-                    tid = self._table_id(instance, ns, label)
-                    self._shared_refs.setdefault(tid, set()).add(instance)
-                    self._tables.setdefault(tid, {})
+            for ns in namespaces:
+                cb = (chunk_bytes or {}).get(ns, 0)
+                if info.capacity_bytes > 0 and cb > 0:
+                    cap = info.capacity_bytes // cb
+                    self._limits[(instance, ns, label)] = min(UNBOUNDED_TIER_KEYS, cap + max(64, cap // 16))
+                else:
+                    self._limits[(instance, ns, label)] = UNBOUNDED_TIER_KEYS
+                if info.shared:
+                    self._shared_refs.setdefault(("s", info.name, ns, label), set()).add(instance)
+                    self._tables.setdefault(self._table_id(instance, ns, label), {})
 
     def drop_instance(self, instance: str) -> None:
-        """Forget everything about ``instance`` (shared tables stay while another instance has them)."""
-        tiers = self._tiers.pop(instance, None)
-        namespaces = self._namespaces.pop(instance, set())
+        """Forget everything about ``instance`` (the other sharers' views of a shared tier stay)."""
+        tiers = self._tiers.get(instance)
+        namespaces = self._namespaces.get(instance, set())
         if tiers is not None:
             for label, info in tiers.items():
                 for ns in namespaces:
-                    tid = self._table_id_for(instance, ns, label, info)
+                    view = self._tables.pop(self._table_id_for(instance, ns, label, info), None)
+                    self._limits.pop((instance, ns, label), None)
                     if info.shared:
-                        refs = self._shared_refs.get(tid, set())
+                        group = ("s", info.name, ns, label)
+                        refs = self._shared_refs.get(group, set())
                         refs.discard(instance)
                         if not refs:
-                            self._shared_refs.pop(tid, None)
-                            self._tables.pop(tid, None)
-                    else:
-                        self._tables.pop(tid, None)
-            for ns in namespaces:
-                self._pins.pop((instance, ns), None)
+                            self._shared_refs.pop(group, None)
+                        elif view:  # what it wrote is still in the store: the next sharer carries it
+                            heir = min(refs)
+                            self._apply_own(heir, ns, label, self._table(heir, ns, label), "s",
+                                            b"".join(view), b"".join(p or NO_PARENT for p in view.values()))
+                            self.needs_resync.update(refs)  # until their snapshots say what the store holds
+        for ns in namespaces:
+            self._pins.pop((instance, ns), None)
+        self._tiers.pop(instance, None)
+        self._namespaces.pop(instance, None)
         self._seq.pop(instance, None)
         self._log.pop(instance, None)
+        self._held.pop(instance, None)
         self.needs_resync.discard(instance)
         for k in [k for k in self._pending if k[0] == instance]:
             del self._pending[k]
@@ -129,22 +197,41 @@ class FleetIndex:
     @staticmethod
     def _table_id_for(instance: str, ns: bytes, label: str, info: TierInfo) -> TableId:
         if info.shared:
-            return ("s", info.name, ns, label)
+            return ("s", info.name, ns, label, instance)
         return ("i", instance, ns, label)
 
     def _table_id(self, instance: str, ns: bytes, label: str) -> TableId:
         return self._table_id_for(instance, ns, label, self._tiers[instance][label])
 
     def _table(self, instance: str, ns: bytes, label: str) -> dict[bytes, bytes | None]:
+        """``instance``'s own table (its view, for a shared tier), created on demand."""
         tid = self._table_id(instance, ns, label)
         t = self._tables.get(tid)
         if t is None:
             t = self._tables[tid] = {}
         return t
 
-    def _check(self, instance: str, ns: bytes, label: str) -> None:
-        from kvtier.protocol.fleet import FleetProtocolError
+    def _sharers(self, instance: str, ns: bytes, label: str) -> list[str]:
+        info = self._tiers.get(instance, {}).get(label)
+        if info is None or not info.shared:
+            return [instance]
+        return sorted(self._shared_refs.get(("s", info.name, ns, label), {instance}))
 
+    def _read(self, instance: str, ns: bytes, label: str) -> "dict[bytes, bytes | None] | _Union":
+        """What ``instance`` sees in a tier: its table, or the union of every sharer's view."""
+        info = self._tiers[instance][label]
+        if not info.shared:
+            return self._tables.get(self._table_id_for(instance, ns, label, info)) or {}
+        views = [self._tables.get(("s", info.name, ns, label, o)) or {} for o in self._sharers(instance, ns, label)]
+        return views[0] if len(views) == 1 else _Union(views)
+
+    def _room(self, instance: str, ns: bytes, label: str, current: int) -> int:
+        """Keys the table of ``(instance, ns, label)`` holding ``current`` may still take."""
+        per_table = self._limits.get((instance, ns, label), UNBOUNDED_TIER_KEYS) - current
+        per_instance = self.max_keys_per_instance - self._held.get(instance, 0)
+        return max(0, min(per_table, per_instance))
+
+    def _check(self, instance: str, ns: bytes, label: str) -> None:
         if instance not in self._tiers:
             raise FleetProtocolError(f"instance {instance!r} is not indexed")
         if label not in self._tiers[instance]:
@@ -155,7 +242,8 @@ class FleetIndex:
     # -- updates ------------------------------------------------------------------
 
     def apply_snapshot(self, msg: Snapshot, label: str) -> bool:
-        """Fold one snapshot part in; on the last part swap the table in.
+        """Fold one snapshot part in; on the last part swap the table in (a shared tier: this
+        instance's view only).
 
         Args:
             msg: the part.
@@ -168,13 +256,22 @@ class FleetIndex:
             FleetProtocolError: unknown instance/tier/namespace, or a key list that is not
                 a multiple of 32 bytes (the part is dropped, nothing changes).
         """
-        self._check(msg.instance, msg.namespace, label)
+        inst = msg.instance
+        self._check(inst, msg.namespace, label)
         pairs = _pairs(msg.keys, msg.parents)
         pinned = split_keys(msg.pinned)
-        pk = (msg.instance, msg.namespace, label)
+        pk = (inst, msg.namespace, label)
         pending = self._pending.get(pk)
         if pending is None or pending.resync_id != msg.resync_id:
             pending = self._pending[pk] = _Pending(msg.resync_id)
+        tid = self._table_id(inst, msg.namespace, label)
+        old = len(self._tables.get(tid, ()))
+        fresh = len(pending.entries)  # the old table is replaced: it does not count against the instance
+        room = min(self._limits.get(pk, UNBOUNDED_TIER_KEYS) - fresh,
+                   self.max_keys_per_instance - (self._held.get(inst, 0) - old) - fresh)
+        if len(pairs) > room:
+            self.claims_dropped += len(pairs) - max(0, room)
+            pairs = pairs[: max(0, room)]
         pending.entries.update(pairs)
         pending.pinned.update(pinned)
         pending.seq = max(pending.seq, msg.seq)
@@ -182,21 +279,23 @@ class FleetIndex:
             return False
         del self._pending[pk]
         table = pending.entries
-        last_seq = self._seq.get(msg.instance)
-        log = self._log[msg.instance]
+        last_seq = self._seq.get(inst)
+        log = self._log[inst]
+        self._tables[tid] = {}  # while replaying, the old table no longer counts
+        self._held[inst] = self._held.get(inst, 0) - old + len(table)
         if last_seq is not None and last_seq > pending.seq:
             newer = [c for c in log if c.seq > pending.seq]
             if len(newer) < last_seq - pending.seq:  # the log no longer reaches back: resync again
-                self.needs_resync.add(msg.instance)
+                self.needs_resync.add(inst)
             for ch in newer:
                 for change in ch.changes:
-                    if change.namespace == msg.namespace and self._label_of(msg.instance, change.tier) == label:
-                        self._apply_one(table, change.op, change.keys, change.parents)
+                    if change.namespace == msg.namespace and self._label_of(inst, change.tier) == label:
+                        self._apply_own(inst, msg.namespace, label, table, change.op, change.keys, change.parents)
         else:
-            self._seq[msg.instance] = pending.seq
-        self._tables[self._table_id(msg.instance, msg.namespace, label)] = table
-        self._pins.setdefault((msg.instance, msg.namespace), {})[label] = pending.pinned
-        self._pins[(msg.instance, msg.namespace)].pop("_ops", None)
+            self._seq[inst] = pending.seq
+        self._tables[tid] = table
+        self._pins.setdefault((inst, msg.namespace), {})[label] = pending.pinned
+        self._pins[(inst, msg.namespace)].pop("_ops", None)
         self.snapshots_applied += 1
         return True
 
@@ -209,15 +308,25 @@ class FleetIndex:
                 return label
         return None
 
-    @staticmethod
-    def _apply_one(table: dict[bytes, bytes | None], op: str, keys: bytes, parents: bytes) -> None:
+    def _apply_own(self, instance: str, ns: bytes, label: str, table: dict[bytes, bytes | None], op: str,
+                   keys: bytes, parents: bytes) -> None:
+        """Apply one change to ``instance``'s own ``table`` (stores bounded by :meth:`_room`)."""
+        before = len(table)
         if op == "s":
-            table.update(_pairs(keys, parents))
+            pairs = [(k, p) for k, p in _pairs(keys, parents)]
+            fresh = [kp for kp in pairs if kp[0] not in table]
+            room = self._room(instance, ns, label, before)
+            if len(fresh) > room:
+                self.claims_dropped += len(fresh) - room
+                keep = {k for k, _ in fresh[:room]}
+                pairs = [kp for kp in pairs if kp[0] in table or kp[0] in keep]
+            table.update(pairs)
         elif op == "r":
             for k in split_keys(keys):
                 table.pop(k, None)
         elif op == "c":
             table.clear()
+        self._held[instance] = self._held.get(instance, 0) + len(table) - before
 
     def apply_changes(self, msg: Changes) -> bool:
         """Apply one ``Changes`` message.
@@ -230,8 +339,6 @@ class FleetIndex:
                 namespace or with a bad key list (the changes before it stay applied and
                 the instance is marked ``needs_resync``).
         """
-        from kvtier.protocol.fleet import FleetProtocolError
-
         inst = msg.instance
         if inst not in self._tiers:
             raise FleetProtocolError(f"instance {inst!r} is not indexed")
@@ -252,9 +359,14 @@ class FleetIndex:
                 if label is None:
                     raise FleetProtocolError(f"instance {inst!r} has no tier {change.tier!r}")
                 self._check(inst, change.namespace, label)
-                self._apply_one(self._table(inst, change.namespace, label), change.op, change.keys, change.parents)
+                ns = change.namespace
+                self._apply_own(inst, ns, label, self._table(inst, ns, label), change.op, change.keys, change.parents)
                 if change.op != "s":
-                    self._resync_sharers(inst, change.namespace, label)
+                    for other in self._sharers(inst, ns, label):  # the store lost them: every view
+                        if other != inst:
+                            self._apply_own(other, ns, label, self._table(other, ns, label), change.op,
+                                            change.keys, b"")
+                    self._resync_sharers(inst, ns, label)
             except FleetProtocolError:
                 self.needs_resync.add(inst)
                 raise
@@ -266,16 +378,16 @@ class FleetIndex:
 
         Messages of different instances are not ordered with each other: another instance's
         store may have reached the shared store after this removal yet reached the controller
-        before it (and been wiped from the table here). The sharers' snapshots, taken after they
-        get the request, list what the store really holds.
+        before it (and been wiped from its view here). The sharers' snapshots, taken after they
+        get the request, list what the store really holds (and repair what a lying removal erased).
         """
-        info = self._tiers.get(instance, {}).get(label)
-        if info is None or not info.shared:
-            return
-        tid = self._table_id_for(instance, ns, label, info)
-        for other in self._shared_refs.get(tid, ()):
+        for other in self._sharers(instance, ns, label):
             if other != instance:
                 self.needs_resync.add(other)
+
+    def held(self, instance: str) -> int:
+        """Keys indexed for ``instance`` over all its tables (its views of shared tiers included)."""
+        return self._held.get(instance, 0)
 
     def heartbeat_seq(self, instance: str, seq: int) -> bool:
         """Note a heartbeat's ``seq``; True (and ``needs_resync``) when changes were lost."""
@@ -321,7 +433,7 @@ class FleetIndex:
         per_tier: dict[str, int] = {}
         tables = []
         for label in tiers:
-            t = self._tables.get(self._table_id(instance, ns, label)) or {}
+            t = self._read(instance, ns, label)
             tables.append(t)
             n = 0
             for k in keys:
@@ -363,14 +475,14 @@ class FleetIndex:
         """Chunks indexed for one (instance, namespace, tier)."""
         if label not in self._tiers.get(instance, {}) or ns not in self._namespaces.get(instance, ()):
             return 0
-        return len(self._tables.get(self._table_id(instance, ns, label), ()))
+        return len(self._read(instance, ns, label))
 
     def keys_in(self, instance: str, ns: bytes, label: str | None = None) -> set[bytes]:
         """Distinct keys held on ``instance`` in namespace ``ns`` (one tier, or all)."""
         out: set[bytes] = set()
         for lab in self._tiers.get(instance, {}):
             if label is None or lab == label:
-                out.update(self._tables.get(self._table_id(instance, ns, lab), ()))
+                out.update(self._read(instance, ns, lab))
         return out
 
     def keys_of_salt(self, instance: str, ns: bytes, lineage: bytes,
@@ -386,7 +498,7 @@ class FleetIndex:
         """
         parents: dict[bytes, bytes | None] = {}
         for lab in self._tiers.get(instance, {}):
-            for k, p in self._tables.get(self._table_id(instance, ns, lab), {}).items():
+            for k, p in self._read(instance, ns, lab).items():
                 if p is not None or k not in parents:
                     parents[k] = p
         children: dict[bytes, list[bytes]] = {}
@@ -409,6 +521,6 @@ class FleetIndex:
         attributed = len(below([p for p in children if is_lineage(p)]))
         keys = below([lineage])
         if label is not None:
-            table = self._tables.get(self._table_id(instance, ns, label), {})
+            table = self._read(instance, ns, label)
             keys = [k for k in keys if k in table]
         return keys, len(parents) - attributed

@@ -3,7 +3,11 @@
 The controller-directed P2P tier (:mod:`kvtier.transfer.directed_peer`) asks this on a
 local miss instead of asking every peer: the answer lists every live instance that
 registered a ``peer_url`` and stores the namespace, each with the leading asked keys its
-own CPU/disk tiers hold (what its peer server serves), longest first. It is read from the
+own CPU/disk tiers hold (what its peer server serves, bounded by its declared capacity),
+longest first. Only authenticated members are listed, with their public key, so the asker's
+peer tier dials exactly that member (issue 24); an unauthenticated registration (an open,
+loopback controller) is listed only with a ``shm://`` URL, which the asker accepts only from a
+process of its own user. It is read from the
 controller's index only (no instance is contacted): O(len(keys) x instances) dict look-ups
 under the state lock.
 """
@@ -45,6 +49,9 @@ def locate(ctx: OpContext, keys: list[bytes], namespace: bytes, exclude_instance
                 continue
             if exclude_host is not None and exclude_pid is not None and (rec.host, rec.pid) == (exclude_host, exclude_pid):
                 continue
-            rows.append(PeerLocation(rec.instance, rec.peer_url, ctx.state.index.local_run(rec.instance, namespace, keys)))
+            if not rec.authenticated and not rec.peer_url.startswith("shm://"):
+                continue  # a claim nobody proved: never pointed at
+            rows.append(PeerLocation(rec.instance, rec.peer_url, ctx.state.index.local_run(rec.instance, namespace, keys),
+                                     rec.member_key))
     rows.sort(key=lambda r: (-r.chunks, r.instance))
     return LocateReply(namespace.hex(), rows)

@@ -13,9 +13,10 @@ from typing import Any, Sequence
 from kvtier.controller.endpoint import InstanceOpError
 from kvtier.controller.errors import BadRequest
 from kvtier.controller.op_context import OpContext
-from kvtier.controller.registry import NamespaceEntry
+from kvtier.controller.registry import NamespaceEntry, epoch_fingerprint
 from kvtier.controller.tracker import OpRecord
 from kvtier.storage.types import TIER_KINDS
+from kvtier.urls import mask_url
 
 #: Tier labels always reported by lookup's per-tier shape.
 REPORTED_TIERS = ("cpu", "disk", "remote")
@@ -69,7 +70,8 @@ def lookup(ctx: OpContext, tokens: Sequence[int] | None = None, keys: list[bytes
 
 
 def instances(ctx: OpContext) -> list[dict[str, Any]]:
-    """Registered instances: ids, roles, peer URLs, tiers (with indexed chunks/bytes), namespaces, heartbeat age."""
+    """Registered instances: ids, roles, peer URLs, tiers (with indexed chunks/bytes), namespaces, heartbeat age.
+    URLs are shown masked (:func:`kvtier.urls.mask_url`), whatever an instance sent."""
     now = time.monotonic()
     out = []
     with ctx.state.lock:
@@ -79,11 +81,12 @@ def instances(ctx: OpContext) -> list[dict[str, Any]]:
                 chunks = sum(ctx.state.index.tier_chunks(r.instance, d, label) for d in r.namespaces)
                 nbytes = sum(ctx.state.index.tier_chunks(r.instance, d, label) * e.info.chunk_bytes
                              for d, e in r.namespaces.items())
-                tiers.append({"kind": label, "name": info.name, "capacity_bytes": info.capacity_bytes,
+                tiers.append({"kind": label, "name": mask_url(info.name), "capacity_bytes": info.capacity_bytes,
                               "shared": info.shared, "chunks": chunks, "bytes": nbytes})
             out.append({
-                "instance": r.instance, "epoch": r.epoch, "role": r.role, "host": r.host, "pid": r.pid,
-                "peer_url": r.peer_url,
+                # The epoch proves an open controller's records (registry.py): only a fingerprint is shown.
+                "instance": r.instance, "epoch": epoch_fingerprint(r.epoch), "role": r.role, "host": r.host,
+                "pid": r.pid, "peer_url": mask_url(r.peer_url), "member": r.member,
                 "registered_at": r.registered_at, "last_heartbeat": r.last_heartbeat,
                 "last_seen_age_s": round(now - r.last_seen, 4), "tiers": tiers,
                 "namespaces": [{"digest": d.hex(), "model": e.namespace.model, "chunk_size": e.info.chunk_size,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import socket
@@ -14,7 +13,9 @@ from urllib.parse import urlparse
 from kvtier.controller.endpoint import Endpoint
 from kvtier.controller.operations import DEFAULT_OP_DEADLINE_S, FleetOps
 from kvtier.controller.state import FleetState
+from kvtier.protocol.addresses import is_loopback
 from kvtier.protocol.fleet import DEFAULT_EXPIRY_S, DEFAULT_HEARTBEAT_S
+from kvtier.protocol.trust import Credentials
 
 log = logging.getLogger(__name__)
 
@@ -26,16 +27,6 @@ DEFAULT_ZMQ = "tcp://127.0.0.1:7600"
 
 class ControllerConfigError(ValueError):
     """The controller cannot start as configured (e.g. non-loopback address without a token)."""
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (a wildcard or other host is not)."""
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _zmq_host(endpoint: str) -> str:
@@ -57,25 +48,38 @@ class Controller:
             "" or unset: no auth, allowed only on loopback addresses).
         op_deadline_s: default deadline of one operation (seconds).
         expiry_s: silence (seconds) after which an instance is forgotten.
+        credentials: the controller's key pair and the members it admits: the agent endpoint is
+            CURVE and only members with the ``register`` role may connect (README, the trust model);
+            None: an open agent endpoint, loopback only.
+        max_keys_per_instance: most chunk keys one instance may have indexed (None: the default).
 
     Raises:
-        ControllerConfigError: an address beyond loopback without a token, or a bad endpoint.
+        ControllerConfigError: an address beyond loopback without a token (HTTP) or without
+            credentials (the agent endpoint), or a bad endpoint.
     """
 
     def __init__(self, http_host: str = "127.0.0.1", http_port: int = DEFAULT_HTTP_PORT,
                  zmq_endpoint: str = DEFAULT_ZMQ, token: Optional[str] = None,
                  op_deadline_s: float = DEFAULT_OP_DEADLINE_S, expiry_s: float = DEFAULT_EXPIRY_S,
-                 heartbeat_s: float = DEFAULT_HEARTBEAT_S):
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, credentials: Optional[Credentials] = None,
+                 max_keys_per_instance: Optional[int] = None):
         self.token = token if token is not None else os.environ.get(TOKEN_ENV, "")
         exposed = [h for h in (http_host, _zmq_host(zmq_endpoint)) if not is_loopback(h)]
         if exposed and not self.token:
             raise ControllerConfigError(
                 f"refusing to listen on {', '.join(exposed)} (beyond loopback) without a token: "
                 f"pass --token or set {TOKEN_ENV}")
+        if not is_loopback(_zmq_host(zmq_endpoint)) and credentials is None:
+            raise ControllerConfigError(
+                f"refusing agents on {zmq_endpoint} (beyond loopback) without member keys: pass --key and --members "
+                "(only instances whose public keys the members file lists may register; README, the trust model)")
         self.http_host = http_host
         self.http_port = http_port
-        self.state = FleetState(token=self.token, expiry_s=expiry_s, heartbeat_s=heartbeat_s)
-        self.endpoint = Endpoint(self.state, zmq_endpoint)
+        self.credentials = credentials
+        self.state = FleetState(token=self.token, expiry_s=expiry_s, heartbeat_s=heartbeat_s,
+                                members=credentials.members if credentials is not None else None,
+                                max_keys_per_instance=max_keys_per_instance)
+        self.endpoint = Endpoint(self.state, zmq_endpoint, key=credentials.key if credentials is not None else None)
         self.ops = FleetOps(self.state, self.endpoint, deadline_s=op_deadline_s)
         self._server = None
         self._http_thread: Optional[threading.Thread] = None

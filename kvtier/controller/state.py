@@ -13,10 +13,11 @@ import time
 from typing import Callable
 
 from kvtier.controller.index import FleetIndex
-from kvtier.controller.registry import InstanceRegistry, RegistrationError
+from kvtier.controller.registry import InstanceRegistry, RegistrationError, Sender
 from kvtier.protocol.fleet import (
     DEFAULT_EXPIRY_S,
     DEFAULT_HEARTBEAT_S,
+    MAX_HEALTH_BYTES,
     Ack,
     AgentMessage,
     Changes,
@@ -26,6 +27,7 @@ from kvtier.protocol.fleet import (
     Register,
     Snapshot,
 )
+from kvtier.protocol.trust import Members
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +44,16 @@ class FleetState:
         token: token agents must present in ``Register.token`` (None: none).
         expiry_s: silence (seconds) after which an instance and its index are dropped.
         heartbeat_s: heartbeat period the controller asks for in every ``Ack``.
+        members: the authorized members (CURVE on the agent endpoint); None: an open (loopback) fleet.
+        max_keys_per_instance: most chunk keys one instance may have indexed over all its tiers.
     """
 
     def __init__(self, token: str | None = None, expiry_s: float = DEFAULT_EXPIRY_S,
-                 heartbeat_s: float = DEFAULT_HEARTBEAT_S):
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, members: Members | None = None,
+                 max_keys_per_instance: int | None = None):
         self.lock = threading.RLock()
-        self.registry = InstanceRegistry(token=token, expiry_s=expiry_s)
-        self.index = FleetIndex()
+        self.registry = InstanceRegistry(token=token, expiry_s=expiry_s, members=members)
+        self.index = FleetIndex() if max_keys_per_instance is None else FleetIndex(max_keys_per_instance)
         self.epoch = os.urandom(8).hex()
         self.heartbeat_s = heartbeat_s
         self._resync_asked: dict[str, float] = {}
@@ -57,36 +62,36 @@ class FleetState:
         self.on_drop: list[Callable[[str], None]] = []
         self.counters: dict[str, int] = {
             "malformed_frames": 0, "refused_registrations": 0, "registrations": 0, "expirations": 0,
-            "resyncs_requested": 0, "unknown_sender_messages": 0,
+            "resyncs_requested": 0, "unknown_sender_messages": 0, "health_dropped": 0,
         }
 
     def count(self, name: str, n: int = 1) -> None:
         with self.lock:
             self.counters[name] = self.counters.get(name, 0) + n
 
-    def handle(self, identity: str, msg: AgentMessage, now: float | None = None) -> Ack | None:
-        """Apply one agent message; the ``Ack`` to send back, if any.
+    def handle(self, sender: Sender | str | bytes, msg: AgentMessage, now: float | None = None,
+               size: int = 0) -> Ack | None:
+        """Apply one agent message from ``sender`` (its connection; a str or bytes: a routing id without
+        CURVE); the ``Ack`` to send back, if any. ``size``: the encoded message's bytes.
 
-        ``OpResult`` is not handled here (the endpoint routes it); it only counts as a sign of life.
+        A message for an instance ``sender`` does not own (:meth:`InstanceRegistry.owner`) changes
+        nothing: a Heartbeat gets ``Ack(known=False)``, others are counted and ignored. ``OpResult`` is
+        not handled here (the endpoint routes it).
 
         Raises:
-            FleetProtocolError: the message does not fit (wrong sender, unknown tier or
-                namespace, bad key lists); the caller drops and counts it.
+            FleetProtocolError: the message does not fit (unknown tier or namespace, bad key lists);
+                the caller drops and counts it.
         """
         now_m = time.monotonic() if now is None else now
+        who = Sender.of(sender)
         dropped: list[str] = []
         try:
             with self.lock:
                 if isinstance(msg, OpResult):
-                    rec = self.registry.get(identity)
-                    if rec is not None:
-                        rec.last_seen = now_m
                     return None
-                if msg.instance != identity:
-                    raise FleetProtocolError(f"message for instance {msg.instance!r} came from identity {identity!r}")
                 if isinstance(msg, Register):
-                    return self._register(msg, now_m, dropped)
-                rec = self.registry.touch(msg.instance, msg.epoch, now_m)
+                    return self._register(msg, now_m, dropped, who)
+                rec = self.registry.owner(msg.instance, msg.epoch, who, now_m)
                 if rec is None:
                     self.counters["unknown_sender_messages"] += 1
                     if isinstance(msg, Heartbeat):
@@ -94,7 +99,11 @@ class FleetState:
                     return None
                 if isinstance(msg, Heartbeat):
                     rec.last_heartbeat = time.time()
-                    rec.health = dict(msg.health)
+                    if size > MAX_HEALTH_BYTES:  # a sign of life; its report is not kept or served
+                        self.counters["health_dropped"] += 1
+                        rec.health = {"error": f"health report of {size} bytes dropped (at most {MAX_HEALTH_BYTES})"}
+                    else:
+                        rec.health = dict(msg.health)
                     self.index.heartbeat_seq(msg.instance, msg.seq)
                     return Ack(self.epoch, known=True, resync=self._take_resync(msg.instance, now_m),
                                heartbeat_s=self.heartbeat_s)
@@ -113,9 +122,9 @@ class FleetState:
             for inst in dropped:
                 self._notify_drop(inst)
 
-    def _register(self, msg: Register, now_m: float, dropped: list[str]) -> Ack | None:
+    def _register(self, msg: Register, now_m: float, dropped: list[str], who: Sender) -> Ack | None:
         try:
-            rec, replaced = self.registry.register(msg, now_m)
+            rec, replaced = self.registry.register(msg, now_m, who)
         except RegistrationError as exc:
             self.counters["refused_registrations"] += 1
             # The agent retries (backing off): one line per instance and reason a minute, not per try.
@@ -125,10 +134,11 @@ class FleetState:
             if now_m - self._refusals_logged.get(said, -REFUSAL_LOG_S) >= REFUSAL_LOG_S:
                 self._refusals_logged[said] = now_m
                 log.warning("controller: refused registration: %s", exc)
-            return Ack(self.epoch, known=False, heartbeat_s=self.heartbeat_s, refused=str(exc))
+            return Ack(self.epoch, known=False, heartbeat_s=self.heartbeat_s, refused=str(exc), retry_s=exc.retry_s)
         if replaced:
             dropped.append(msg.instance)
-        self.index.add_instance(msg.instance, rec.tiers, list(rec.namespaces))
+        self.index.add_instance(msg.instance, rec.tiers, list(rec.namespaces),
+                                {d: e.info.chunk_bytes for d, e in rec.namespaces.items()})
         self.counters["registrations"] += 1
         self._resync_asked[msg.instance] = now_m
         self.counters["resyncs_requested"] += 1

@@ -8,7 +8,9 @@ HTTP port (:func:`kvtier.dashboard.fastapi_routes.mount_dashboard`, mounted by
 
 Layering: this package imports only the standard library, ``prometheus_client`` and
 (``fastapi_routes``, ``controller_view``) FastAPI, numpy and lower kvtier layers; the
-service and the controller import it, never the reverse.
+service and the controller import it, never the reverse. Who may read a dashboard (the
+service's token as a bearer token or a session cookie, loopback ``Host`` names without one,
+bounded event streams) is :mod:`.access`.
 """
 
 from kvtier.dashboard.hot import HotChain, HotPrefixes

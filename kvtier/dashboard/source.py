@@ -177,14 +177,17 @@ class DashboardSource:
                 "hit_tokens": c.hit_tokens, "bytes": c.nbytes, "tiers": c.tiers, "pinned_tokens": c.pinned_tokens,
                 "last_s": c.last_s, "instance": c.instance, "has_tokens": bool(c.tokens)}
 
-    def events(self, max_s: float = 300.0) -> Iterator[bytes]:
+    def events(self, max_s: float = 300.0, ended: threading.Event | None = None) -> Iterator[bytes]:
         """Server-sent events: one ``snapshot`` event now and then every ``step_s`` seconds, for at
-        most ``max_s`` seconds (the browser reconnects) or until :meth:`close`."""
+        most ``max_s`` seconds (the browser reconnects), until :meth:`close`, or until ``ended``
+        is set (the stream's slot was given to a newer one)."""
         end = time.monotonic() + max_s
         yield f"retry: {int(self.step_s * 1000)}\n\n".encode()
-        while not self.stopped.is_set() and time.monotonic() < end:
+        while not self.stopped.is_set() and time.monotonic() < end and not (ended and ended.is_set()):
             yield sse_event(self.snapshot())
-            self.stopped.wait(self.step_s)
+            wake = time.monotonic() + self.step_s
+            while not self.stopped.is_set() and not (ended and ended.is_set()) and time.monotonic() < wake:
+                self.stopped.wait(min(0.1, max(0.0, wake - time.monotonic())))
 
 
 def sse_event(data: dict[str, Any], event: str = "snapshot") -> bytes:

@@ -234,8 +234,15 @@ def run_p2p_leg(model: str, prompts: list[Prompt], warm: Prompt, work: Path, cli
 
     base = {"cpu_capacity": "512MiB", "chunk_size": CHUNK, "peer_timeout_s": 10.0}
     peer_url = f"shm://{work / 'peer-a.sock'}" if channel == "shm" else f"tcp://127.0.0.1:{free_port()}"
-    a = ApiServer(_spec(model, "0", {**base, "peer_listen": peer_url}), log_path=str(work / "p2p-a.log"))
-    b = ApiServer(_spec(model, "1", {**base, "peers": [peer_url]}, env={"VLLM_SERVER_DEV_MODE": "1"}),
+    keys_a: dict[str, Any] = {}
+    keys_b: dict[str, Any] = {}
+    if channel == "tcp":  # TCP peers authenticate (issue 24): each instance its own key, both members
+        from kvtier.testing.fleet_keys import make_fleet
+
+        fleet = make_fleet(work / "fleet-keys", ["a", "b"])
+        keys_a, keys_b = fleet.config("a"), fleet.config("b")
+    a = ApiServer(_spec(model, "0", {**base, "peer_listen": peer_url, **keys_a}), log_path=str(work / "p2p-a.log"))
+    b = ApiServer(_spec(model, "1", {**base, "peers": [peer_url], **keys_b}, env={"VLLM_SERVER_DEV_MODE": "1"}),
                   log_path=str(work / "p2p-b.log"))
     ex = cf.ThreadPoolExecutor(2)
     rows: list[P2PRow] = []

@@ -21,6 +21,10 @@ from kvtier.events.codec import (
 )
 from kvtier.events.from_tiers import TIER_MEDIUMS, medium_of_tier, tier_change_events
 from kvtier.events.schema import (
+    LOCALITY_LOCAL,
+    LOCALITY_REMOTE,
+    OWNERSHIP,
+    VLLM_MEDIUMS,
     MEDIUM_CPU,
     MEDIUM_DISK,
     MEDIUM_GPU,
@@ -40,6 +44,10 @@ if TYPE_CHECKING:
     from kvtier.events.subscriber import EventSubscriber
 
 __all__ = [
+    "LOCALITY_LOCAL",
+    "LOCALITY_REMOTE",
+    "OWNERSHIP",
+    "VLLM_MEDIUMS",
     "MEDIUMS",
     "MEDIUM_CPU",
     "MEDIUM_DISK",

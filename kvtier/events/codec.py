@@ -79,7 +79,8 @@ def decode_batch(payload: bytes | bytearray | memoryview, *,
 
     Args:
         payload: the third frame of a ``[topic, seq, payload]`` message.
-        normalize: map vLLM's ``STORAGE`` medium to ``DISK`` (:func:`normalize_medium`).
+        normalize: name each event's medium by what it means with its locality
+            (:func:`normalize_medium`: ``STORAGE`` -> ``DISK``, or ``REMOTE`` when remote).
 
     Raises:
         EventDecodeError: the payload is not a batch in any accepted encoding.
@@ -96,7 +97,7 @@ def decode_batch(payload: bytes | bytearray | memoryview, *,
         for ev in batch.events:
             medium = getattr(ev, "medium", None)
             if medium is not None:
-                ev.medium = normalize_medium(medium)
+                ev.medium = normalize_medium(medium, getattr(ev, "locality", None))
     return batch
 
 

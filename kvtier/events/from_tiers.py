@@ -19,9 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.events.schema import (
+    LOCALITY_LOCAL,
+    LOCALITY_REMOTE,
     MEDIUM_CPU,
-    MEDIUM_DISK,
-    MEDIUM_REMOTE,
+    MEDIUM_STORAGE,
+    OWNERSHIP,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -29,21 +31,22 @@ from kvtier.events.schema import (
 )
 from kvtier.index.keys import chain_parent
 
-#: Medium of each kvtier tier kind (:data:`kvtier.storage.types.TIER_KINDS`).
-TIER_MEDIUMS: dict[str, str] = {
-    "cpu": MEDIUM_CPU,
-    "disk": MEDIUM_DISK,
-    "remote": MEDIUM_REMOTE,
-    "peer": MEDIUM_REMOTE,
+#: ``(medium, locality)`` of each kvtier tier kind (:data:`kvtier.storage.types.TIER_KINDS`) in
+#: vLLM 0.32's terms (see :mod:`kvtier.events.schema`): every event also says ``ownership="kvtier"``.
+TIER_MEDIUMS: dict[str, tuple[str, str]] = {
+    "cpu": (MEDIUM_CPU, LOCALITY_LOCAL),
+    "disk": (MEDIUM_STORAGE, LOCALITY_LOCAL),
+    "remote": (MEDIUM_STORAGE, LOCALITY_REMOTE),
+    "peer": (MEDIUM_STORAGE, LOCALITY_REMOTE),
 }
 #: A parent written as 32 zero bytes (the fleet protocol's "no parent") means none.
 _NO_PARENT = b"\x00" * 32
 _OPS = ("s", "r", "c")
 
 
-def medium_of_tier(tier: str) -> str:
-    """The event ``medium`` for a kvtier tier kind: cpu -> CPU, disk -> DISK, remote and
-    peer -> REMOTE.
+def medium_of_tier(tier: str) -> tuple[str, str]:
+    """The event ``(medium, locality)`` of a kvtier tier kind: cpu -> (CPU, LOCAL), disk ->
+    (STORAGE, LOCAL), remote and peer -> (STORAGE, REMOTE).
 
     Raises:
         ValueError: an unknown tier kind (the message lists the known ones).
@@ -78,7 +81,7 @@ def tier_change_events(op: str, tier: str, keys: Sequence[bytes],
     """
     if op not in _OPS:
         raise ValueError(f"op {op!r} is not one of {_OPS}")
-    medium = medium_of_tier(tier)
+    medium, locality = medium_of_tier(tier)
     if op == "c":
         return [AllBlocksCleared()]
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
@@ -89,7 +92,7 @@ def tier_change_events(op: str, tier: str, keys: Sequence[bytes],
     if not keys:
         return []
     if op == "r":
-        return [BlockRemoved(block_hashes=list(keys), medium=medium)]
+        return [BlockRemoved(block_hashes=list(keys), medium=medium, locality=locality, ownership=OWNERSHIP)]
     if len(parents) != len(keys):
         raise ValueError(f"parents has {len(parents)} entries for {len(keys)} keys")
     if token_ids is not None:
@@ -112,7 +115,7 @@ def tier_change_events(op: str, tier: str, keys: Sequence[bytes],
             block_hashes=list(keys[run_start:i]),
             parent_block_hash=_parent(parents[run_start], run_start),
             token_ids=tokens, block_size=chunk_size, lora_id=None, medium=medium,
-            lora_name=None))
+            lora_name=None, locality=locality, ownership=OWNERSHIP))
         run_start = i
     return events
 

@@ -14,26 +14,48 @@ Wire (what vLLM's own subscribers read):
 
 :meth:`EventPublisher.publish` never blocks: batches go through a bounded queue to one
 sender thread, which owns the sockets; a full queue drops the batch and counts it.
+
+Who may read it (issue 24: a key stream must not be open to strangers): over ``ipc://`` the
+socket files are made 0600 (this user only); over ``tcp://`` the publisher needs fleet
+``credentials`` (CURVE: only current members with the ``events`` role may subscribe or ask
+for a replay; subscribers need the publisher's public key) or an explicit ``plain=True``
+(vLLM's own wire, readable by anyone who can connect). Both sockets take messages of at most
+64 KiB (``ZMQ_MAXMSGSIZE``): subscriptions and replay requests are a few bytes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
 from kvtier.events.codec import EventEncodeError, encode_batch, make_batch
 from kvtier.events.schema import KVEvent, KVEventBatch
+from kvtier.protocol.trust import CurveGate, bound_messages, curve_server
 
 log = logging.getLogger(__name__)
 
 #: The replay end marker's seq frame (-1, 8 bytes big-endian, signed).
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+#: ZAP domain of the publisher's sockets (members with the ``events`` role).
+ZAP_DOMAIN = "kvtier-events"
+#: Largest message a subscriber or replay client may send (bytes).
+MAX_REQUEST_BYTES = 64 << 10
+
+
+def _owner_only(endpoint: str) -> None:
+    """Make an ``ipc://`` socket file 0600 (only this user may connect); other endpoints unchanged."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if path and not path.startswith("@"):  # "@": Linux abstract namespace, no file
+            os.chmod(path, 0o600)
 
 
 def _is_bind_endpoint(endpoint: str) -> bool:
@@ -56,18 +78,26 @@ class EventPublisher:
         data_parallel_rank: stamped on batches that carry none.
         drop_filter: fault injection for tests: called with each seq; True skips the PUB send
             (the batch is still numbered and kept for replay, like a message lost in transit).
+        credentials: fleet credentials (:class:`kvtier.protocol.trust.Credentials`): both sockets are
+            CURVE servers admitting members with the ``events`` role.
+        plain: allow a ``tcp://`` endpoint without credentials (vLLM-compatible, open to anyone).
 
     Raises:
         zmq.ZMQError: an endpoint cannot be bound or connected.
-        ValueError: a non-positive size.
+        ValueError: a non-positive size, or a ``tcp://`` endpoint with neither credentials nor ``plain``.
     """
 
-    def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None,
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None,
                  topic: str = "kv-events", buffer_batches: int = 10_000, hwm: int = 100_000,
                  queue_size: int = 10_000, data_parallel_rank: int | None = None,
-                 drop_filter: Callable[[int], bool] | None = None) -> None:
+                 drop_filter: Callable[[int], bool] | None = None, credentials: Any = None,
+                 plain: bool = False) -> None:
         if buffer_batches <= 0 or hwm <= 0 or queue_size <= 0:
             raise ValueError("buffer_batches, hwm and queue_size must be positive")
+        for url in (endpoint, replay_endpoint):
+            if url and url.startswith("tcp://") and credentials is None and not plain:
+                raise ValueError(f"KV event endpoint {url}: a TCP stream needs fleet credentials (CURVE) or, "
+                                 "vLLM-compatible and open to anyone who connects, kv_events_plain")
         self._topic = topic.encode("utf-8")
         self._dp_rank = data_parallel_rank
         self._drop_filter = drop_filter
@@ -83,14 +113,26 @@ class EventPublisher:
         self._drain_until = 0.0
         self._stop = threading.Event()
         self._ctx = zmq.Context()
+        self._gate: CurveGate | None = None
         self._pub: zmq.Socket = self._ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
+        self.public_key = credentials.key.public if credentials is not None else ""
+        self._credentials = credentials
+        self._hwm = hwm
+        self._subscribers = self._event_members()
+        self._checked_members = time.monotonic()
+        self.rebinds = 0
         try:
+            if credentials is not None:
+                self._gate = CurveGate(self._ctx, credentials.members).allow(ZAP_DOMAIN, "events").start()
+                curve_server(self._pub, credentials.key, ZAP_DOMAIN)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
+            bound_messages(self._pub, MAX_REQUEST_BYTES)
             if _is_bind_endpoint(endpoint):
                 self._pub.bind(endpoint)
                 self._endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+                _owner_only(self._endpoint)
             else:
                 self._pub.connect(endpoint)
                 self._endpoint = endpoint
@@ -98,8 +140,12 @@ class EventPublisher:
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                bound_messages(self._replay, MAX_REQUEST_BYTES)
+                if credentials is not None:
+                    curve_server(self._replay, credentials.key, ZAP_DOMAIN)
                 self._replay.bind(replay_endpoint)
                 self._replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+                _owner_only(self._replay_endpoint)
         except Exception:
             self._close_sockets()
             raise
@@ -194,15 +240,62 @@ class EventPublisher:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
+        if self._gate is not None:
+            self._gate.stop()
         self._ctx.term()
 
     # --- sender thread -----------------------------------------------------------------
+
+    def _event_members(self) -> frozenset[str]:
+        if self._credentials is None:
+            return frozenset()
+        return frozenset(k for k, m in self._credentials.members.current().items() if m.may("events"))
+
+    def _revoke_check(self) -> None:
+        """Once a second: if a member lost the ``events`` role (its line removed), rebind both sockets on
+        the same addresses, so every subscriber reconnects through the ZAP handler and the revoked one
+        cannot (CURVE checks keys at connect only; a PUB socket cannot drop one peer). The batches sent
+        meanwhile stay numbered: subscribers fill the gap from replay."""
+        now = time.monotonic()
+        if self._credentials is None or now - self._checked_members < 1.0:
+            return
+        self._checked_members = now
+        current = self._event_members()
+        revoked = self._subscribers - current
+        self._subscribers = current
+        if not revoked:
+            return
+        for attr, kind, hwm in (("_pub", zmq.PUB, self._hwm), ("_replay", zmq.ROUTER, 0)):
+            old = getattr(self, attr)
+            if old is None:
+                continue
+            where = old.getsockopt_string(zmq.LAST_ENDPOINT)
+            old.close(linger=0)
+            sock = self._ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            if hwm:
+                sock.setsockopt(zmq.SNDHWM, hwm)
+            bound_messages(sock, MAX_REQUEST_BYTES)
+            curve_server(sock, self._credentials.key, ZAP_DOMAIN)
+            for _ in range(50):  # the port is ours; a moment for the old socket's close to finish
+                try:
+                    sock.bind(where)
+                    break
+                except zmq.ZMQError:
+                    time.sleep(0.01)
+            setattr(self, attr, sock)
+        self.rebinds += 1
+        log.info("kvtier event publisher: %d member(s) lost the events role; subscribers reconnect", len(revoked))
 
     def _run(self) -> None:
         while True:
             if self._stop.is_set():
                 if self._queue.empty() or time.monotonic() > self._drain_until:
                     return
+            try:
+                self._revoke_check()
+            except Exception:  # noqa: BLE001 - never stop publishing over it
+                log.exception("kvtier event publisher: revocation check failed")
             if self._replay is not None:
                 try:
                     while self._replay.poll(0):

@@ -12,10 +12,25 @@ byte-identical to the same batch built with vLLM's classes, and vLLM's own decod
 * block hashes are :data:`ExternalBlockHash`: ``bytes`` (kvtier's 32-byte chunk keys,
   vLLM's sha256 hashes) or ``int`` (vLLM's builtin hash, a 64-bit unsigned value).
 
-Mediums: vLLM publishes ``GPU``, ``CPU`` and ``STORAGE``; kvtier publishes ``CPU`` (its CPU
-DRAM tier), ``DISK`` (local disk / filesystem tiers) and ``REMOTE`` (Redis, ``kvtier
-server``, peers). :func:`kvtier.events.codec.decode_batch` reads vLLM's ``STORAGE`` as an
-alias of ``DISK`` (see :func:`normalize_medium`).
+Mediums and tiers: vLLM 0.32 defines three media, ``GPU``, ``CPU`` and ``STORAGE``, and tells
+tiers of one medium apart with ``locality`` (``LOCAL`` / ``REMOTE`` relative to the publisher)
+and ``ownership`` (the offloading layer that published the event). kvtier publishes only those
+(:data:`kvtier.events.from_tiers.TIER_MEDIUMS`), with ``ownership`` ``"kvtier"``:
+
+====================  ==========  ==========
+kvtier tier           medium      locality
+====================  ==========  ==========
+cpu (DRAM)            CPU         LOCAL
+disk (local disk)     STORAGE     LOCAL
+remote (Redis, fs://) STORAGE     REMOTE
+peer (another host)   STORAGE     REMOTE
+====================  ==========  ==========
+
+so a consumer that knows only the three media weighs kvtier's tiers as vLLM's own offload tiers.
+kvtier's readers (router, controller) name what a (medium, locality) pair means with
+:func:`normalize_medium`: ``CPU``, ``DISK`` (local storage) or ``REMOTE`` (anything not on the
+publisher's host); ``DISK`` and ``REMOTE`` as media, from kvtier releases before 0.32's names,
+are still read.
 
 Older vLLM releases encoded events as tagged *arrays* (``["BlockStored", hashes, ...]``)
 and some publishers encode the batch as a map; the decoder accepts those too (the
@@ -33,27 +48,41 @@ ExternalBlockHash = bytes | int
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+#: vLLM's medium of storage offload tiers (local disk or remote stores, told apart by locality).
+MEDIUM_STORAGE = "STORAGE"
+#: The media vLLM 0.32 defines: the only ones kvtier publishes.
+VLLM_MEDIUMS: tuple[str, ...] = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
+#: kvtier's names of what a medium and locality mean (:func:`normalize_medium`); kvtier
+#: releases before vLLM 0.32's names published these two as media.
 MEDIUM_DISK = "DISK"
 MEDIUM_REMOTE = "REMOTE"
-#: vLLM's own name for its storage offload tier; decoded as an alias of :data:`MEDIUM_DISK`.
-MEDIUM_STORAGE = "STORAGE"
-#: Mediums kvtier publishes or understands after normalisation.
+#: Mediums kvtier's readers index, after normalisation.
 MEDIUMS: tuple[str, ...] = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_REMOTE)
-_MEDIUM_ALIASES: dict[str, str] = {MEDIUM_STORAGE: MEDIUM_DISK}
+LOCALITY_LOCAL = "LOCAL"
+LOCALITY_REMOTE = "REMOTE"
+#: ``ownership`` of every event kvtier publishes (vLLM: "secondary offloading tier identifier").
+OWNERSHIP = "kvtier"
 
 
-def normalize_medium(medium: str | None) -> str | None:
-    """Map a medium name as received to kvtier's names: ``STORAGE`` -> ``DISK``; others as is.
+def normalize_medium(medium: str | None, locality: str | None = None) -> str | None:
+    """What a (medium, locality) pair as received means, in kvtier's names.
+
+    ``STORAGE`` is ``DISK`` (local storage), or ``REMOTE`` with ``locality="REMOTE"``; ``CPU``
+    with ``locality="REMOTE"`` (another host's memory) is ``REMOTE`` too; ``GPU``, ``CPU`` and
+    the pre-0.32 ``DISK`` / ``REMOTE`` media pass through, and so do unknown names.
 
     Args:
-        medium: the ``medium`` field of an event (``None``: unspecified).
+        medium: the ``medium`` field of an event (``None``: unspecified, the engine's).
+        locality: its ``locality`` field (``None``: unspecified, read as local).
 
     Returns:
-        The normalised medium (``None`` stays ``None``; unknown names pass through).
+        The normalised medium (``None`` stays ``None``).
     """
     if medium is None:
         return None
-    return _MEDIUM_ALIASES.get(medium, medium)
+    if locality == LOCALITY_REMOTE and medium in (MEDIUM_STORAGE, MEDIUM_CPU):
+        return MEDIUM_REMOTE
+    return MEDIUM_DISK if medium == MEDIUM_STORAGE else medium
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -79,13 +108,14 @@ class BlockStored(KVCacheEvent):
             when known; kvtier sends ``[]`` when it does not know them).
         block_size: tokens per block (kvtier: tokens per chunk).
         lora_id: deprecated by vLLM, kept for the wire (``None``).
-        medium: where the blocks are (:data:`MEDIUMS`).
+        medium: where the blocks are (:data:`VLLM_MEDIUMS`; see the module doc).
         lora_name: LoRA adapter name the hashes include (``None``: none).
         extra_keys: per block, the extra hash inputs (LoRA name, multimodal ids, salt...).
         group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window: vLLM's KV cache group
-            metadata (``None`` from kvtier).
+            metadata (the connector sets them as vLLM does for the group; ``None`` from
+            ``kvtier server``, which knows no engine's groups).
         locality: ``LOCAL``/``REMOTE`` relative to the publisher (``None``: unspecified).
-        ownership: secondary offloading tier identifier.
+        ownership: secondary offloading tier identifier (:data:`OWNERSHIP` from kvtier).
         session_id: request context that emitted the event.
 
     The fields without a default are required on the wire by vLLM's decoder, so they are

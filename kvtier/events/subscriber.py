@@ -14,6 +14,7 @@ A socket is not thread-safe: use one subscriber from one thread.
 from __future__ import annotations
 
 import time
+from typing import Any
 from collections import deque
 from collections.abc import Iterator
 
@@ -23,6 +24,17 @@ from kvtier.events.codec import EventDecodeError, decode_batch
 from kvtier.events.schema import KVEventBatch
 
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
+#: Largest message frame accepted by default (bytes): 16 MiB, ~5M token ids of ``BlockStored``,
+#: far beyond one engine step's events. A larger frame makes ZeroMQ drop the publisher's
+#: connection (a protocol error, after which ZeroMQ would not reconnect: the subscriber does,
+#: see ``disconnects``); the lost seqs are a gap (replay, else counted missed).
+MAX_MESSAGE_BYTES = 16 << 20
+#: Seconds between two re-dials of a dropped link.
+RELINK_EVERY_S = 1.0
+#: Receive high-water mark (message frames; 3 per batch) by default: with
+#: :data:`MAX_MESSAGE_BYTES`, at most ~256 MiB queued for a slow reader; beyond, the publisher
+#: drops (a gap, as above).
+RECV_HWM = 48
 
 
 class EventSubscriber:
@@ -36,16 +48,31 @@ class EventSubscriber:
         from_seq: if set (with a replay endpoint), the first message received also fetches
             every buffered batch from this seq on (a late joiner's catch-up).
         normalize: decode ``STORAGE`` mediums as ``DISK``.
+        max_message_bytes: largest frame accepted, on the PUB stream and replay answers
+            (bytes, > 0; ZeroMQ ``MAXMSGSIZE``): a publisher never makes the subscriber hold
+            more than that per frame.
+        recv_hwm: frames queued before the publisher drops (ZeroMQ ``RCVHWM``, > 0).
+        credentials / server_key: this node's fleet credentials and the publisher's Z85 public key:
+            both sockets are CURVE clients (a kvtier publisher with credentials admits members with the
+            ``events`` role only); None: plain.
 
     Counters: ``received`` (batches delivered), ``gaps`` (seq jumps seen), ``replayed``
     (batches delivered from replay), ``missed`` (seqs never obtained), ``decode_errors``
-    (malformed messages skipped), ``restarts`` (seq went backwards: publisher restarted).
+    (malformed messages skipped), ``restarts`` (seq went backwards: publisher restarted),
+    ``disconnects`` (the link to the publisher dropped, e.g. a frame over
+    ``max_message_bytes``; the subscriber connects again).
     """
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None,
                  topic: str = "kv-events", replay_timeout_s: float = 1.0,
-                 from_seq: int | None = None, normalize: bool = True) -> None:
+                 from_seq: int | None = None, normalize: bool = True, credentials: Any = None,
+                 server_key: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 recv_hwm: int = RECV_HWM) -> None:
+        if max_message_bytes <= 0 or recv_hwm <= 0:
+            raise ValueError(f"max_message_bytes and recv_hwm must be > 0, got {max_message_bytes}, {recv_hwm}")
         self._topic = topic.encode("utf-8")
+        self._max_message_bytes = max_message_bytes
+        self._recv_hwm = recv_hwm
         self._replay_endpoint = replay_endpoint
         self._replay_timeout_s = replay_timeout_s
         self._normalize = normalize
@@ -57,13 +84,28 @@ class EventSubscriber:
         self.missed = 0
         self.decode_errors = 0
         self.restarts = 0
+        self.disconnects = 0
+        self._endpoint = endpoint
+        self._relink_at = 0.0  # monotonic time before which a dropped link is not re-dialled
+        self._dropped = False
         self._closed = False
+        self._curve = (credentials, server_key) if credentials is not None and server_key else None
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
+        self._secure(self._sub)
+        self._bound(self._sub)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sub.connect(endpoint)
         self._replay: zmq.Socket | None = None
+
+    def _secure(self, sock: zmq.Socket) -> None:
+        """CURVE client options on ``sock`` when this subscriber has credentials and a server key."""
+        if self._curve is not None:
+            from kvtier.protocol.trust import curve_client
+
+            curve_client(sock, self._curve[0].key, self._curve[1])
 
     @property
     def last_seq(self) -> int | None:
@@ -74,7 +116,7 @@ class EventSubscriber:
         """The counters as a dict."""
         return {"received": self.received, "gaps": self.gaps, "replayed": self.replayed,
                 "missed": self.missed, "decode_errors": self.decode_errors,
-                "restarts": self.restarts}
+                "restarts": self.restarts, "disconnects": self.disconnects}
 
     def poll(self, timeout_s: float = 0.0) -> tuple[int, KVEventBatch] | None:
         """The next batch in seq order, waiting up to ``timeout_s`` seconds; ``None`` if none.
@@ -86,8 +128,10 @@ class EventSubscriber:
             raise RuntimeError("EventSubscriber is closed")
         deadline = time.monotonic() + max(0.0, timeout_s)
         while not self._pending:
+            self._relink()
             wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
             if not self._sub.poll(wait_ms):
+                self._relink()
                 return None
             self._on_message(self._sub.recv_multipart())
             if not self._pending and time.monotonic() >= deadline:
@@ -115,6 +159,8 @@ class EventSubscriber:
         if self._closed:
             return
         self._closed = True
+        self._sub.disable_monitor()
+        self._monitor.close(linger=0)
         for sock in (self._sub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
@@ -127,6 +173,23 @@ class EventSubscriber:
         self.close()
 
     # --- internals -----------------------------------------------------------------------
+
+    def _relink(self) -> None:
+        """Connect again after the link dropped: ZeroMQ gives up on a link it cut for a protocol
+        error (a frame over ``MAXMSGSIZE``), so without this one oversized frame would end the
+        stream for good."""
+        while self._monitor.poll(0):
+            if self._monitor.recv_multipart()[0][:2] == zmq.EVENT_DISCONNECTED.to_bytes(2, "little"):
+                self._dropped = True
+        if self._dropped and time.monotonic() >= self._relink_at:
+            self._dropped = False
+            self._relink_at = time.monotonic() + RELINK_EVERY_S  # a publisher refusing us is not hammered
+            self.disconnects += 1
+            try:
+                self._sub.disconnect(self._endpoint)
+            except zmq.ZMQError:
+                pass
+            self._sub.connect(self._endpoint)
 
     def _on_message(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -190,10 +253,16 @@ class EventSubscriber:
                 return out
             out.append((int.from_bytes(frames[1], "big"), frames[2]))
 
+    def _bound(self, sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, self._recv_hwm)
+
     def _replay_socket(self) -> zmq.Socket:
         if self._replay is None:
             assert self._replay_endpoint is not None
             self._replay = self._ctx.socket(zmq.DEALER)
+            self._secure(self._replay)
             self._replay.setsockopt(zmq.LINGER, 0)
+            self._bound(self._replay)
             self._replay.connect(self._replay_endpoint)
         return self._replay

@@ -1,8 +1,12 @@
 """The instance side of the fleet control plane: one agent per kvtier instance.
 
-A :class:`FleetAgent` runs one daemon thread with one ZMQ ``DEALER`` socket (its
-identity the instance id) connected to the controller's ``ROUTER``; the wire
-protocol is :mod:`kvtier.protocol.fleet`. What it does:
+A :class:`FleetAgent` runs one daemon thread with one ZMQ ``DEALER`` socket connected to
+the controller's ``ROUTER``; the wire protocol is :mod:`kvtier.protocol.fleet`. The socket
+sets no routing identity (the controller assigns one per connection and binds the instance
+to it: a claimed id proves nothing) and, with fleet credentials and ``controller_key``, is a
+CURVE client that talks only to the controller holding that key and proves this instance's
+own key. When the controller has been silent past the expiry the agent closes the socket and
+opens a new one (a new connection) before registering again. What it does:
 
 - **Register** at start, again whenever the controller answers ``Ack(known=False)``
   (a restarted controller), after silence longer than the expiry, and when a
@@ -59,6 +63,7 @@ from kvtier.fleet.namespaces import NamespaceSet
 from kvtier.fleet.op_runner import OpRunner, OpsLike
 from kvtier.fleet.snapshots import snapshot_parts
 from kvtier.protocol import fleet as F
+from kvtier.protocol.trust import Credentials, bound_messages, curve_client
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +109,11 @@ class FleetAgent:
         peer_url: the URL this instance's peer server listens on, sent in ``Register.peer_url`` (the
             controller then directs other instances' P2P pulls here). "" (default): the peer server of
             a reported namespace's storage manager (``manager.peer_server.url``), if any.
+        credentials: this instance's fleet key (its members are not used here).
+        controller_key: the controller's Z85 public key; with ``credentials`` the link is CURVE.
 
     Raises:
-        ValueError: a bad controller address, role or fraction.
+        ValueError: a bad controller address, role or fraction, or ``controller_key`` without credentials.
     """
 
     #: Seconds between Registers after the controller refused one (a wrong token does not fix itself).
@@ -128,6 +135,8 @@ class FleetAgent:
         port: int | str | None = None,
         seed: int | None = None,
         peer_url: str = "",
+        credentials: Credentials | None = None,
+        controller_key: str | None = None,
     ):
         self.endpoint = parse_controller(controller_url)
         if role not in ("embedded", "server"):
@@ -136,6 +145,10 @@ class FleetAgent:
             raise ValueError(f"drop_fraction must be in [0, 1], got {drop_fraction}")
         if not heartbeat_s > 0 or not expiry_s > 0:
             raise ValueError("heartbeat_s and expiry_s must be > 0 seconds")
+        if controller_key and credentials is None:
+            raise ValueError("controller_key needs this instance's fleet key (fleet_key / fleet_members)")
+        self.credentials = credentials
+        self.controller_key = controller_key or None
         self.instance_id = instance_id or default_instance_id(port)
         self.role = role
         self.tiers = list(tiers)
@@ -165,6 +178,8 @@ class FleetAgent:
         self._ops = OpRunner(self.namespaces, self.stats, op_workers)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._reconnect = False  # open a new connection before the next Register
+        self.reconnects = 0
         for digest, (info, ops) in (namespaces or {}).items():
             self._spaces.attach(digest, info, ops)
 
@@ -218,30 +233,53 @@ class FleetAgent:
         self.close()
 
     # -- the agent thread ----------------------------------------------------------------------
-    def _run(self) -> None:
-        ctx = zmq.Context()
+    def _socket(self, ctx: zmq.Context) -> zmq.Socket:
+        """A new DEALER connected to the controller (no routing identity; CURVE with a controller key)."""
         sock = ctx.socket(zmq.DEALER)
         try:
-            sock.setsockopt(zmq.IDENTITY, self.instance_id.encode())
             sock.setsockopt(zmq.SNDHWM, 256)
             sock.setsockopt(zmq.RCVHWM, 1024)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            bound_messages(sock, F.MAX_MESSAGE_BYTES)
+            if self.controller_key and self.credentials is not None:
+                curve_client(sock, self.credentials.key, self.controller_key)
             sock.connect(self.endpoint)
-            self._loop(sock)
+        except BaseException:
+            sock.close(0)
+            raise
+        return sock
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        holder: list[zmq.Socket] = []
+        try:
+            self._loop(ctx, holder)
         except Exception:
             log.exception("kvtier fleet agent: stopped by an error (the engine goes on without the controller)")
         finally:
-            sock.close(0)
+            for sock in holder:
+                sock.close(0)
             ctx.term()
 
-    def _loop(self, sock: zmq.Socket) -> None:
+    def _loop(self, ctx: zmq.Context, holder: list[zmq.Socket]) -> None:
+        sock = self._socket(ctx)
+        holder.append(sock)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
             now = time.monotonic()
+            if self._reconnect:  # the controller went silent: a new connection, then a Register
+                self._reconnect = False
+                poller.unregister(sock)
+                sock.close(0)
+                holder.remove(sock)
+                sock = self._socket(ctx)
+                holder.append(sock)
+                poller.register(sock, zmq.POLLIN)
+                self.reconnects += 1
             self._maybe_register(sock, now)
             if self._registered and self._snapshot_due and now >= self._snapshot_retry_at:
                 self._send_snapshot(sock)
@@ -259,9 +297,11 @@ class FleetAgent:
                 self._send(sock, F.Heartbeat(self.instance_id, self.epoch, self._seq, self._ops.health))
                 self.stats.heartbeats += 1
             if self._registered and now - self._last_rx > self.expiry_s:
-                log.info("kvtier fleet agent: controller silent for %.1f s; registering again", now - self._last_rx)
+                log.info("kvtier fleet agent: controller silent for %.1f s; reconnecting and registering again",
+                         now - self._last_rx)
                 self._registered = False
                 self._register_due = True
+                self._reconnect = True
             timeout_ms = max(1, int(min(self.heartbeat_s, 0.05) * 1000))
             for s, _ in poller.poll(timeout_ms):
                 while True:
@@ -309,7 +349,7 @@ class FleetAgent:
                 self._register_due = False
                 self.stats.refusals += 1
                 now = time.monotonic()
-                self._refused_until = now + self.REFUSED_RETRY_S
+                self._refused_until = now + (msg.retry_s if msg.retry_s > 0 else self.REFUSED_RETRY_S)
                 if msg.refused != self._last_refusal or now - self._refusal_logged_at >= 60.0:
                     self._last_refusal, self._refusal_logged_at = msg.refused, now
                     log.warning("kvtier fleet agent: the controller at %s refused this instance: %s "

@@ -18,7 +18,7 @@ import threading
 from collections import deque
 from typing import Callable
 
-from kvtier.protocol.fleet import MAX_KEYS_PER_PART, Change, join_parents
+from kvtier.protocol.fleet import MAX_CHANGES, MAX_KEYS_PER_PART, Change, join_parents
 from kvtier.storage.tier_events import TierChange
 
 
@@ -87,8 +87,15 @@ class ChangeQueue:
         taken: list[tuple[bytes, TierChange]] = []
         with self._lock:
             n = 0
-            while self._items and n < max_keys:
+            # Bounded so that one Changes message stays within MAX_CHANGES entries and the socket's
+            # message size: at most MAX_CHANGES // 2 items, and a huge item is split.
+            while self._items and n < max_keys and len(taken) < MAX_CHANGES // 2:
                 ns, ch = self._items.popleft()
+                room = max(1, max_keys - n)
+                if len(ch.keys) > room:
+                    rest = TierChange(ch.op, ch.tier, ch.keys[room:], ch.parents[room:] if ch.parents else ch.parents)
+                    ch = TierChange(ch.op, ch.tier, ch.keys[:room], ch.parents[:room] if ch.parents else ch.parents)
+                    self._items.appendleft((ns, rest))
                 k = max(1, len(ch.keys))
                 self._keys -= k
                 n += k

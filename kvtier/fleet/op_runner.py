@@ -101,15 +101,16 @@ class OpRunner:
             self._stats.ops_refused += 1
             self._results.put(F.OpResult(req.op_id, False, error="busy: too many operations in flight"))
             return
+        received = time.monotonic()
         try:
-            self._pool.submit(self._run, req)
+            self._pool.submit(self._run, req, received)
         except RuntimeError:  # closing
             with self._lock:
                 self._inflight -= 1
 
-    def _run(self, req: F.OpRequest) -> None:
+    def _run(self, req: F.OpRequest, received: float) -> None:
         try:
-            self._results.put(self.execute(req))
+            self._results.put(self.execute(req, received))
         finally:
             with self._lock:
                 self._inflight -= 1
@@ -122,15 +123,22 @@ class OpRunner:
             except queue.Empty:
                 return
 
-    def execute(self, req: F.OpRequest) -> F.OpResult:
-        """Run one operation against its namespace's InstanceOps (any failure is an ``ok=False`` result)."""
-        if req.deadline and time.time() > req.deadline:
+    def execute(self, req: F.OpRequest, received: float | None = None) -> F.OpResult:
+        """Run one operation against its namespace's InstanceOps (any failure is an ``ok=False`` result).
+
+        ``req.timeout_s`` counts from ``received`` (``time.monotonic()`` when it arrived; default now) on
+        this machine's clock: a duration, so clocks of the two machines never meet. (The absolute
+        ``deadline`` of older controllers is not used: a clock ahead of the controller's failed everything.)
+        """
+        start = time.monotonic() if received is None else received
+        late = (lambda: time.monotonic() > start + req.timeout_s) if req.timeout_s > 0 else (lambda: False)
+        if late():
             return F.OpResult(req.op_id, False, error="deadline")
         try:
             out = self._dispatch(req)
         except Exception as exc:  # OpError and anything else: reported, never raised
             return F.OpResult(req.op_id, False, error=f"{type(exc).__name__}: {exc}"[:4096])
-        if req.deadline and time.time() > req.deadline:
+        if late():
             return F.OpResult(req.op_id, False, error="deadline")
         self._stats.ops += 1
         return F.OpResult(req.op_id, True, result=out if isinstance(out, dict) else {"value": out})

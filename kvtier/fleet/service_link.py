@@ -4,7 +4,7 @@
 registration and every ``poll_s``): a new host's manager is added to the
 :class:`~kvtier.fleet.agent.FleetAgent` (role ``"server"``) and its tier changes
 are published as vLLM KV events (:mod:`kvtier.events`: chunk keys as block hashes,
-``block_size`` = the namespace's chunk size, medium ``CPU``/``DISK``/``REMOTE``);
+``block_size`` = the namespace's chunk size, vLLM 0.32 media and localities, ownership ``kvtier``);
 a released host is removed.
 
 The managers' listeners only append to a bounded deque; a relay thread turns the
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from kvtier.fleet.agent import FleetAgent, default_instance_id, namespace_info, tier_infos
 from kvtier.protocol.fleet import TierInfo
+from kvtier.protocol.trust import credentials_from_config
 from kvtier.storage.tier_events import TierChange
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,15 +59,23 @@ class ServiceLink:
         self._sync_lock = threading.Lock()  # one sync at a time (connection threads and the relay)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        cfg = server.config
+        creds = credentials_from_config(cfg)  # TrustError (a ValueError): unusable fleet key or members
         if o.kv_events_endpoint:
             from kvtier.events.publisher import EventPublisher
 
-            self.publisher = EventPublisher(o.kv_events_endpoint, o.kv_events_replay_endpoint)
+            plain = bool(getattr(cfg, "kv_events_plain", False))
+            self.publisher = EventPublisher(o.kv_events_endpoint, o.kv_events_replay_endpoint,
+                                            credentials=None if plain else creds, plain=plain)
+            if self.publisher.public_key:
+                log.info("kvtier server: KV events on %s for fleet members with the events role (CURVE; server "
+                         "key %s)", self.publisher.endpoint, self.publisher.public_key)
         if o.controller:
             port = server.tcp_address[1] if server.tcp_address else "server"
             self.agent = FleetAgent(
                 o.controller, o.instance_id or default_instance_id(port), "server", token=o.controller_token,
                 tiers=server_tiers(server.config), peer_url=getattr(server.peer_server, "url", "") or "",
+                credentials=creds, controller_key=getattr(cfg, "controller_key", None),
             )
 
     def start(self) -> "ServiceLink":

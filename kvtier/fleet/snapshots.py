@@ -34,6 +34,7 @@ def snapshot_parts(
         seq: the last ``Changes`` seq the snapshot covers.
     """
     names = list(tiers) + [kind for kind in tier_kinds if kind not in tiers]  # empty tiers too
+    pinned = pinned[: F.MAX_KEYS_PER_PART * 32]  # informational; a part carries at most this many
     step = F.MAX_KEYS_PER_PART
     for tier in names:
         entries = list(tiers.get(tier, ()))

@@ -64,6 +64,13 @@ def is_lineage(parent: bytes | None) -> bool:
     return parent is not None and len(parent) == KEY_BYTES and parent[:8] == LINEAGE_TAG and any(parent[8:])
 
 
+def chain_parents(keys: Sequence[bytes], first: bytes | None = None) -> list[bytes | None]:
+    """The parent of each of ``keys`` when they are consecutive chunks of one prompt:
+    ``first`` (the parent of ``keys[0]``: the chunk before it, a lineage marker, or None
+    for a prompt's first chunk), then each key's predecessor. For ``open_write_many``."""
+    return [keys[i - 1] if i else first for i in range(len(keys))]
+
+
 def chain_parent(parent: bytes | None) -> bytes | None:
     """The parent that links chunks in a tier: ``parent``, or None for a lineage marker (a
     prompt's first chunk, whose marker is never a resident chunk)."""

@@ -64,3 +64,40 @@ def load_blocks(chunk: np.ndarray, kv: PagedKV, block_ids: Sequence[int], offset
     for src, layer in zip(chunk, kv):
         for j, b in enumerate(block_ids):
             np.copyto(layer[b], src[offset + j])
+
+
+def save_blocks_grouped(layers: Sequence[np.ndarray], layer_groups: Sequence[int], chunk: np.ndarray,
+                        ids_by_group: Sequence[Sequence[int]]) -> None:
+    """Hybrid models: copy layer ``l``'s engine blocks ``ids_by_group[layer_groups[l]]`` into
+    ``chunk[l, :n]`` (each group has its own block table; every group lists the same positions).
+
+    Raises:
+        IndexError: a block id outside the KV cache.
+        ValueError: the groups list different numbers of blocks.
+    """
+    if len({len(ids) for ids in ids_by_group}) > 1:
+        raise ValueError(f"groups list {[len(ids) for ids in ids_by_group]} blocks for one chunk")
+    if layers:
+        for ids in ids_by_group:
+            _check(ids, layers[0].shape[0])
+    for layer, g, out in zip(layers, layer_groups, chunk):
+        for j, b in enumerate(ids_by_group[g]):
+            np.copyto(out[j], layer[b])
+
+
+def load_blocks_grouped(chunk: np.ndarray, layers: Sequence[np.ndarray], layer_groups: Sequence[int],
+                        ids_by_group: Sequence[Sequence[int]], offset: int = 0, skip: int | None = None) -> None:
+    """Hybrid models: copy ``chunk[l, offset + j]`` into engine block ``ids_by_group[g][j]`` of layer ``l``
+    (``g = layer_groups[l]``), leaving out blocks equal to ``skip`` (vLLM's null block: out of a
+    sliding window, never read).
+
+    Raises:
+        IndexError: a block id outside the KV cache.
+    """
+    if layers:
+        for ids in ids_by_group:
+            _check([b for b in ids if b != skip], layers[0].shape[0])
+    for src, layer, g in zip(chunk, layers, layer_groups):
+        for j, b in enumerate(ids_by_group[g]):
+            if b != skip:
+                np.copyto(layer[b], src[offset + j])

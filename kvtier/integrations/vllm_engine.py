@@ -10,11 +10,14 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-#: kv_transfer_config names of the connector.
+#: kv_transfer_config names of the connector. kvtier's own tools (demos, benchmarks, tests, ``kvtier
+#: serve``) ask vLLM to recompute the blocks of a failed load (vLLM's default, "fail", ends the
+#: request with an error; see kvtier.integrations.vllm.failure_policy).
 CONNECTOR = {
     "kv_connector": "KVTierConnector",
     "kv_connector_module_path": "kvtier.integrations.vllm",
     "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
 }
 
 

@@ -40,7 +40,7 @@ message loss is detected by ``seq`` (in ``Changes`` and ``Heartbeat``) and repai
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
@@ -58,6 +58,26 @@ OPS = ("clear", "delete", "pin", "unpin", "move_local", "export", "import", "com
 #: Parent "none" in the ``parents`` binary of a Snapshot/Changes (32 zero bytes).
 NO_PARENT = b"\x00" * 32
 
+# -- bounds on what an agent may send (issue 24: every size a peer chooses is bounded) -------------
+#: Most namespaces one ``Register`` may carry (a ``kvtier server`` hosts at most 8 by default).
+MAX_NAMESPACES = 64
+#: Most tiers one ``Register`` may carry.
+MAX_TIERS = 16
+#: Longest namespace spec (canonical JSON, bytes).
+MAX_SPEC_BYTES = 4096
+#: Most entries of one ``Changes`` message (each at most ``MAX_KEYS_PER_PART`` keys).
+MAX_CHANGES = 1024
+#: Largest encoded ``Heartbeat`` whose health report is kept (bytes); a larger one only counts as a sign of life.
+MAX_HEALTH_BYTES = 64 << 10
+#: Largest message the controller's and the agents' sockets accept (``ZMQ_MAXMSGSIZE``): a full
+#: ``Snapshot`` part is 65536 keys and parents (4 MiB) plus its pinned keys.
+MAX_MESSAGE_BYTES = 16 << 20
+
+_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+_Short = Annotated[str, msgspec.Meta(max_length=255)]
+_Digest = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+_KeyBlob = Annotated[bytes, msgspec.Meta(max_length=MAX_KEYS_PER_PART * 32)]
+
 
 class NamespaceInfo(msgspec.Struct, frozen=True):
     """One key namespace an instance stores.
@@ -70,10 +90,10 @@ class NamespaceInfo(msgspec.Struct, frozen=True):
         chunk_bytes: payload bytes per chunk.
     """
 
-    digest: bytes
-    spec: bytes
-    chunk_size: int
-    chunk_bytes: int
+    digest: _Digest
+    spec: Annotated[bytes, msgspec.Meta(max_length=MAX_SPEC_BYTES)]
+    chunk_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    chunk_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 34)]
 
 
 class TierInfo(msgspec.Struct, frozen=True):
@@ -81,22 +101,22 @@ class TierInfo(msgspec.Struct, frozen=True):
     ``capacity_bytes`` (0: unbounded or unknown), ``shared`` (True: other instances see the same
     store, e.g. Redis or a shared filesystem)."""
 
-    kind: str
-    name: str
-    capacity_bytes: int = 0
+    kind: _Short
+    name: Annotated[str, msgspec.Meta(max_length=1024)]
+    capacity_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     shared: bool = False
 
 
 class Register(msgspec.Struct, tag="register", frozen=True):
-    instance: str
-    epoch: str
+    instance: _Id
+    epoch: _Short
     version: int
     role: Literal["embedded", "server"]
-    host: str
+    host: _Short
     pid: int
-    namespaces: list[NamespaceInfo]
-    tiers: list[TierInfo]
-    token: str = ""
+    namespaces: Annotated[list[NamespaceInfo], msgspec.Meta(max_length=MAX_NAMESPACES)]
+    tiers: Annotated[list[TierInfo], msgspec.Meta(max_length=MAX_TIERS)]
+    token: Annotated[str, msgspec.Meta(max_length=4096)] = ""
     #: The instance's peer server URL (``tcp://HOST:PORT``, ``shm:///PATH``, ``nixl://HOST:PORT``); "" when
     #: it serves no peers. Added compatibly: older agents omit it, older controllers ignore it.
     peer_url: str = ""
@@ -109,46 +129,46 @@ class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
     ``pinned`` lists keys (``m * 32`` bytes) pinned on the instance.
     """
 
-    instance: str
-    epoch: str
+    instance: _Id
+    epoch: _Short
     resync_id: int
-    namespace: bytes
-    tier: str
-    keys: bytes
-    parents: bytes
+    namespace: _Digest
+    tier: Annotated[str, msgspec.Meta(max_length=1024)]
+    keys: _KeyBlob
+    parents: _KeyBlob
     last: bool
     #: ``seq`` of the last ``Changes`` folded into this snapshot (changes after it follow).
     seq: int = 0
-    pinned: bytes = b""
+    pinned: _KeyBlob = b""
 
 
 class Change(msgspec.Struct, frozen=True, array_like=True):
     """``op``: ``"s"`` stored, ``"r"`` removed, ``"c"`` tier cleared (``keys`` empty)."""
 
     op: Literal["s", "r", "c"]
-    namespace: bytes
-    tier: str
-    keys: bytes = b""
-    parents: bytes = b""
+    namespace: _Digest
+    tier: Annotated[str, msgspec.Meta(max_length=1024)]
+    keys: _KeyBlob = b""
+    parents: _KeyBlob = b""
 
 
 class Changes(msgspec.Struct, tag="changes", frozen=True):
-    instance: str
-    epoch: str
+    instance: _Id
+    epoch: _Short
     seq: int
-    changes: list[Change]
+    changes: Annotated[list[Change], msgspec.Meta(max_length=MAX_CHANGES)]
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
-    instance: str
-    epoch: str
+    instance: _Id
+    epoch: _Short
     seq: int
     #: Per-tier health, as :meth:`kvtier.storage.instance_ops.InstanceOps.health` returns it.
     health: dict[str, Any] = {}
 
 
 class OpResult(msgspec.Struct, tag="op_result", frozen=True):
-    op_id: str
+    op_id: _Short
     ok: bool
     result: dict[str, Any] = {}
     error: str = ""
@@ -162,6 +182,9 @@ class Ack(msgspec.Struct, tag="ack", frozen=True):
     #: Why the controller refused the ``Register`` this answers (``known`` is then False): a
     #: missing or wrong token, another protocol version, a bad tier; "" otherwise.
     refused: str = ""
+    #: With ``refused``: seconds after which registering again may succeed (the id is held by a live
+    #: connection that may be this instance's previous one); 0: the agent's own back-off.
+    retry_s: float = 0.0
 
 
 class OpRequest(msgspec.Struct, tag="op", frozen=True):
@@ -169,8 +192,11 @@ class OpRequest(msgspec.Struct, tag="op", frozen=True):
     op: str
     namespace: bytes
     args: dict[str, Any] = {}
-    #: The agent answers ``ok=False, error="deadline"`` past this wall-clock time (time.time()).
+    #: Unused (older controllers sent an absolute wall-clock deadline; clocks of two machines differ).
     deadline: float = 0.0
+    #: The agent answers ``ok=False, error="deadline"`` this many seconds after it received the request
+    #: (its own monotonic clock); 0: no deadline of its own.
+    timeout_s: float = 0.0
 
 
 class PeerLocation(msgspec.Struct, frozen=True):
@@ -180,11 +206,14 @@ class PeerLocation(msgspec.Struct, frozen=True):
         instance: its id at the controller.
         peer_url: the URL its peer server listens on.
         chunks: leading asked keys its local tiers (CPU, disk) hold, per the controller's index.
+        key: the Z85 public key it authenticated with (the asker's peer tier requires the peer server
+            at ``peer_url`` to prove it); "" for a same-user ``shm://`` peer of an open controller.
     """
 
     instance: str
     peer_url: str
     chunks: int
+    key: str = ""
 
 
 class LocateReply(msgspec.Struct, frozen=True):

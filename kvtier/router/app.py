@@ -9,7 +9,9 @@ Each routed answer carries ``x-kvtier-backend``, ``x-kvtier-route-reason`` and
 ``x-kvtier-predicted-hit-tokens`` headers. A request whose backend cannot be reached (connect
 timeout ``connect_timeout_s``, refused, reset, 502/503/504, or the backend leaving the pool
 while the request waits) is retried once on the next-ranked backend, provided nothing was
-sent to the client yet; a stream cut after its first bytes ends early.
+sent to the client yet. Answers (streamed or not) pass through chunk by chunk; one the backend
+cuts after its first bytes reaches the client as a cut (an SSE error event for a stream, then
+an incomplete body), never as a clean finish.
 
 Modules: :mod:`.router` (decisions, state), :mod:`.forward` (forwarding, streaming, retry),
 :mod:`.metrics`, :mod:`.server` (:class:`RouterServer`). Their public names are re-exported

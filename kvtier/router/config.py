@@ -10,8 +10,17 @@ A backend on the command line is ``URL[=INSTANCE_ID][@EVENTS_ENDPOINT[,REPLAY_EN
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
+
+log = logging.getLogger("kvtier.router")
+
+#: Environment variable the router reads the controller's bearer token from (the controller's own).
+CONTROLLER_TOKEN_ENV = "KVTIER_CONTROLLER_TOKEN"
 
 #: Routing policies.
 POLICIES: tuple[str, ...] = ("kv-aware", "round-robin", "least-loaded")
@@ -73,6 +82,35 @@ def parse_backend(text: str) -> BackendSpec:
     return BackendSpec(url=url, instance_id=instance, events=events, replay=replay)
 
 
+def controller_token_from(argv_token: str | None, token_file: Path | None,
+                          environ: Mapping[str, str] = os.environ) -> str | None:
+    """The controller's bearer token: ``--controller-token`` (visible to every user in ``ps``
+    and ``/proc``: warned), else the first line of ``--controller-token-file``, else
+    ``$KVTIER_CONTROLLER_TOKEN``; ``None``: none given.
+
+    Raises:
+        RouterConfigError: both the flag and the file, an unreadable or empty file.
+    """
+    if argv_token is not None and token_file is not None:
+        raise RouterConfigError("give --controller-token or --controller-token-file, not both")
+    if argv_token is not None:
+        log.warning("kvtier router: --controller-token is visible to every user of this machine (ps, /proc); "
+                    "use --controller-token-file or $%s", CONTROLLER_TOKEN_ENV)
+        return argv_token or None
+    if token_file is not None:
+        try:
+            lines = token_file.read_text().splitlines()
+        except OSError as exc:
+            raise RouterConfigError(f"--controller-token-file {token_file}: {exc.strerror or exc}") from None
+        token = lines[0].strip() if lines else ""
+        if not token:
+            raise RouterConfigError(f"--controller-token-file {token_file} is empty")
+        if token_file.stat().st_mode & 0o077:
+            log.warning("kvtier router: token file %s is readable by other users; chmod 600 it", token_file)
+        return token
+    return environ.get(CONTROLLER_TOKEN_ENV) or None
+
+
 @dataclass(frozen=True)
 class Weights:
     """Score weights (kv-aware: score = sum of cached prefix tokens x tier weight - load x ``load``).
@@ -99,9 +137,12 @@ class Weights:
     external_request_tokens: float = 512.0
 
     def medium(self, medium: str | None) -> float:
-        """The weight of a KV-event medium (``None``/``GPU``: engine; ``STORAGE`` = ``DISK``)."""
-        return {"CPU": self.cpu, "DISK": self.disk, "STORAGE": self.disk,
-                "REMOTE": self.remote}.get(medium or "GPU", self.gpu)
+        """The weight of an index medium (``None``/``GPU``: engine; ``STORAGE`` = ``DISK``); 0 for a
+        name it does not know (such blocks are never indexed: an unknown name weighs least)."""
+        if medium is None:
+            return self.gpu
+        return {"GPU": self.gpu, "CPU": self.cpu, "DISK": self.disk, "STORAGE": self.disk,
+                "REMOTE": self.remote}.get(medium.upper(), 0.0)
 
     def validate(self) -> None:
         """Raises RouterConfigError when a weight is out of range or the tiers are not ordered."""
@@ -130,6 +171,9 @@ class RouterConfig:
         controller_token: its bearer token (``None``: none).
         weights: score weights.
         events_topic: KV events topic to subscribe to (``""``: every topic; vLLM's default).
+        events_max_message_bytes: largest KV event frame read from a backend (bytes); a larger
+            one is dropped with its publisher's connection (a gap: replayed, else the backend's
+            routes are dropped).
         health_interval_s: seconds between ``GET /health`` probes of each backend.
         metrics_interval_s: seconds between ``GET /metrics`` polls of each backend.
         connect_timeout_s: connect timeout to a backend (a request then tries another one).
@@ -139,6 +183,16 @@ class RouterConfig:
         down_after_timeouts: consecutive probe timeouts that take a backend out (a refused
             connection takes it out at once).
         decisions_kept: routing decisions kept for ``/router/state``.
+        max_body_bytes: largest request body (bytes); larger is 413 before it is read.
+        max_prompt_tokens: longest prompt (tokens; a longer one is 400 before it is forwarded);
+            ``None``: the smallest ``max_model_len`` the backends' ``/v1/models`` report, once
+            known.
+        fleet_key / fleet_members: the router's fleet key file and a members file (see
+            :mod:`kvtier.protocol.trust`): a backend whose instance id names a member there has its
+            KV events read over CURVE with that member's public key (a ``kvtier server``'s keyed
+            stream admits the router if its own members file lists the router's key with the
+            ``events`` role); other backends' events (vLLM's publisher) are read plain. Both or
+            neither.
     """
 
     backends: tuple[BackendSpec, ...]
@@ -148,6 +202,7 @@ class RouterConfig:
     controller_token: str | None = None
     weights: Weights = field(default_factory=Weights)
     events_topic: str = ""
+    events_max_message_bytes: int = 16 << 20
     health_interval_s: float = 0.5
     metrics_interval_s: float = 0.5
     connect_timeout_s: float = 1.0
@@ -156,6 +211,10 @@ class RouterConfig:
     controller_timeout_s: float = 0.25
     down_after_timeouts: int = 2
     decisions_kept: int = 64
+    max_body_bytes: int = 16 << 20
+    max_prompt_tokens: int | None = None
+    fleet_key: str | None = None
+    fleet_members: str | None = None
 
     def validate(self) -> RouterConfig:
         """Check the settings; returns self.
@@ -178,6 +237,13 @@ class RouterConfig:
                      "read_timeout_s", "controller_timeout_s"):
             if getattr(self, name) <= 0:
                 raise RouterConfigError(f"{name} must be > 0")
+        if self.max_body_bytes < 1 or (self.max_prompt_tokens is not None and self.max_prompt_tokens < 1):
+            raise RouterConfigError("max_body_bytes and max_prompt_tokens must be >= 1")
+        if (self.fleet_key is None) != (self.fleet_members is None):
+            raise RouterConfigError("--fleet-key and --fleet-members go together (the router's key, and the "
+                                    "publishers' keys by instance id)")
+        if self.events_max_message_bytes < 1:
+            raise RouterConfigError("events_max_message_bytes must be >= 1")
         if self.down_after_timeouts < 1 or self.decisions_kept < 1:
             raise RouterConfigError("down_after_timeouts and decisions_kept must be >= 1")
         self.weights.validate()

@@ -2,8 +2,10 @@
 
 A request whose backend cannot be reached (connect timeout, refused, reset, 502/503/504, or
 the backend leaving the pool while the request waits) is retried once on the next-ranked
-backend, provided nothing was sent to the client yet; a stream cut after its first bytes
-ends early.
+backend, provided nothing was sent to the client yet. Every answer, streamed or not, is passed
+through chunk by chunk as it arrives (never held whole: :mod:`.passthrough`); one the backend
+cuts after its first bytes reaches the client as a cut (an SSE error event, then an incomplete
+body), never as a clean finish.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from kvtier.router.load import LoadTracker
 from kvtier.router.metrics import RouterMetrics
+from kvtier.router.passthrough import PassThrough, StreamCut
 from kvtier.router.pool import BackendPool, BackendState
 from kvtier.router.scoring import Candidate, Decision
 
@@ -29,6 +32,9 @@ T = TypeVar("T")
 #: Request headers not passed on to a backend (hop-by-hop, or recomputed by the client).
 HOP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
                          "proxy-connection", "te", "trailer", "accept-encoding"})
+#: Answer headers passed on from the backend besides the content type (an answer passed whole
+#: keeps its length, so a cut falls short of it; its encoding, so a compressed body stays readable).
+_PASSED_HEADERS = frozenset({"content-length", "content-encoding"})
 #: Backend statuses that count as "unavailable" (the request is retried elsewhere).
 RETRY_STATUS = frozenset({502, 503, 504})
 
@@ -94,7 +100,7 @@ class Forwarder:
         self.metrics = metrics
 
     async def forward(self, client: httpx.AsyncClient, d: Decision, path: str, body: bytes,
-                      headers: dict[str, str], stream: bool, n_tokens: int) -> Forwarded:
+                      headers: dict[str, str], n_tokens: int) -> Forwarded:
         """Try ``d.order[0]``, then ``d.order[1]`` if the first failed (one that left the pool is skipped)."""
         attempts: list[dict[str, Any]] = []
         for cand in d.order[:2]:
@@ -104,7 +110,7 @@ class Forwarder:
             if attempts:
                 self.metrics.retries.inc()
             try:
-                resp = await self.attempt(client, b, path, body, headers, stream, n_tokens, cand, d)
+                resp = await self.attempt(client, b, path, body, headers, n_tokens, cand, d)
             except BackendUnavailable as exc:
                 attempts.append({"backend": b.name, "error": str(exc)})
                 continue
@@ -112,8 +118,8 @@ class Forwarder:
         return Forwarded(None, None, attempts)
 
     async def attempt(self, client: httpx.AsyncClient, b: BackendState, path: str, body: bytes,
-                      headers: dict[str, str], stream: bool, n_tokens: int, cand: Candidate, d: Decision) -> Response:
-        """Send one request to ``b``; the answer whole, or streamed through as it comes.
+                      headers: dict[str, str], n_tokens: int, cand: Candidate, d: Decision) -> Response:
+        """Send one request to ``b``; its answer streamed through as it comes (:class:`PassThrough`).
 
         ``n_tokens`` (prompt tokens) count in ``b``'s load until the answer is sent or cut.
         The answer carries the ``x-kvtier-*`` headers of ``cand`` and ``d``.
@@ -178,23 +184,7 @@ class Forwarder:
             await resp.aclose()
             end()
             raise
-        if not stream:
-            try:
-                rest = [first]
-                while True:
-                    try:
-                        rest.append(await race(chunks.__anext__(), down))
-                    except StopAsyncIteration:
-                        break
-            except (httpx.HTTPError, BackendUnavailable) as exc:
-                self.metrics.failures.labels(b.name).inc()
-                self.pool.failure(b, f"{path}: {type(exc).__name__}: {exc}",
-                                  definitive=isinstance(exc, httpx.TransportError))
-                raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from None
-            finally:
-                await resp.aclose()
-                end()
-            return Response(b"".join(rest), status_code=resp.status_code, headers=out_headers, media_type=ctype)
+        passed = {k: v for k, v in resp.headers.items() if k.lower() in _PASSED_HEADERS}
 
         async def body_iter() -> AsyncIterator[bytes]:
             try:
@@ -207,11 +197,13 @@ class Forwarder:
                         break
                     except (httpx.HTTPError, BackendUnavailable) as exc:
                         self.metrics.failures.labels(b.name).inc()
-                        log.warning("kvtier router: stream from %s cut: %s", b.name, exc)
-                        break
+                        self.metrics.cut.labels(b.name).inc()
+                        log.warning("kvtier router: answer from %s cut: %s", b.name, exc)
+                        raise StreamCut(f"the answer from backend {b.name} was cut: {type(exc).__name__}") from None
                     yield chunk
             finally:
                 await resp.aclose()
                 end()
 
-        return StreamingResponse(body_iter(), status_code=resp.status_code, headers=out_headers, media_type=ctype)
+        return PassThrough(body_iter(), status_code=resp.status_code, headers={**passed, **out_headers},
+                           media_type=ctype)

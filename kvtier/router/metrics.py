@@ -23,7 +23,12 @@ class RouterMetrics:
         self.prompt_tokens = Counter("kvtier_router_prompt_tokens", "Prompt tokens of routed requests",
                                      ["backend"], registry=r)
         self.retries = Counter("kvtier_router_retries", "Requests retried on another backend", registry=r)
+        self.cut = Counter("kvtier_router_answers_cut", "Answers a backend cut after their first bytes",
+                           ["backend"], registry=r)
         self.failures = Counter("kvtier_router_backend_failures", "Requests a backend failed", ["backend"], registry=r)
+        self.refused = Counter("kvtier_router_refused", "Requests refused before routing, by status "
+                               "(400 bad body or prompt beyond the context, 413 body too large, 429 too much work)",
+                               ["status"], registry=r)
         self.untokenized = Counter("kvtier_router_untokenized", "Requests routed without token ids", registry=r)
         self.healthy = Gauge("kvtier_router_backend_healthy", "1 while the backend is in the pool", ["backend"],
                              registry=r)

@@ -6,9 +6,17 @@ Each ``POST /v1/completions`` or ``/v1/chat/completions`` goes first to a prefil
 the ``kv_transfer_params`` of its answer are added to the original request, which
 goes to a decoder (round robin), its answer (streamed or not) passed through.
 
+The proxy's clients are not trusted with the PD protocol: ``kv_transfer_params`` a client
+sends (at the top level or inside ``vllm_xargs``) are dropped from both legs, so a decoder
+only ever receives the parameters the proxy's own prefiller returned (or none), never a
+host:port, engine id or request id of the client's choosing (:func:`client_body`). The
+prefill leg also drops what would make the one-token leg fail or grow (``min_tokens``,
+``echo``, ``prompt_logprobs``), and its answer is read up to :data:`MAX_PREFILL_ANSWER_BYTES`.
+
 A prefiller that cannot be reached, answers an error or returns no
 ``kv_transfer_params`` is skipped: the decoder then computes the prompt itself
-(slower, same tokens). A decoder that cannot be reached answers 502. Answers carry
+(slower, same tokens). A decoder that cannot be reached answers 502; one that cuts its
+answer mid-way is passed on as a cut (:mod:`kvtier.router.passthrough`). Answers carry
 ``x-kvtier-prefill`` (the prefiller's URL, or "skipped") and ``x-kvtier-decode``.
 """
 
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,9 +32,11 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from kvtier.router.admission import DEFAULT_MAX_BODY_BYTES, Admission, Refused
 from kvtier.router.app_server import AppServer
+from kvtier.router.passthrough import PassThrough, StreamCut
 
 log = logging.getLogger("kvtier.router.pd")
 
@@ -45,19 +56,60 @@ class PDProxyStats:
     last_params: dict[str, Any] = field(default_factory=dict)  # the last prefill's kv_transfer_params
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg of ``body``: one token, not streamed, ``do_remote_decode``."""
-    out = dict(body)
-    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out.pop("stream_options", None)
+#: Longest prefill-leg answer read (bytes; one token's answer is < 1 KiB plus the params).
+MAX_PREFILL_ANSWER_BYTES = 1 << 20
+#: Prefill-leg fields the proxy drops: they would make a one-token leg fail (``min_tokens`` > 1)
+#: or make its answer as large as the prompt (``echo``, ``prompt_logprobs``).
+_PREFILL_DROPPED = ("stream_options", "min_tokens", "echo", "prompt_logprobs")
+
+
+def client_body(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` without any ``kv_transfer_params`` of the client's (top level and ``vllm_xargs``,
+    where vLLM also reads them): only the proxy sets them."""
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    xargs = out.get("vllm_xargs")
+    if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
+        out["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_transfer_params"}
     return out
 
 
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg of ``body``: one token, not streamed, ``do_remote_decode`` (the client's
+    own ``kv_transfer_params`` and the fields in :data:`_PREFILL_DROPPED` removed)."""
+    out = client_body(body)
+    for k in _PREFILL_DROPPED:
+        out.pop(k, None)
+    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
+    """The decode leg of ``body``: the client's request with the prefiller's ``params`` only
+    (``None``: no ``kv_transfer_params`` at all; the decoder computes the prompt)."""
+    out = client_body(body)
+    if params is not None:
+        out["kv_transfer_params"] = params
+    return out
+
+
+def _parse_and_prefill_leg(raw: bytes) -> tuple[dict[str, Any], bytes]:
+    """The client's body and its prefill leg, encoded (on a worker thread).
+
+    Raises:
+        ValueError: not JSON, or not an object.
+    """
+    body = json.loads(raw)
+    if not isinstance(body, dict):
+        raise ValueError("not a JSON object")
+    return body, json.dumps(prefill_body(body)).encode()
+
+
 def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 600.0,
-                  connect_timeout_s: float = 5.0) -> tuple[FastAPI, PDProxyStats]:
-    """The proxy app and its counters.
+                  connect_timeout_s: float = 5.0,
+                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> tuple[FastAPI, PDProxyStats]:
+    """The proxy app and its counters (``max_body_bytes``: larger request bodies are 413).
 
     Raises:
         ValueError: no prefill or no decode URL.
@@ -68,6 +120,7 @@ def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: fl
     prefills = itertools.cycle([u.rstrip("/") for u in prefill_urls])
     decodes = itertools.cycle([u.rstrip("/") for u in decode_urls])
     holder: dict[str, httpx.AsyncClient] = {}
+    admission = Admission(max_body_bytes)  # bodies bounded, parsed off the event loop
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -77,44 +130,61 @@ def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: fl
             yield
         finally:
             await holder["c"].aclose()
+            admission.close()
 
     app = FastAPI(title="kvtier pd-proxy", lifespan=lifespan)
 
-    async def prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, dict | None]:
+    async def prefill(path: str, content: bytes, headers: dict[str, str]) -> tuple[str, dict | None]:
         url = next(prefills)
         try:
-            r = await holder["c"].post(url + path, json=prefill_body(body), headers=headers)
+            client = holder["c"]
+            req = client.build_request("POST", url + path, content=content, headers=headers)
+            r = await client.send(req, stream=True)
+            try:
+                raw = b""
+                async for chunk in r.aiter_bytes():
+                    raw += chunk
+                    if len(raw) > MAX_PREFILL_ANSWER_BYTES:
+                        raise ValueError(f"prefill answer beyond {MAX_PREFILL_ANSWER_BYTES} bytes")
+            finally:
+                await r.aclose()
             if r.status_code != 200:
                 log.warning("pd-proxy: prefiller %s answered %d; the decoder computes the prompt", url, r.status_code)
                 return url, None
-            params = r.json().get("kv_transfer_params")
+            params = json.loads(raw).get("kv_transfer_params")
             return url, params if isinstance(params, dict) else None
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
             log.warning("pd-proxy: prefiller %s failed (%s); the decoder computes the prompt", url, exc)
             return url, None
 
     async def handle(path: str, request: Request) -> Response:
         stats.requests += 1
+        # The body is parsed and each leg encoded on the proxy's worker threads, never its event loop.
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError("not a JSON object")
+            raw = await admission.read_body(request)
+            body, pleg = await admission.run(request, len(raw), lambda: _parse_and_prefill_leg(raw))
+        except Refused as exc:
+            return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
         except ValueError as exc:
             return JSONResponse({"error": f"bad request body: {exc}"}, status_code=400)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        purl, params = await prefill(path, body, headers)
+        headers["content-type"] = "application/json"
+        purl, params = await prefill(path, pleg, headers)
         if params is None:
             stats.prefill_skipped += 1
             purl = "skipped"
         else:
             stats.prefilled += 1
             stats.last_params = params
-            body = {**body, "kv_transfer_params": params}
+        try:
+            dleg = await admission.run(request, len(raw), lambda: json.dumps(decode_body(body, params)).encode())
+        except Refused as exc:
+            return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
         durl = next(decodes)
         out_headers = {"x-kvtier-prefill": purl, "x-kvtier-decode": durl}
         client = holder["c"]
         try:
-            req = client.build_request("POST", durl + path, json=body, headers=headers)
+            req = client.build_request("POST", durl + path, content=dleg, headers=headers)
             resp = await client.send(req, stream=True)
         except httpx.HTTPError as exc:
             stats.decode_failed += 1
@@ -125,12 +195,15 @@ def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: fl
             try:
                 async for chunk in resp.aiter_raw():
                     yield chunk
-            except httpx.HTTPError as exc:  # a stream cut mid-way ends early
+            except httpx.HTTPError as exc:  # surfaced to the client as a cut, never a clean finish
                 log.warning("pd-proxy: decoder %s stream cut: %s", durl, exc)
+                raise StreamCut(f"the decoder's answer was cut: {type(exc).__name__}") from None
             finally:
                 await resp.aclose()
 
-        return StreamingResponse(body_iter(), status_code=resp.status_code, media_type=media, headers=out_headers)
+        passed = {k: v for k, v in resp.headers.items() if k.lower() in ("content-length", "content-encoding")}
+        return PassThrough(body_iter(), status_code=resp.status_code, media_type=media,
+                           headers={**passed, **out_headers})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -163,6 +236,6 @@ class PDProxyServer(AppServer):
     """
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], host: str = "127.0.0.1", port: int = 8200,
-                 timeout_s: float = 600.0):
-        app, self.stats = create_pd_app(prefill_urls, decode_urls, timeout_s)
+                 timeout_s: float = 600.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        app, self.stats = create_pd_app(prefill_urls, decode_urls, timeout_s, max_body_bytes=max_body_bytes)
         super().__init__(app, host, port, "kvtier pd-proxy")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvtier.router.config import BackendSpec
+from kvtier.urls import mask_url
 
 log = logging.getLogger("kvtier.router")
 
@@ -60,7 +61,7 @@ class BackendState:
         return self.down_event
 
     def state(self) -> dict[str, object]:
-        return {"url": self.spec.url, "instance_id": self.spec.instance_id, "events": self.spec.events,
+        return {"url": mask_url(self.spec.url), "instance_id": self.spec.instance_id, "events": self.spec.events,
                 "healthy": self.healthy, "failures": self.failures, "downs": self.downs,
                 "last_error": self.last_error, "for_s": round(time.monotonic() - self.since, 3)}
 

@@ -9,7 +9,11 @@ engine hash stands for which chain key from ``BlockStored.token_ids`` and
 whatever their seeds.
 
 Per backend it keeps ``chain key -> set of mediums`` (``GPU``: engine-resident; ``CPU``,
-``DISK``, ``REMOTE``: kvtier tiers). ``BlockRemoved`` removes a medium (all of them when it
+``DISK``, ``REMOTE``: kvtier tiers). Both vocabularies are read: vLLM's (``GPU``, ``CPU``,
+``STORAGE``, with ``locality="REMOTE"`` for a copy held elsewhere) and kvtier's (``CPU``,
+``DISK``, ``REMOTE``); see :func:`index_medium`. A medium neither names is not indexed (its
+hashes still link chains), so a publisher cannot make its blocks outrank the engine's by
+naming a tier the router does not know. ``BlockRemoved`` removes a medium (all of them when it
 names none), ``AllBlocksCleared`` and :meth:`PrefixIndex.drop` (a restarted backend) forget
 everything of that backend. Blocks with extra hash inputs (LoRA, multimodal, cache salt) get
 those mixed into their key, so they never match a plain prompt.
@@ -25,18 +29,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import blake3
 import msgspec
 import numpy as np
 
-from kvtier.events.schema import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-    normalize_medium,
-)
+from kvtier.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, normalize_medium
 
 log = logging.getLogger("kvtier.router")
 
@@ -102,6 +101,33 @@ class PrefixMatch:
 _MEDIUM_RANK = {"GPU": 0, "CPU": 1, "DISK": 2, "REMOTE": 3}
 
 
+def index_medium(medium: str | None, locality: str | None = None) -> str | None:
+    """The index's medium (``GPU``, ``CPU``, ``DISK``, ``REMOTE``) of a published one.
+
+    Args:
+        medium: the event's ``medium`` (``None``: the engine's own blocks, ``GPU``); vLLM's
+            names (``GPU``, ``CPU``, ``STORAGE``) and kvtier's (``CPU``, ``DISK``, ``REMOTE``),
+            any letter case.
+        locality: vLLM's ``locality``; ``"REMOTE"`` (a copy another machine holds) makes any
+            tier below the engine ``REMOTE``.
+
+    Returns:
+        The index's name, or ``None`` for a medium it does not know (not indexed: an unknown
+        name must never weigh like an engine-resident block).
+    """
+    if medium is None:
+        return GPU
+    if not isinstance(medium, str):
+        return None
+    loc = locality.upper() if isinstance(locality, str) else None
+    name = normalize_medium(medium.upper(), loc)  # the one reading of vLLM's and kvtier's names
+    if name == GPU:
+        return GPU  # the engine's own blocks are local by definition
+    if name in ("CPU", "DISK") and loc == "REMOTE":
+        return "REMOTE"
+    return name if name in _MEDIUM_RANK else None
+
+
 def _best(mediums: set[str]) -> str:
     return min(mediums, key=lambda m: (_MEDIUM_RANK.get(m, 9), m))
 
@@ -128,6 +154,7 @@ class PrefixIndex:
         max_blocks: most blocks remembered per backend (oldest dropped first).
 
     Counters (per backend, in :meth:`stats`): ``stored``/``removed`` blocks applied,
+    ``unknown_medium`` (blocks of a medium :func:`index_medium` does not know: not indexed),
     ``orphans`` (a ``BlockStored`` whose parent hash is unknown: skipped), ``clears``,
     ``drops``.
     """
@@ -136,7 +163,7 @@ class PrefixIndex:
         self._lock = threading.Lock()
         self._blocks = {b: _Blocks(max_blocks) for b in backends}
         self._stats = {b: {"stored": 0, "removed": 0, "orphans": 0, "clears": 0, "drops": 0,
-                           "bad_events": 0} for b in backends}
+                           "bad_events": 0, "unknown_medium": 0} for b in backends}
 
     def apply(self, backend: str, batch: KVEventBatch) -> None:
         """Apply one batch of ``backend``'s events. Malformed events are counted, never raised.
@@ -175,25 +202,30 @@ class PrefixIndex:
                 return
             parent = known
         blocks.block_size = ev.block_size
-        medium = normalize_medium(ev.medium) or GPU
+        medium = index_medium(ev.medium, ev.locality)
         keys = chain_keys(ev.token_ids, ev.block_size, ev.lora_name, ev.extra_keys, parent)
         for h, k in zip(ev.block_hashes, keys):
             blocks.hash_key[h] = k
             blocks.hash_key.move_to_end(h)
+            if medium is None:  # linked (a later block may name it as parent), never matched
+                continue
             m = blocks.present.get(k)
             if m is None:
                 blocks.present[k] = {medium}
             else:
                 m.add(medium)
                 blocks.present.move_to_end(k)
-        st["stored"] += n
+        st["stored" if medium is not None else "unknown_medium"] += n
         while len(blocks.present) > blocks.max_blocks:
             blocks.present.popitem(last=False)
         while len(blocks.hash_key) > 2 * blocks.max_blocks:
             blocks.hash_key.popitem(last=False)
 
     def _removed(self, blocks: _Blocks, st: dict[str, int], ev: BlockRemoved) -> None:
-        medium = normalize_medium(ev.medium)
+        medium = None if ev.medium is None else index_medium(ev.medium, ev.locality)
+        if ev.medium is not None and medium is None:
+            st["unknown_medium"] += len(ev.block_hashes)  # nothing of it was indexed
+            return
         for h in ev.block_hashes:
             k = blocks.hash_key.get(h)
             if k is None:
@@ -260,10 +292,18 @@ class EventFeed:
         endpoint: its PUB endpoint; ``replay``: its replay endpoint (``None``: none).
         topic: topic filter (``""``: all).
         on_restart: called (on the feed thread) when the publisher restarted.
+        max_message_bytes: largest event frame accepted (bytes; ``None``: the subscriber's
+            default, :data:`kvtier.events.subscriber.MAX_MESSAGE_BYTES`).
+        credentials / server_key: the router's fleet credentials and the publisher's public key
+            (a CURVE stream); ``None``: plain (vLLM's publisher).
     """
 
     def __init__(self, index: PrefixIndex, backend: str, endpoint: str, replay: str | None = None,
-                 topic: str = "", on_restart: Callable[[str], None] | None = None) -> None:
+                 topic: str = "", on_restart: Callable[[str], None] | None = None,
+                 max_message_bytes: int | None = None, credentials: Any = None,
+                 server_key: str | None = None) -> None:
+        self._max_message_bytes = max_message_bytes
+        self._curve = {"credentials": credentials, "server_key": server_key} if server_key else {}
         self._index = index
         self._backend = backend
         self._endpoint = endpoint
@@ -285,13 +325,17 @@ class EventFeed:
 
     def stats(self) -> dict[str, object]:
         """Batches applied, subscriber counters, last error."""
-        return {"endpoint": self._endpoint, "batches": self.batches, **self._sub_stats, "error": self.error}
+        return {"endpoint": self._endpoint, "curve": bool(self._curve), "batches": self.batches, **self._sub_stats,
+                "error": self.error}
 
     def _run(self) -> None:
         from kvtier.events.subscriber import EventSubscriber
 
         try:
-            sub = EventSubscriber(self._endpoint, self._replay, topic=self._topic)
+            kw: dict[str, Any] = dict(self._curve)
+            if self._max_message_bytes is not None:
+                kw["max_message_bytes"] = self._max_message_bytes
+            sub = EventSubscriber(self._endpoint, self._replay, topic=self._topic, **kw)
         except Exception as exc:  # noqa: BLE001 - a bad endpoint: the backend is routed without events
             self.error = f"{type(exc).__name__}: {exc}"
             log.error("kvtier router: events of %s at %s: %s", self._backend, self._endpoint, self.error)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import deque
@@ -21,16 +20,40 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 
-from kvtier.router.config import RouterConfig
+from kvtier.router.admission import Admission, Refused
+from kvtier.router.config import BackendSpec, RouterConfig, RouterConfigError
 from kvtier.router.forward import Forwarder, forward_headers
 from kvtier.router.load import LoadTracker
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.pool import BackendPool
 from kvtier.router.prefix_index import EventFeed, PrefixIndex
 from kvtier.router.scoring import Candidate, Decision, predicted_hit, rank
-from kvtier.router.tokenize import PromptTokenizer, TokenizeError, Tokenizer
+from kvtier.router.request_body import BadBody, prepare
+from kvtier.router.tokenize import PromptTokenizer, PromptTooLong, Tokenizer
+from kvtier.urls import mask_url
 
 log = logging.getLogger("kvtier.router")
+
+
+def _credentials(config: RouterConfig) -> Any:
+    """The router's fleet credentials (``fleet_key`` + ``fleet_members``), or None.
+
+    Raises:
+        RouterConfigError: unusable key or members file (the message says why).
+    """
+    if config.fleet_key is None or config.fleet_members is None:
+        return None
+    from kvtier.protocol.trust import Credentials, TrustError
+
+    try:
+        return Credentials.from_paths(config.fleet_key, config.fleet_members, name="router")
+    except TrustError as exc:
+        raise RouterConfigError(f"--fleet-key/--fleet-members: {exc}") from None
+
+
+def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=headers)
 
 
 
@@ -52,9 +75,14 @@ class Router:
         self.pool = BackendPool(config.backends, config.down_after_timeouts, on_down=[self._on_down])
         self.load = LoadTracker(names, config.weights, on_restart=self._on_restart)
         self.tokenizer = PromptTokenizer(tokenizer)
+        self.admission = Admission(config.max_body_bytes)
+        #: The model's context (tokens): ``config.max_prompt_tokens``, else learned from the
+        #: backends' ``/v1/models`` (``max_model_len``); ``None`` until known (not checked).
+        self.max_prompt_tokens: int | None = config.max_prompt_tokens
         self.metrics = RouterMetrics()
         self.forwarder = Forwarder(self.pool, self.load, self.metrics)
         self.decisions: deque[dict[str, Any]] = deque(maxlen=config.decisions_kept)
+        self.credentials = _credentials(config)
         self.feeds: dict[str, EventFeed] = {}
         self.controller_errors = 0
         self.controller_last_error: str | None = None
@@ -75,12 +103,18 @@ class Router:
         self._probe_client = httpx.AsyncClient(timeout=c.health_timeout_s)
         for b in c.backends:
             if b.events:
+                key = self._publisher_key(b)
                 self.feeds[b.name] = EventFeed(self.index, b.name, b.events, b.replay, c.events_topic,
-                                               on_restart=self._on_feed_restart)
+                                               on_restart=self._on_feed_restart,
+                                               max_message_bytes=c.events_max_message_bytes,
+                                               credentials=self.credentials, server_key=key)
         await asyncio.gather(*(asyncio.to_thread(f.start) for f in self.feeds.values()))
         # One probe round before serving, so a backend that is down at start is not tried first.
         await asyncio.gather(*(self.pool.probe(self._probe_client, b, c.health_timeout_s) for b in self.pool.backends))
+        if self.max_prompt_tokens is None:
+            await self._learn_context()
         self._tasks = [
+            asyncio.create_task(self._learn_context(forever=True)),
             asyncio.create_task(self.pool.run(self._probe_client, c.health_interval_s, c.health_timeout_s)),
             asyncio.create_task(self.load.run(self._probe_client, [(b.name, b.url) for b in c.backends],
                                               c.metrics_interval_s, c.health_timeout_s)),
@@ -99,6 +133,41 @@ class Router:
             if cl is not None:
                 await cl.aclose()
         self._client = self._probe_client = None
+        self.admission.close()
+
+    #: Seconds between attempts to learn the model's context from the backends.
+    LEARN_CONTEXT_EVERY_S = 5.0
+
+    async def _learn_context(self, forever: bool = False) -> None:
+        """Set :attr:`max_prompt_tokens` to the smallest ``max_model_len`` the healthy backends'
+        ``/v1/models`` report (vLLM's field); one round, or (``forever``) one every
+        :data:`LEARN_CONTEXT_EVERY_S` seconds until known."""
+        while self.max_prompt_tokens is None and self._probe_client is not None:
+            found: list[int] = []
+            for b in self.pool.healthy():
+                try:
+                    r = await self._probe_client.get(b.spec.url + "/v1/models")
+                    for m in r.json().get("data", []):
+                        n = m.get("max_model_len") if isinstance(m, dict) else None
+                        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                            found.append(n)
+                except (httpx.HTTPError, ValueError, AttributeError, TypeError):
+                    continue
+            if found:
+                self.max_prompt_tokens = min(found)
+                log.info("kvtier router: prompts beyond %d tokens (the backends' max_model_len) are refused",
+                         self.max_prompt_tokens)
+            if not forever:
+                return
+            await asyncio.sleep(self.LEARN_CONTEXT_EVERY_S)
+
+    def _publisher_key(self, spec: BackendSpec) -> str | None:
+        """The public key of the member named like backend ``spec``'s instance id in the router's members
+        file (its KV events are then read over CURVE); ``None``: not listed, read plain."""
+        if self.credentials is None or not spec.instance_id:
+            return None
+        return next((m.public for m in self.credentials.members.current().values() if m.name == spec.instance_id),
+                    None)
 
     def _on_down(self, name: str) -> None:
         self.index.drop(name)
@@ -112,7 +181,7 @@ class Router:
         log.warning("kvtier router: KV events of %s restarted: dropping its routes", name)
 
     # -- deciding ---------------------------------------------------------------------------
-    async def _controller_rows(self, tokens: list[int]) -> dict[str, dict[str, int]]:
+    async def _controller_rows(self, tokens: list[int], salt: str | None = None) -> dict[str, dict[str, int]]:
         c = self.config
         if not c.controller_url or not tokens or self._probe_client is None:
             return {}
@@ -124,6 +193,7 @@ class Router:
         try:
             r = await self._probe_client.post(c.controller_url.rstrip("/") + "/lookup",
                                               content=np.asarray(tokens, dtype="<u4").tobytes(),
+                                              params={"cache_salt": salt} if salt else None,
                                               headers=headers, timeout=c.controller_timeout_s)
             r.raise_for_status()
             rows = r.json().get("instances", {})
@@ -133,11 +203,16 @@ class Router:
             return {}
         return rows if isinstance(rows, dict) else {}
 
-    async def candidates(self, tokens: list[int] | None) -> list[Candidate]:
-        """The healthy backends with their predicted hits and load for ``tokens``."""
+    async def candidates(self, tokens: list[int] | None, salt: str | None = None) -> list[Candidate]:
+        """The healthy backends with their predicted hits and load for ``tokens``.
+
+        ``salt`` (the request's ``cache_salt``) enters the first block's key as vLLM's does (its
+        event ``extra_keys`` carry ``(salt,)`` for block 0), so a salted prompt matches only
+        blocks stored under the same salt, and the controller is asked within that salt."""
         healthy = self.pool.healthy()
         w = self.config.weights
-        rows = await self._controller_rows(tokens) if tokens and self.config.policy == "kv-aware" else {}
+        rows = await self._controller_rows(tokens, salt) if tokens and self.config.policy == "kv-aware" else {}
+        extra = [(salt,)] if salt else None
         keys_by_bs: dict[int, list[bytes]] = {}
         out = []
         for b in healthy:
@@ -145,15 +220,16 @@ class Router:
             if tokens and self.config.policy == "kv-aware":
                 row = rows.get(b.spec.instance_id or "") if b.spec.instance_id else None
                 hit_tokens, hit_score, per_tier = predicted_hit(self.index, b.name, tokens, keys_by_bs, w,
-                                                                row if isinstance(row, dict) else None)
+                                                                row if isinstance(row, dict) else None,
+                                                                extra_keys=extra)
             out.append(Candidate(name=b.name, index=b.index, hit_tokens=hit_tokens, hit_score=hit_score,
                                  per_tier=per_tier, load_tokens=self.load.load_tokens(b.name),
                                  last_assigned=self.load.last_assigned(b.name)))
         return out
 
-    async def decide(self, tokens: list[int] | None) -> Decision | None:
-        """Rank the healthy backends for a prompt (``None``: none healthy)."""
-        cands = await self.candidates(tokens)
+    async def decide(self, tokens: list[int] | None, salt: str | None = None) -> Decision | None:
+        """Rank the healthy backends for a prompt (``None``: none healthy); ``salt``: its ``cache_salt``."""
+        cands = await self.candidates(tokens, salt)
         if not cands:
             return None
         d = rank(self.config.policy, cands, self.config.weights.load, self._rr)
@@ -198,35 +274,37 @@ class Router:
 
     # -- forwarding -------------------------------------------------------------------------
     async def route(self, request: Request, path: str, chat: bool) -> Response:
-        """Tokenize, decide, forward (with one retry), record."""
-        body = await request.body()
+        """Read the body within its bound, parse and tokenize it off the loop (:mod:`.admission`),
+        decide, forward (with one retry), record. Refusals: 413 (body beyond ``max_body_bytes``),
+        429 (the client has too much work in progress), 400 (not a JSON object, or a prompt
+        beyond the model's context)."""
+        limit = self.max_prompt_tokens
         try:
-            payload: Any = json.loads(body)
-        except ValueError as exc:
-            payload = f"{type(exc).__name__}: {exc}"
-        if not isinstance(payload, dict):
-            return JSONResponse({"error": {"message": f"body is not a JSON object ({str(payload)[:200]})",
-                                           "type": "BadRequest", "code": 400}}, status_code=400)
-        tokens: list[int] | None
-        try:
-            if len(body) > 4096:
-                tokens = await asyncio.to_thread(self.tokenizer.chat if chat else self.tokenizer.completion, payload)
-            else:
-                tokens = (self.tokenizer.chat if chat else self.tokenizer.completion)(payload)
-        except TokenizeError as exc:
-            log.debug("kvtier router: routing without tokens: %s", exc)
+            body = await self.admission.read_body(request)
+            prep = await self.admission.run(request, len(body), lambda: prepare(body, chat, self.tokenizer, limit))
+        except Refused as exc:
+            self.metrics.refused.labels(str(exc.status)).inc()
+            return _error(exc.status, exc.message, "TooManyRequests" if exc.status == 429 else "PayloadTooLarge",
+                          exc.headers)
+        except BadBody as exc:
+            self.metrics.refused.labels("400").inc()
+            return _error(400, str(exc), "BadRequestError")
+        except PromptTooLong as exc:
+            self.metrics.refused.labels("400").inc()
+            return _error(400, f"{exc} (max_model_len {exc.limit}); shorten the prompt", "BadRequestError")
+        tokens, salt = prep.tokens, prep.salt
+        if tokens is None:
+            log.debug("kvtier router: routing without tokens: %s", prep.why_untokenized)
             self.metrics.untokenized.inc()
-            tokens = None
-        d = await self.decide(tokens)
+        d = await self.decide(tokens, salt)
         if d is None:
             why = "; ".join(f"{b.name}: {b.last_error}" for b in self.pool.backends)
             return JSONResponse({"error": {"message": f"no healthy backend ({why})", "type": "ServiceUnavailable",
                                            "code": 503}}, status_code=503)
-        stream = bool(payload.get("stream", False))
         headers = forward_headers(request.headers)
         n_tokens = len(tokens) if tokens else 0
         assert self._client is not None
-        fwd = await self.forwarder.forward(self._client, d, path, body, headers, stream, n_tokens)
+        fwd = await self.forwarder.forward(self._client, d, path, body, headers, n_tokens)
         self._record(path, tokens, d, fwd.served_by, fwd.attempts)
         if fwd.response is not None:
             return fwd.response
@@ -253,8 +331,9 @@ class Router:
                         "events": self.feeds[n].stats() if n in self.feeds else None,
                         "events_silent": self.events_silent(n), "served": self._served.get(n, 0)} for n in pool}
         return {"policy": self.config.policy, "backends": backends, "decisions": list(self.decisions),
-                "controller": {"url": self.config.controller_url, "errors": self.controller_errors,
-                               "last_error": self.controller_last_error}}
+                "bounds": {"max_prompt_tokens": self.max_prompt_tokens, **self.admission.stats()},
+                "controller": {"url": mask_url(self.config.controller_url or "") or None,
+                               "errors": self.controller_errors, "last_error": self.controller_last_error}}
 
     def metrics_text(self) -> bytes:
         """The Prometheus exposition of :attr:`metrics` (gauges refreshed first)."""

@@ -61,13 +61,15 @@ CONTROLLER_TIERS = ("CPU", "DISK", "REMOTE")
 
 
 def predicted_hit(index: PrefixIndex, backend: str, tokens: Sequence[int], keys_by_bs: dict[int, list[bytes]],
-                  weights: Weights, row: Mapping[str, Any] | None = None) -> tuple[int, float, dict[str, int]]:
+                  weights: Weights, row: Mapping[str, Any] | None = None,
+                  extra_keys: Sequence[object | None] | None = None) -> tuple[int, float, dict[str, int]]:
     """What ``backend`` holds of a prompt: ``(hit tokens, tier-weighted score, tokens per tier)``.
 
     The events index (``index``, keyed by the router's chain keys at the backend's block
     size; ``keys_by_bs`` memoizes the prompt's keys per block size across backends) and the
     fleet controller's ``/lookup`` row for the backend (``row``: tier -> cached prefix tokens;
-    ``None``: no row) are combined by :func:`weighted_hit`. No I/O: the HTTP router and the
+    ``None``: no row) are combined by :func:`weighted_hit`. ``extra_keys``: per block, extra
+    hash inputs of the prompt's keys (vLLM's ``(cache_salt,)`` on block 0; ``None``: none). No I/O: the HTTP router and the
     offline fleet replay (:mod:`kvtier.sim.fleet`) both call it.
     """
     from kvtier.router.prefix_index import chain_keys
@@ -77,7 +79,7 @@ def predicted_hit(index: PrefixIndex, backend: str, tokens: Sequence[int], keys_
     bs = index.block_size(backend)
     if bs:
         if bs not in keys_by_bs:
-            keys_by_bs[bs] = chain_keys(tokens, bs)
+            keys_by_bs[bs] = chain_keys(tokens, bs, extra_keys=extra_keys)
         m = index.match(backend, keys_by_bs[bs], bs)
         segments = [(end, weights.medium(med)) for end, med in m.segments]
         per_tier = {k.lower() if k != "GPU" else "engine": v for k, v in m.per_medium.items()}

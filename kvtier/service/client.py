@@ -185,7 +185,7 @@ class ServiceClient:
         return bool(reply and reply.get("hit") is True)
 
     # -- KVStore: write path ------------------------------------------------------------------------
-    def open_write(self, key: bytes, parent: bytes | None = None) -> np.ndarray | None:
+    def open_write(self, key: bytes, parent: bytes | None) -> np.ndarray | None:
         """Reserve a slot for ``key``; returns its ``uint8 [chunk_bytes]`` view to fill, or None.
 
         None: already stored, being written by another client, no room, or the
@@ -196,21 +196,24 @@ class ServiceClient:
         return got if isinstance(got, np.ndarray) else None
 
     def open_write_many(
-        self, keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None
+        self, keys: Sequence[bytes], parents: Sequence[bytes | None]
     ) -> list[np.ndarray | WriteSkip]:
         """Reserve slots for many distinct keys in one round trip.
 
-        ``parents`` (optional, one per key): each chunk's chain parent, so making
-        room never evicts it (default: the previous key).
+        ``parents`` (required, one per key; None for a prompt's first chunk): each
+        chunk's chain parent, so making room never evicts it.
 
         Returns, per key in order, its slot view (``uint8 [chunk_bytes]``) or why
         there is none: ``WriteSkip.PRESENT`` (stored), ``IN_FLIGHT`` (another
         writer holds an uncommitted reservation: go on with the rest of the
         chain) or ``NO_ROOM`` (also for a failed call: stop storing the chain).
         """
+        if parents is None or len(parents) != len(keys):
+            raise ValueError(f"{'no' if parents is None else len(parents)} parents for {len(keys)} keys: "
+                             "pass each chunk's parent (None for a prompt's first chunk)")
         if not keys:
             return []
-        reply, conn = self._link.call(P.ReserveMany(list(keys), None if parents is None else list(parents)))
+        reply, conn = self._link.call(P.ReserveMany(list(keys), list(parents)))
         slots = None if reply is None else reply.get("slots")
         if conn is None or not isinstance(slots, list) or len(slots) != len(keys):
             return [WriteSkip.NO_ROOM] * len(keys)
@@ -228,7 +231,7 @@ class ServiceClient:
                     out.append(_skip(skip))
         return out
 
-    def commit(self, key: bytes, parent: bytes | None = None) -> None:
+    def commit(self, key: bytes, parent: bytes | None) -> None:
         """Publish a filled slot (acknowledged only with ``sync_commit``; see the constructor)."""
         with self._writes_lock:
             gen = self._writes.pop(key, None)
@@ -323,19 +326,26 @@ class ServiceClient:
         return self._kv_gen
 
     def store_blocks(self, keys: Sequence[bytes], blocks: Sequence[Sequence[int]],
-                     parents: Sequence[bytes | None] | None = None, timeout_s: float = 30.0) -> list[WriteSkip | None]:
+                     parents: Sequence[bytes | None], timeout_s: float = 30.0) -> list[WriteSkip | None]:
         """Store chunks the server copies from engine blocks (after :meth:`register_kv`).
 
         ``blocks[i]``: chunk ``i``'s ``blocks_per_chunk`` engine block ids, whose writes
-        the engine has completed (stream synchronized). Returns per key None (stored)
+        the engine has completed (stream synchronized); ``parents[i]``: its parent
+        (required, as for :meth:`open_write_many`). Returns per key None (stored)
         or a :class:`WriteSkip`; every key ``NO_ROOM`` on any failure (nothing stored,
         or no registration: use the slot copies).
+
+        Raises:
+            ValueError: ``parents`` is missing or not as long as ``keys``.
         """
+        if parents is None or len(parents) != len(keys):
+            raise ValueError(f"{'no' if parents is None else len(parents)} parents for {len(keys)} keys: "
+                             "pass each chunk's parent (None for a prompt's first chunk)")
         gen = self._kv_gen_now()
         fail: list[WriteSkip | None] = [WriteSkip.NO_ROOM] * len(keys)
         if gen is None or not keys:
             return fail
-        req = StoreBlocks(list(keys), [list(map(int, b)) for b in blocks], None if parents is None else list(parents))
+        req = StoreBlocks(list(keys), [list(map(int, b)) for b in blocks], list(parents))
         reply, _ = self._link.call(req, gen=gen, timeout_s=timeout_s)
         skips = reply.get("skips") if reply else None
         if not isinstance(skips, list) or len(skips) != len(keys):

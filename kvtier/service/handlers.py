@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvtier.index.keys import chain_parents
 from kvtier.protocol import (
     Abort,
     Clear,
@@ -96,11 +97,16 @@ class DataHandlers:
         m = self.metrics
         m.lookups.inc()
         cs = reg.host.namespace.chunk_size
-        m.lookup_tokens.inc(cs * len(r.keys))
-        hit = {tier: cs * res.tiers.count(tier) for tier in set(res.tiers)}
+        # A request's repeated lookup (same owner, its lease still live: vLLM asks again after a
+        # failed block allocation) is not a new request: it adds only the hits it finds beyond
+        # the last answer (StorageManager.lookup_keys sets ``repeated``).
+        if not res.repeated:
+            m.lookup_tokens.inc(cs * len(r.keys))
+        new = res.tiers[res.repeated:]
+        hit = {tier: cs * new.count(tier) for tier in set(new)}
         for tier, n in hit.items():
             m.lookup_hit_tokens.labels(tier).inc(n)
-        if res.keys:  # the dashboard's hot prefixes: a hit chain is named by its last key (keys are chained)
+        if new:  # the dashboard's hot prefixes: a hit chain is named by its last key (keys are chained)
             nbytes = getattr(reg.host.manager, "chunk_bytes", 0) * len(res.keys)
             m.hot.observe(res.keys[-1], cs * len(res.keys), nbytes, hit)
         return {"tiers": codes}
@@ -131,7 +137,9 @@ class DataHandlers:
         n = _take_quota(h, reg, len(keys))  # beyond the client's quota: NO_ROOM (the client stops the chain)
         host = reg.host
         try:
-            got = host.manager.open_write_many(keys[:n], None if parents is None else parents[:n])
+            if parents is None:  # the wire's default: the keys are one chain in order, the first a head
+                parents = chain_parents(keys)
+            got = host.manager.open_write_many(keys[:n], parents[:n])
         except BaseException:
             _give_quota(h, n)
             raise

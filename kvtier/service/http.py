@@ -13,7 +13,11 @@ retransmits (seconds). Here:
   request and read the reply (HTTP/1.0: one request per connection);
 - the listen backlog is ``backlog`` (128 by default);
 - an accept failing for lack of fds or memory backs off (10 ms .. 1 s) instead
-  of spinning.
+  of spinning;
+- without a server token (the endpoint then listens on loopback in the CLI's default), a
+  request whose ``Host`` header is not a loopback name or address is refused (403): a
+  DNS-rebinding web page cannot read it; the dashboard's data needs the server token when
+  there is one (:mod:`kvtier.dashboard.access`).
 """
 
 from __future__ import annotations
@@ -129,6 +133,8 @@ class MetricsHTTPServer:
         request_timeout_s: seconds a connection has to send its request and
             read the reply (> 0).
         backlog: listen backlog (>= 1).
+        token: the server token: the dashboard's data is served only to a viewer presenting
+            it (``None``: no token; see :mod:`kvtier.dashboard.access`).
 
     Raises:
         OSError: the port cannot be bound.
@@ -144,6 +150,7 @@ class MetricsHTTPServer:
         max_connections: int = 32,
         request_timeout_s: float = 5.0,
         backlog: int = 128,
+        token: str | None = None,
     ):
         if max_connections < 1 or backlog < 1 or not request_timeout_s > 0:
             raise ValueError(
@@ -152,9 +159,13 @@ class MetricsHTTPServer:
             )
         outer_metrics, outer_health = metrics, health
         from kvtier.dashboard import DashboardRoutes, ServerDashboard  # the page at / (kvtier.dashboard)
+        from kvtier.dashboard.access import DashboardAccess, Denied
 
         self.dashboard = ServerDashboard(metrics)
-        dashboard = DashboardRoutes(self.dashboard)
+        self.access = DashboardAccess(lambda: token, host, lambda: self.port)
+        dashboard = DashboardRoutes(self.dashboard, self.access)
+        self._routes = dashboard
+        access = self.access
 
         class Handler(BaseHTTPRequestHandler):
             timeout = request_timeout_s  # socket timeout: request line, headers, reply
@@ -163,7 +174,27 @@ class MetricsHTTPServer:
                 self.server.mark_busy(self.request)  # type: ignore[attr-defined]
                 return super().parse_request()
 
+            def _foreign_host(self) -> bool:
+                if access.host_ok(self.headers.get("Host")):
+                    return False
+                dashboard._deny(self, Denied(403, "foreign Host header refused: this server has no token and "
+                                                  "answers loopback names only"))
+                return True
+
+            def do_POST(self) -> None:
+                if self._foreign_host():
+                    return
+                if not dashboard.handle_post(self, self.path.split("?", 1)[0]):
+                    body = b"not found\n"
+                    self.send_response(404)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+
             def do_GET(self) -> None:
+                if self._foreign_host():
+                    return
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     body, ctype, code = outer_metrics.exposition(), CONTENT_TYPE_LATEST, 200
@@ -191,6 +222,10 @@ class MetricsHTTPServer:
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="kvtier-metrics", daemon=True
         )
         self._thread.start()
+
+    def dashboard_streams(self) -> int:
+        """Dashboard event streams open now."""
+        return self._routes.streams.count()
 
     @property
     def open_connections(self) -> int:

@@ -21,7 +21,6 @@ import itertools
 import logging
 import os
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -34,17 +33,17 @@ from kvtier.protocol import (
     ErrorCode,
     ProtocolError,
     error_reply,
-    make_socket_dir,
     pack,
     recv_exact,
 )
+
+from kvtier.protocol.unix_socket import LISTEN_BACKLOG, UnixSocketFile, bind_unix
 
 log = logging.getLogger(__name__)
 
 S = TypeVar("S")
 
-#: Listen backlog of every kvtier listener (connections the kernel queues before accept).
-LISTEN_BACKLOG = 512
+__all__ = ["LISTEN_BACKLOG", "ConnLimits", "Endpoint", "FrameServer", "Phase", "UnixSocketFile", "bind_unix"]
 
 
 class Endpoint(Protocol[S]):
@@ -65,49 +64,6 @@ class Endpoint(Protocol[S]):
     def frame_too_large(self, session: S) -> None:
         """Count a frame over the bound (the connection is then closed)."""
         ...
-
-
-def bind_unix(path: str) -> socket.socket:
-    """Listen on the Unix socket ``path``, owner-only (socket 0600, directory 0700).
-
-    A stale socket of a dead process is replaced.
-
-    Raises:
-        UnsafeSocketDir: the directory is another user's or group/other-writable.
-        RuntimeError: ``path`` is not a socket, or a live server listens on it.
-        OSError: the socket cannot be bound.
-    """
-    make_socket_dir(path)
-    if os.path.lexists(path):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise RuntimeError(f"{path} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # stale socket of a dead server
-        else:
-            raise RuntimeError(f"another kvtier server is listening on {path}")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o077)
-    try:
-        sock.bind(path)
-    finally:
-        os.umask(old)
-    os.chmod(path, 0o600)
-    sock.listen(LISTEN_BACKLOG)
-    return sock
-
-
-def unlink_socket(path: str) -> None:
-    """Remove ``path`` if it is a socket (quietly)."""
-    try:
-        if stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.unlink(path)
-    except OSError:
-        pass
 
 
 @dataclass(frozen=True)

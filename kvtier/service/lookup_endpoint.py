@@ -7,7 +7,8 @@ owner-only Unix socket; the scheduler calls it through :class:`LookupClient`.
 Both speak :mod:`kvtier.protocol` (same framing, messages, tier table, error
 codes and back-off as the cache service) and the server answers with the cache
 server's own lookup/release code path (:mod:`kvtier.service.lease_ops`). Only
-``lookup``, ``release`` and ``health`` are served; there is no ``register`` and
+``lookup``, ``release``, ``health`` and ``clear`` (the connector's ``reset_cache``: this
+engine's own tiers) are served; there is no ``register`` and
 lease owners are not prefixed (the worker releases them by the same name).
 
 Failure rule: a call never blocks longer than ``timeout_s``; a failed call is a
@@ -26,11 +27,13 @@ import threading
 import time
 from typing import Any, Sequence
 
+import blake3
+
 from kvtier import protocol as P
 from kvtier.protocol import Backoff, ErrorCode, ProtocolError
 from kvtier.protocol.transport import check_socket_dir, private_runtime_dir
 from kvtier.service.lease_ops import LeaseManager, lookup_op, release_op
-from kvtier.service.listener import FrameServer, bind_unix, unlink_socket
+from kvtier.service.listener import FrameServer, bind_unix
 from kvtier.service.session import Holds
 from kvtier.storage.types import LookupResult
 
@@ -40,10 +43,16 @@ log = logging.getLogger(__name__)
 _MAX_CONNECTIONS = 16
 
 
-def socket_path(engine_id: str) -> str:
-    """Owner-only Unix socket of one engine's lookup endpoint (in a 0700 per-user directory)."""
-    safe = "".join(c for c in engine_id if c.isalnum() or c in "-_")[:64] or "engine"
-    return os.path.join(private_runtime_dir(), f"kvtier-lookup-{safe}.sock")
+def socket_path(instance: str) -> str:
+    """Owner-only Unix socket of one engine instance's lookup endpoint (in a 0700 per-user directory).
+
+    ``instance`` names one engine instance (``modes.engine_instance``: its engine id, vLLM's
+    per-instance id and its data-parallel rank). The file name is a digest of all of it, so
+    engines whose ids differ only in characters a file name cannot hold, or only after some
+    length, get their own sockets (a sanitised, cut id did not: "a.b" and "ab" shared one).
+    """
+    digest = blake3.blake3(instance.encode("utf-8")).hexdigest()[:32]
+    return os.path.join(private_runtime_dir(), f"kvtier-lookup-{digest}.sock")
 
 
 class LookupServer:
@@ -57,7 +66,8 @@ class LookupServer:
 
     Raises:
         UnsafeSocketDir: the directory is another user's or group/other-writable.
-        RuntimeError: a live endpoint already listens on ``path``.
+        RuntimeError: ``path`` exists: it is never replaced (the name is unique per engine
+            instance, so it is another process's socket, or this instance's twice).
         OSError: the socket cannot be bound.
     """
 
@@ -68,7 +78,8 @@ class LookupServer:
         self._lock = threading.Lock()
         self._open = 0
         self._frames: FrameServer[Holds] = FrameServer(self, "kvtier-lookup")
-        self._frames.listen(bind_unix(path))
+        self._unix = bind_unix(path, replace_stale=False)
+        self._frames.listen(self._unix.sock)
 
     # -- Endpoint --------------------------------------------------------------------------
     def open(self, sock: socket.socket, kind: str) -> Holds | None:
@@ -96,6 +107,8 @@ class LookupServer:
                 out = {}
             elif isinstance(req, P.Health):
                 out = {"status": "ok", "pid": os.getpid()}
+            elif isinstance(req, P.Clear):
+                out = {"removed": self.manager.clear()}  # type: ignore[attr-defined]
             else:
                 raise ProtocolError(ErrorCode.UNSUPPORTED, f"the lookup endpoint does not serve {req.OP!r}")
             reply = P.ok_reply(env.req_id, **out)
@@ -118,7 +131,7 @@ class LookupServer:
     def close(self) -> None:
         """Stop serving (ending every lease granted over a connection still open) and remove the socket."""
         self._frames.close()
-        unlink_socket(self.path)
+        self._unix.remove()  # only the file this endpoint created
 
 
 class LookupClient:
@@ -176,14 +189,26 @@ class LookupClient:
         """End ``lease_owner``'s lease (when unreachable, the dropped connection already ended it)."""
         self._call(P.ReleaseLease(lease_owner), None)
 
+    def clear(self, timeout_s: float = 60.0) -> dict[str, int] | None:
+        """Remove this namespace's chunks from every tier of the worker's manager (it flushes its
+        write-behind first, so this may take up to ``timeout_s`` seconds).
+
+        Returns:
+            Chunks removed per tier, or None when the call failed (nothing is known removed).
+        """
+        reply = self._call(P.Clear(), None, timeout_s=timeout_s)
+        removed = None if reply is None else reply.get("removed")
+        return dict(removed) if isinstance(removed, dict) else None
+
     def close(self) -> None:
         with self._lock:
             self._disconnect()
 
     # -- one call ------------------------------------------------------------------------------
-    def _call(self, req: P.Request, owner: str | None) -> dict[str, Any] | None:
-        deadline = time.monotonic() + self.timeout_s
-        if not self._lock.acquire(timeout=self.timeout_s):
+    def _call(self, req: P.Request, owner: str | None, timeout_s: float | None = None) -> dict[str, Any] | None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        if not self._lock.acquire(timeout=timeout_s):
             return None
         try:
             if self._backoff.waiting():

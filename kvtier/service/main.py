@@ -176,12 +176,13 @@ def run_server(
     signal.signal(signal.SIGINT, _on_signal)
     try:
         server.start()
-    except (RuntimeError, OSError) as exc:
+    except (RuntimeError, OSError, ValueError) as exc:
         log.error("cannot start kvtier server: %s", exc)
         server.close()  # what start() had bound (the Unix socket, threads) goes too
-        # An address that is taken or not ours to bind is a setting that cannot work (2, like
+        # An address that is taken or not ours to bind, or unusable fleet credentials (a key file others
+        # can read, a members file others can write: ValueError), are settings that cannot work (2, like
         # the config errors above); anything else failed while starting (1).
-        return 2 if isinstance(exc, OSError) and exc.errno in _BIND_ERRNOS else 1
+        return 2 if isinstance(exc, ValueError) or (isinstance(exc, OSError) and exc.errno in _BIND_ERRNOS) else 1
     print(f"kvtier server ready on unix://{options.socket_path}", flush=True)
     try:
         while not stop.wait(0.2):

@@ -111,7 +111,8 @@ class ServerMetrics:
         )
         self.lookup_tokens = Counter(
             "kvtier_lookup_tokens",
-            "Tokens of the full chunks lookups asked about (hit rate: kvtier_lookup_hit_tokens_total / this)",
+            "Tokens of the full chunks lookups asked about, a hit request's repeated lookups once "
+            "(hit rate: kvtier_lookup_hit_tokens_total / this)",
             registry=r,
         )
         self.requests = Counter("kvtier_server_requests", "Requests by op and result", ["op", "result"], registry=r)
@@ -120,7 +121,9 @@ class ServerMetrics:
         )
         self.lookups = Counter("kvtier_lookups", "Lookups served", registry=r)
         self.lookup_hit_tokens = Counter(
-            "kvtier_lookup_hit_tokens", "Tokens found by lookups, by tier", ["tier"], registry=r
+            "kvtier_lookup_hit_tokens",
+            "Tokens found by lookups, by tier; a request's hit counts once (a repeated lookup under its live lease "
+            "adds only new hits)", ["tier"], registry=r
         )
         self.load_tokens = Counter("kvtier_load_tokens", "Tokens engines loaded, by tier", ["tier"], registry=r)
         self.bytes_in = Counter("kvtier_committed_bytes", "Chunk bytes committed by clients", registry=r)

@@ -83,6 +83,27 @@ class HostedChunks:
                 return tier
         return None
 
+    def namespace_of(self, key: bytes) -> Any:
+        """The :class:`~kvtier.index.keys.KeyNamespace` of the hosted namespace whose local tiers hold
+        ``key``, or None (a peer server checks it against the asking member's ``models``)."""
+        for host in self.table.hosts():
+            try:
+                if host.manager.where(key) is not None:
+                    return host.namespace
+            except Exception:  # a namespace being released right now: not here
+                continue
+        return None
+
+    def lineage_of(self, key: bytes) -> bytes | None:
+        """The lineage marker ``key``'s chain starts from, in the namespace holding it (None: unknown)."""
+        for host in self.table.hosts():
+            try:
+                if host.manager.where(key) is not None:
+                    return host.manager.lineage_of(key)
+            except Exception:
+                continue
+        return None
+
     def open_read_many(self, items: Sequence[tuple[bytes, bytes | None]]) -> list[HeldRead | None]:
         """Open each ``(key, parent)`` in the namespace that holds it; None where none does.
 

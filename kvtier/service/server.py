@@ -40,7 +40,7 @@ from kvtier.service.handlers import DataHandlers, prefetch_one
 from kvtier.service.auth import AuthThrottle
 from kvtier.service.http import MetricsHTTPServer
 from kvtier.service.kv_ops import KV_OPS, KVOps
-from kvtier.service.listener import LISTEN_BACKLOG, ConnLimits, FrameServer, Phase, bind_unix, unlink_socket
+from kvtier.service.listener import LISTEN_BACKLOG, ConnLimits, FrameServer, Phase, UnixSocketFile, bind_unix
 from kvtier.service.metrics import ServerMetrics
 from kvtier.service.namespace_host import NamespaceHost
 from kvtier.service.namespaces import NamespaceTable, maintenance_loop
@@ -135,6 +135,7 @@ class CacheServer:
         self._kv = KVOps(self._handlers, SegmentPins())  # copies by engine block id (kvtier.service.kv_ops)
         self._http: MetricsHTTPServer | None = None
         self._started = False
+        self._unix: UnixSocketFile | None = None  # the bound --socket (its file and lock), once started
         self.tcp_address: tuple[str, int] | None = None
         self.protocol_errors = 0
         self.fleet: Any = None  # kvtier.fleet.service_link.ServiceLink when a controller or KV events are set
@@ -147,7 +148,8 @@ class CacheServer:
         if self._started:
             return self
         o = self.options
-        self._frames.listen(bind_unix(o.socket_path))
+        self._unix = bind_unix(o.socket_path)  # PATH.lock held while it lives (listener.bind_unix)
+        self._frames.listen(self._unix.sock)
         self._started = True
         if o.tcp_host is not None:
             try:
@@ -168,6 +170,7 @@ class CacheServer:
                 self._http = MetricsHTTPServer(
                     o.metrics_host, o.metrics_port, self.metrics, self._health_state,
                     max_connections=o.http_max_connections, request_timeout_s=o.http_timeout_s, backlog=LISTEN_BACKLOG,
+                    token=o.token,
                 )
             except OSError as exc:
                 msg = f"--metrics-host/--metrics-port {o.metrics_host}:{o.metrics_port}: {exc.strerror}"
@@ -221,8 +224,9 @@ class CacheServer:
         self._namespaces.close()
         if self._handlers.capture is not None:
             self._handlers.capture.close()
-        if self._started:
-            unlink_socket(self.options.socket_path)
+        if self._unix is not None:
+            self._unix.remove()  # only the socket file this server created
+            self._unix = None
         lock, self._disk_lock = self._disk_lock, None
         if lock is not None:
             os.close(lock)  # releases the flock

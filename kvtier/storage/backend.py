@@ -45,19 +45,23 @@ class KVStore(Protocol):
     def where(self, key: bytes) -> str | None:
         """Fastest local tier kind holding ``key`` (``"cpu"``, ``"disk"``), or None."""
 
-    def open_write(self, key: bytes, parent: bytes | None = None) -> np.ndarray | None:
+    def open_write(self, key: bytes, parent: bytes | None) -> np.ndarray | None:
         """A buffer to fill for ``key``, or None (already stored, being written, or no room)."""
 
     def open_write_many(
-        self, keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None
+        self, keys: Sequence[bytes], parents: Sequence[bytes | None]
     ) -> list[np.ndarray | WriteSkip]:
         """Per key a buffer to fill, or why not (:class:`WriteSkip`), in as few round trips as possible.
 
-        ``parents`` (optional; default: each key's predecessor in ``keys``): the key
-        each will be committed with; room is never made by evicting it.
+        ``parents`` (required, one per key; None for a prompt's first chunk): the key
+        each will be committed with; room is never made by evicting it, so a chunk
+        stored after a hit never evicts the chunks it extends.
+
+        Raises:
+            ValueError: ``parents`` is missing or not as long as ``keys``.
         """
 
-    def commit(self, key: bytes, parent: bytes | None = None) -> None:
+    def commit(self, key: bytes, parent: bytes | None) -> None:
         """Publish a buffer filled after ``open_write``."""
 
     def abort(self, key: bytes) -> None:

@@ -83,7 +83,7 @@ def open_lower_tiers(
         if remote is not None:
             tiers.append(remote)
         for url in config.peers:  # one read-only tier per peer instance, slowest: last
-            tiers.append(open_peer_tier(url, config.peer_timeout_s, config.peer_retry_s))
+            tiers.append(open_peer_tier(url, config.peer_timeout_s, config.peer_retry_s, config))
         if config.peer_discovery is not None:  # the peer the controller names, after the static ones
             tiers.append(open_directed_peer_tier(config, namespace.digest()))
     except BaseException:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence, Union
 import numpy as np
 
 from kvtier.config import KVTierConfig
-from kvtier.index.keys import ChunkHasher, KeyNamespace
+from kvtier.index.keys import ChunkHasher, KeyNamespace, is_lineage
 from kvtier.memory.pool import ChunkPool, pins_by_default
 from kvtier.memory.shared_segment import SharedSegment, shared_chunk_pool
 from kvtier.storage.handles import CpuReadHandle
@@ -113,6 +113,7 @@ class StorageManager:
             self.lower = list(lower(self.leases.is_pinned))
         else:
             self.lower = list(lower)
+        _register_cpu_memory(self.cpu, self.lower)
         self._prefixes = tier_prefixes(self.lower)
         queues = [config.disk_write_queue if t.kind in LOCAL_TIER_KINDS else config.remote_write_queue for t in self.lower]
         self.write_behind = WriteBehind(self.cpu, self.lower, queues, self.WRITE_BATCH)
@@ -254,6 +255,32 @@ class StorageManager:
                 return tier.kind
         return None
 
+    def namespace_of(self, key: bytes) -> KeyNamespace | None:
+        """This manager's namespace if a local tier holds ``key``, else None (a peer server checks the
+        namespace against the asking member's ``models``)."""
+        return self.namespace if self.where(key) is not None else None
+
+    def lineage_of(self, key: bytes, max_steps: int = 1 << 16) -> bytes | None:
+        """The lineage marker (:meth:`KeyNamespace.lineage`: which ``cache_salt``) ``key``'s chain starts
+        from, following the parents the CPU and disk tiers recorded; None when an ancestor is not held
+        locally or a chain was stored without a marker (a peer server then refuses a salt-restricted member).
+        Cost: one dictionary lookup per ancestor."""
+        parent_of = [self.cpu.policy.parent_of] + [getattr(t, "parent_of") for t in self._local
+                                                    if hasattr(t, "parent_of")]
+        k: bytes | None = key
+        for _ in range(max_steps):
+            parent = None
+            for fn in parent_of:
+                parent = fn(k)
+                if parent is not None:
+                    break
+            if parent is None:
+                return None
+            if is_lineage(parent):
+                return parent
+            k = parent
+        return None
+
     def contains(self, key: bytes) -> bool:
         """True if a local tier (CPU, disk) holds ``key`` (no remote round trip)."""
         return self.where(key) is not None
@@ -293,7 +320,9 @@ class StorageManager:
         tier when the faster tiers miss (bounded by that tier's timeout).
         """
         self.leases.reap()
+        before: tuple[bytes, ...] = ()
         if lease_owner is not None:
+            before = self.leases.keys_of(lease_owner)  # this owner's live lease: an earlier lookup of its request
             # Pin first, then check: a chunk seen present cannot be evicted before
             # the lease covers it. The lease is narrowed to the hits below.
             self.leases.grant(lease_owner, keys)
@@ -307,8 +336,9 @@ class StorageManager:
         if lease_owner is not None:
             self.leases.grant(lease_owner, hit_keys)
         self.touch_chain(hit_keys)
-        self.counters.add(lookups=1)
-        return LookupResult(len(hit_keys) * self.namespace.chunk_size, hit_keys, tiers)
+        repeated = _common_prefix(before, hit_keys)
+        self.counters.add(lookups=1, lookup_hit_tokens=(len(hit_keys) - repeated) * self.namespace.chunk_size)
+        return LookupResult(len(hit_keys) * self.namespace.chunk_size, hit_keys, tiers, repeated=repeated)
 
     def release(self, lease_owner: str) -> None:
         """End ``lease_owner``'s lease (load done, request finished or aborted)."""
@@ -321,8 +351,11 @@ class StorageManager:
         self.write_behind.touch(keys)
 
     # -- write path --------------------------------------------------------------------
-    def open_write(self, key: bytes, parent: bytes | None = None) -> np.ndarray | None:
+    def open_write(self, key: bytes, parent: bytes | None) -> np.ndarray | None:
         """Reserve a CPU slot for ``key``; returns the uint8 ``[chunk_bytes]`` buffer to fill.
+
+        ``parent``: the key ``key`` will be committed with (None or a lineage marker
+        for a prompt's first chunk); required, see :meth:`open_write_many`.
 
         Returns None when a local tier already holds the chunk, another writer holds
         its reservation, or no slot can be freed (see :meth:`open_write_many` for
@@ -334,16 +367,18 @@ class StorageManager:
         return None if isinstance(got, WriteSkip) else got
 
     def open_write_many(
-        self, keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None
+        self, keys: Sequence[bytes], parents: Sequence[bytes | None]
     ) -> list[np.ndarray | WriteSkip]:
         """:meth:`open_write` for each key, in order; a refusal says why.
 
         Args:
             keys: chunk keys to store.
-            parents: each key's parent (the key it will be committed with). Making
-                room for a key never evicts its parent (the new chunk would be
-                orphaned at birth). Default: ``keys`` are one prompt's chunks in
-                order (each key's parent is the key before it; the first's unknown).
+            parents: each key's parent (the key it will be committed with; None or
+                a lineage marker for a prompt's first chunk). Making room for a key
+                never evicts its parent (the new chunk would be orphaned at birth,
+                and a chunk stored after a hit would evict the chunks it extends).
+                Required: a store path that does not know its chunks' parents
+                cannot keep the chain rule, so there is no default.
 
         Returns:
             Per key, the buffer to fill, or ``WriteSkip.PRESENT`` (the CPU or a local
@@ -354,18 +389,25 @@ class StorageManager:
         Raises:
             ValueError: ``parents`` is not as long as ``keys``.
         """
-        if parents is None:
-            parents = [keys[i - 1] if i else None for i in range(len(keys))]
-        elif len(parents) != len(keys):
-            raise ValueError(f"{len(parents)} parents for {len(keys)} keys")
+        if parents is None or len(parents) != len(keys):
+            raise ValueError(f"{'no' if parents is None else len(parents)} parents for {len(keys)} keys: "
+                             "pass each chunk's parent (None for a prompt's first chunk)")
         out: list[np.ndarray | WriteSkip] = []
         on_local = self._held_locally(keys)
+        # A parent a local lower tier (disk) holds stays reachable if the CPU tier drops
+        # it: there it is not protected, so a small CPU tier in front of a disk keeps
+        # staging a long prompt's chunks (write-behind) instead of refusing its tail.
+        own = set(keys)
+        asked = sorted({p for p in parents if p is not None and p not in own})
+        below = set()
+        for tier in self._local if asked else ():
+            below.update(p for p, ok in zip(asked, contains_many_safe(tier, asked)) if ok)
         skipped = 0
         for key, parent, present in zip(keys, parents, on_local):
             if present:
                 out.append(WriteSkip.PRESENT)
                 continue
-            got = self.cpu.try_reserve(key, parent)
+            got = self.cpu.try_reserve(key, None if parent in below else parent)
             skipped += got is WriteSkip.NO_ROOM
             out.append(got)
         if skipped:
@@ -382,10 +424,11 @@ class StorageManager:
                 held[i] = ok
         return held
 
-    def commit(self, key: bytes, parent: bytes | None = None) -> None:
+    def commit(self, key: bytes, parent: bytes | None) -> None:
         """Publish a filled chunk and queue it for every lower tier (write-behind).
 
-        ``parent``: key of the previous chunk of the prompt (None for the first).
+        ``parent``: key of the previous chunk of the prompt (None or a lineage
+        marker for the first), as given to :meth:`open_write_many`.
         Never waits for lower-tier I/O: each queue holds a CPU read reference until
         its write is done; a full queue drops the write (counted).
 
@@ -534,3 +577,22 @@ def _cpu_shared_with_peers(config: KVTierConfig) -> bool:
     shared memory (``peer_listen = shm://...``) and its CPU memory need not be CUDA-pinned
     (a pinned pool keeps its private, page-locked memory; peers then get staged copies)."""
     return (config.peer_listen or "").startswith("shm://") and not pins_by_default()
+
+
+def _register_cpu_memory(cpu: CpuTier, lower: Sequence[LowerTier]) -> None:
+    """Tell each lower tier that moves bytes straight to and from host memory (an optional
+    ``register_host_memory(address, nbytes)``, e.g. the Mooncake tier) where the CPU tier's
+    slots lie: one contiguous region that lives as long as the manager."""
+    first = cpu.pool.view(0)
+    for tier in lower:
+        register = getattr(tier, "register_host_memory", None)
+        if callable(register):
+            register(int(first.ctypes.data), cpu.pool.capacity_bytes)
+def _common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    """Leading entries ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -25,6 +25,9 @@ class Counters(AtomicCounters):
 
     lookups: int = 0
     lookup_tokens: int = 0
+    #: tokens found by lookups, a request's hit once: a repeated lookup under the same live lease
+    #: (vLLM asks again after a failed block allocation) adds only what it finds beyond the last one.
+    lookup_hit_tokens: int = 0
     stored_chunks: int = 0
     stored_bytes: int = 0
     store_skipped: int = 0

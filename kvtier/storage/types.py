@@ -34,11 +34,16 @@ class LookupResult:
         keys: keys of the hit chunks, in prompt order (32-byte blake3 digests).
         tiers: for each hit chunk, the fastest tier kind that holds it (one of
             :data:`TIER_KINDS`).
+        repeated: leading hit chunks the same lease owner's live lease already held: a
+            repeated lookup of one request (vLLM repeats it after each failed block
+            allocation). Hit counters count ``keys[repeated:]`` only, so a request's hit
+            counts once (set by the storage manager; 0 from a remote answer).
     """
 
     num_tokens: int
     keys: list[bytes] = field(default_factory=list)
     tiers: list[str] = field(default_factory=list)
+    repeated: int = 0
 
 
 class ReadHandle(Protocol):

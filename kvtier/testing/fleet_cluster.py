@@ -208,13 +208,16 @@ class FleetCluster:
         cpu_chunks: CPU capacity of each instance, in chunks.
         redis_url: Redis for ``kind="redis"`` (a unique key prefix is added).
         op_deadline_s: the controller's operation deadline (seconds).
+        keys: fleet keys (:func:`kvtier.testing.fleet_keys.make_fleet`): the controller (member
+            ``controller``) runs CURVE and each instance registers with its own key (added when
+            missing); None: an open, loopback controller.
 
     Raises:
         ValueError: unknown ``kind``.
     """
 
     def __init__(self, kind: str, root: Path, n: int = 3, cpu_chunks: int = 16, redis_url: str = DEFAULT_REDIS,
-                 op_deadline_s: float = 5.0, namespace: KeyNamespace | None = None):
+                 op_deadline_s: float = 5.0, namespace: KeyNamespace | None = None, keys: Any = None):
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         self.kind = kind
@@ -224,9 +227,16 @@ class FleetCluster:
         self.op_deadline_s = op_deadline_s
         self.redis_prefix = f"kvt-conf-{uuid.uuid4().hex[:12]}:"
         self.redis_url = f"{redis_url}?key_prefix={self.redis_prefix}"
-        self.controller = Controller(http_port=0, zmq_endpoint="tcp://127.0.0.1:0", op_deadline_s=op_deadline_s)
+        self.keys = keys
+        if keys is not None and "controller" not in keys.keys:
+            keys.add("controller")
+        self.controller = Controller(http_port=0, zmq_endpoint="tcp://127.0.0.1:0", op_deadline_s=op_deadline_s,
+                                     credentials=self._controller_credentials())
         self.instances: list[FleetInstance] = []
         self._n = n
+
+    def _controller_credentials(self) -> Any:
+        return self.keys.credentials("controller") if self.keys is not None else None
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def config(self, i: int, remote_url: str | None = None) -> KVTierConfig:
@@ -260,8 +270,13 @@ class FleetCluster:
 
     def start_agent(self, inst: FleetInstance) -> FleetAgent:
         """(Re)start ``inst``'s agent (a new epoch), connected to the current controller."""
+        secure: dict[str, Any] = {}
+        if self.keys is not None:
+            if inst.name not in self.keys.keys:
+                self.keys.add(inst.name)
+            secure = {"credentials": self.keys.credentials(inst.name), "controller_key": self.keys.public("controller")}
         agent = FleetAgent(self.controller.zmq_url, inst.name, "embedded",
-                           {self.ns.digest(): (namespace_info(self.ns), inst.ops)}, tier_infos(inst.manager))
+                           {self.ns.digest(): (namespace_info(self.ns), inst.ops)}, tier_infos(inst.manager), **secure)
         inst.agent = agent.start()
         return agent
 
@@ -277,7 +292,8 @@ class FleetCluster:
         self.controller.stop()
         end = time.monotonic() + timeout_s
         while True:
-            ctl = Controller(http_port=port, zmq_endpoint=zmq_url, op_deadline_s=self.op_deadline_s)
+            ctl = Controller(http_port=port, zmq_endpoint=zmq_url, op_deadline_s=self.op_deadline_s,
+                             credentials=self._controller_credentials())
             try:
                 self.controller = ctl.start()
                 return

@@ -20,6 +20,7 @@ from redis.retry import Retry
 from kvtier.serde.base import Codec, ValueSpec
 from kvtier.tiers.redis_checks import connection_params
 from kvtier.tiers.redis_nodes import Addr
+from kvtier.urls import mask_url
 
 __all__ = ["TIER_QUERY_OPTIONS", "RedisTarget", "RedisTierOptions", "masked", "parse_target", "split_query_options"]
 
@@ -76,9 +77,9 @@ TIER_QUERY_OPTIONS = frozenset(_FLOAT_OPTS | _INT_OPTS | _STR_OPTS | {"seeds"})
 
 
 def masked(url: str) -> str:
-    """``url`` with its password, if any, replaced by ``***`` (for logs and errors)."""
-    password = urlsplit(url).password
-    return url.replace(f":{password}@", ":***@") if password else url
+    """``url`` with its password (``user:PASSWORD@`` or ``?password=``) replaced by ``***`` (for
+    logs, errors and the tier's :attr:`location`, which status routes show)."""
+    return mask_url(url)
 
 
 def split_query_options(url: str, options: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ The entry-point name is the URL scheme (or plain name) that selects it:
 ``open_tier("mystore://host/x")`` calls ``MyStoreTier.from_url(url, **options)``;
 ``open_tier("mystore", **options)`` calls ``MyStoreTier(**options)``. kvtier's own
 tiers are registered the same way (redis, rediss, unix, redis+cluster,
-rediss+cluster, fs) and, for source checkouts where no package metadata is
+rediss+cluster, fs, mooncake) and, for source checkouts where no package metadata is
 installed, also found through the fallback table below. An installed entry
 point of the same name takes precedence over the fallback.
 
@@ -38,6 +38,7 @@ BUILTIN_TIERS: Mapping[str, str] = MappingProxyType(
         "redis+cluster": "kvtier.tiers.redis_tier:RedisTier",
         "rediss+cluster": "kvtier.tiers.redis_tier:RedisTier",
         "fs": "kvtier.tiers.fs_tier:FsTier",
+        "mooncake": "kvtier.tiers.mooncake_tier:MooncakeTier",
     }
 )
 
@@ -60,16 +61,18 @@ def _load_target(target: str) -> Any:
     return obj
 
 
-def open_peer_tier(url: str, timeout_s: float, retry_s: float) -> LowerTier:
+def open_peer_tier(url: str, timeout_s: float, retry_s: float, config: Any = None) -> LowerTier:
     """A read-only lower tier for the peer instance listening on ``url`` (one ``peers`` entry).
 
     Contacts nothing here (the tier dials on first use; each call bounded by
     ``timeout_s`` seconds; a failed peer is a miss, not dialled for ``retry_s`` seconds).
+    ``config`` (``fleet_key`` / ``fleet_members``) gives the credentials a ``tcp://`` or ``nixl://``
+    peer needs.
 
     Raises:
-        ValueError: a malformed URL.
+        ValueError: a malformed URL, or a TCP/NIXL peer without credentials.
     """
-    tier = _load_target(PEER_TARGETS["tier"])(url, timeout_s, retry_s)
+    tier = _load_target(PEER_TARGETS["tier"])(url, timeout_s, retry_s, config)
     if not isinstance(tier, LowerTier):  # pragma: no cover - a broken build
         raise ValueError(f"{PEER_TARGETS['tier']} returned {type(tier).__name__}, not a LowerTier")
     return tier

@@ -8,6 +8,8 @@ the peer URL each registered (``Register.peer_url``). The tier then
 
 1. picks the instance with the longest run (never this instance: excluded by ``instance_id``
    when set, else by this process's host and pid, and never a URL of its own ``peer_listen``);
+   the controller lists authenticated members only, with their public key, and the peer tier
+   then requires the server at that URL to prove exactly that key (:mod:`kvtier.transfer.peer_auth`);
 2. confirms with that peer (one ``contains`` round trip on a pooled
    :class:`~kvtier.transfer.peer_open.UrlPeerTier`, which also warms the connection) and
    remembers which peer holds each confirmed key (bounded);
@@ -62,7 +64,9 @@ class DirectedPeerTier(ReadOnlyTier):
         own_urls: this instance's own peer URLs (``peer_listen``): never pulled from.
         max_peers: most peer connections kept open.
         idle_s: a peer connection unused this long is closed, seconds.
-        open_peer: makes the tier for a peer URL (default: ``UrlPeerTier(url, timeout_s, retry_s)``).
+        open_peer: makes the tier for a peer URL and the key it must prove (default:
+            ``UrlPeerTier(url, timeout_s, retry_s, credentials, expect=key)``).
+        credentials: this instance's fleet key and members (TCP/NIXL peers need them).
 
     Raises:
         ValueError: a controller URL that is not http(s)://..., a digest that is not 32 bytes, or bad bounds.
@@ -74,7 +78,7 @@ class DirectedPeerTier(ReadOnlyTier):
     def __init__(self, controller_url: str, namespace: bytes, instance_id: str | None = None,
                  token: str | None = None, timeout_s: float = 1.0, retry_s: float = 5.0,
                  own_urls: Sequence[str] = (), max_peers: int = 4, idle_s: float = 60.0,
-                 open_peer: Callable[[str], PeerTier] | None = None):
+                 open_peer: Callable[[str, str], PeerTier] | None = None, credentials: Any = None):
         if not controller_url.startswith(("http://", "https://")):
             raise ValueError(f"peer_discovery {controller_url!r} must be the controller's http(s)://HOST:PORT")
         if len(namespace) != 32:
@@ -89,7 +93,8 @@ class DirectedPeerTier(ReadOnlyTier):
         self.own_urls = frozenset(own_urls)
         self.max_peers = max_peers
         self.idle_s = idle_s
-        self._open_peer = open_peer or (lambda url: UrlPeerTier(url, timeout_s=timeout_s, retry_s=retry_s))
+        self._open_peer = open_peer or (lambda url, key: UrlPeerTier(
+            url, timeout_s=timeout_s, retry_s=retry_s, credentials=credentials, expect=key or None))
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.controller_url, timeout=timeout_s, headers=headers)
         self._exclude: dict[str, Any] = (
@@ -99,6 +104,7 @@ class DirectedPeerTier(ReadOnlyTier):
         self._lock = threading.Lock()
         self._pool: OrderedDict[str, tuple[PeerTier, float]] = OrderedDict()  # url -> (tier, last use)
         self._routes: OrderedDict[bytes, str] = OrderedDict()  # key -> url of the peer that holds it
+        self._keys: dict[str, str] = {}  # url -> the public key the controller says its member holds
         self._down_until = 0.0
         self._closed = False
         self.counters = TierCounters()
@@ -130,6 +136,7 @@ class DirectedPeerTier(ReadOnlyTier):
                      self.controller_url, exc, self.retry_s)
             return None
         rows = [r for r in reply.instances if r.peer_url not in self.own_urls]
+        self._keys.update({r.peer_url: r.key for r in reply.instances})
         self._sync_pool({r.peer_url for r in reply.instances})
         return rows
 
@@ -138,8 +145,11 @@ class DirectedPeerTier(ReadOnlyTier):
         """Close peers the controller no longer lists and peers idle past ``idle_s``."""
         now = time.monotonic()
         with self._lock:
-            gone = [u for u, (_, used) in self._pool.items() if u not in listed or now - used > self.idle_s]
+            gone = [u for u, (t, used) in self._pool.items() if u not in listed or now - used > self.idle_s
+                    or getattr(t, "expect", None) != (self._keys.get(u) or None)]  # another member at that URL now
             tiers = [self._pool.pop(u)[0] for u in gone]
+            for u in [u for u in self._keys if u not in listed]:
+                del self._keys[u]
             unlisted = {u for u in gone if u not in listed}
             if unlisted:  # its chunks are no longer there to pull: forget them (not dialled again)
                 for k in [k for k, u in self._routes.items() if u in unlisted]:
@@ -156,7 +166,7 @@ class DirectedPeerTier(ReadOnlyTier):
             entry = self._pool.pop(url, None)
             if entry is None:
                 try:
-                    entry = (self._open_peer(url), 0.0)
+                    entry = (self._open_peer(url, self._keys.get(url, "")), 0.0)
                 except (ValueError, TypeError) as exc:  # a URL the controller should not have accepted
                     log.warning("kvtier directed peer tier: cannot open peer %r: %s", url, exc)
                     return None
@@ -272,7 +282,9 @@ def open_directed_peer_tier(config: Any, namespace: bytes) -> DirectedPeerTier:
     Raises:
         ValueError: see :class:`DirectedPeerTier`.
     """
+    from kvtier.transfer.peer_open import peer_credentials
+
     own = (config.peer_listen,) if getattr(config, "peer_listen", None) else ()
     return DirectedPeerTier(config.peer_discovery, namespace, instance_id=config.instance_id,
                             token=config.controller_token, timeout_s=config.peer_timeout_s,
-                            retry_s=config.peer_retry_s, own_urls=own)
+                            retry_s=config.peer_retry_s, own_urls=own, credentials=peer_credentials(config))

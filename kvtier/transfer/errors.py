@@ -32,3 +32,8 @@ class ProtocolError(TransferError):
 
 class ChannelUnavailable(TransferError):
     """The channel's backend is not installed or cannot start here (e.g. NIXL)."""
+
+
+class PeerRefused(TransferError):
+    """The peer would not authenticate this end, or this end would not accept the peer (not a fleet
+    member, a failed proof, a refused connection); ``str()`` says which."""

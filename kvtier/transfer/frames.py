@@ -32,10 +32,31 @@ PROTOCOL_VERSION = 1
 
 
 class Hello(msgspec.Struct, tag=True, frozen=True):
-    """First frame each end sends: which channel kind and protocol version it speaks."""
+    """First frame each end sends: which channel kind and protocol version it speaks.
+
+    On an authenticated link (:mod:`kvtier.transfer.peer_auth`) it also carries the sender's static
+    public key and a fresh ephemeral public key (32 bytes each, X25519), and, from the server, the
+    MAC proving it holds its static secret key; empty otherwise.
+    """
 
     kind: str
     version: int = PROTOCOL_VERSION
+    key: bytes = b""
+    eph: bytes = b""
+    mac: bytes = b""
+
+
+class Proof(msgspec.Struct, tag=True, frozen=True):
+    """(authenticated links) The client's MAC over the handshake transcript: it holds its static key."""
+
+    mac: bytes
+
+
+class Refused(msgspec.Struct, tag=True, frozen=True):
+    """The server will not serve this peer (not a member, a failed proof, too many connections);
+    it closes the link after this frame."""
+
+    reason: str
 
 
 class Segment(msgspec.Struct, tag=True, frozen=True):
@@ -97,7 +118,7 @@ class Metadata(msgspec.Struct, tag=True, frozen=True):
     body: bytes
 
 
-Message = Union[Hello, Segment, Batch, Chunk, ChunkAck, BatchAck, Control, Metadata]
+Message = Union[Hello, Proof, Refused, Segment, Batch, Chunk, ChunkAck, BatchAck, Control, Metadata]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

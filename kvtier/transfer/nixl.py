@@ -98,7 +98,7 @@ class NixlChannel(StreamChannel):
         self._regions: list[tuple[int, int, Any]] = []  # (address, size, registration), kept until close
 
     @classmethod
-    def connect(cls, host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> "NixlChannel":
+    def connect(cls, host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S, auth: Any = None) -> "NixlChannel":
         """Dial a :class:`NixlListener`, exchange hellos and NIXL agent metadata.
 
         Raises:
@@ -106,12 +106,21 @@ class NixlChannel(StreamChannel):
         """
         nixl_agent_class()
         chan = cls(dial_tcp(host, port, timeout_s, "nixl"), timeout_s)
-        chan.handshake()
+        chan.handshake(auth=auth)
         return chan
 
-    def handshake(self, timeout_s: float | None = None) -> None:
-        """Hellos, then each end's NIXL agent metadata (a control frame each way)."""
-        super().handshake(timeout_s)
+    def handshake(self, timeout_s: float | None = None, auth: Any = None) -> None:
+        """Hellos (authenticated with ``auth``, see :meth:`StreamChannel.handshake`), then each end's
+        NIXL agent metadata (a control frame each way)."""
+        super().handshake(timeout_s, auth)
+        self.exchange_metadata(timeout_s)
+
+    def exchange_metadata(self, timeout_s: float | None = None) -> None:
+        """Send this end's NIXL agent metadata and add the peer's (a control frame each way).
+
+        Raises:
+            TransferError: timeout, the peer gone, or metadata NIXL refuses.
+        """
         self.send_control(self._agent.get_agent_metadata(), timeout_s)
         meta = self.recv_control(timeout_s)
         try:

@@ -1,9 +1,8 @@
 """A peer kvtier instance as a read-only lower tier, over a transfer channel.
 
-:class:`PeerServer` serves the chunks one instance's :class:`StorageManager` holds
-*locally* (CPU or disk; never its own lower remote or peer tiers, so peers never ask
-each other in circles) to peers that connect through a channel listener
-(:class:`~kvtier.transfer.tcp.TcpListener` or :class:`~kvtier.transfer.shm.ShmListener`).
+:class:`~kvtier.transfer.peer_server.PeerServer` (re-exported here) serves the chunks one
+instance's :class:`StorageManager` holds *locally* (CPU or disk; never its own lower remote or
+peer tiers, so peers never ask each other in circles) to authenticated peers.
 :class:`PeerTier` is the other side: a :class:`~kvtier.tiers.base.LowerTier` whose
 ``contains_many`` / ``get_many_into`` ask that peer, so the storage manager promotes a
 peer's chunks into its CPU tier like any other lower tier's.
@@ -18,6 +17,7 @@ reconnects on a later call (at most once per ``retry_s``). ``put_many`` stores n
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -34,147 +34,13 @@ from kvtier.tiers.base import (
 )
 from kvtier.transfer.channel import TransferChannel
 from kvtier.transfer.errors import TransferError
+from kvtier.transfer.peer_server import PeerServer
+from kvtier.transfer.peer_wire import BATCH_KEYS as _BATCH_KEYS
+from kvtier.transfer.peer_wire import PeerReply, PeerRequest
+
+__all__ = ["PeerReply", "PeerRequest", "PeerServer", "PeerTier", "ReadOnlyTier"]
 
 log = logging.getLogger("kvtier.transfer.peer")
-
-
-class PeerRequest(msgspec.Struct, frozen=True):
-    """``op``: ``"contains"`` or ``"get"``; ``keys``: chunk keys, in prompt order."""
-
-    op: str
-    keys: list[bytes]
-
-
-class PeerReply(msgspec.Struct, frozen=True):
-    """Per requested key: held (``contains``) or about to be sent in the batch that follows (``get``)."""
-
-    found: list[bool]
-
-
-_MAX_KEYS = 4096
-#: Keys per request (255-byte keys at most: one request fits a 64 KiB control frame).
-_BATCH_KEYS = 200
-
-
-class PeerServer:
-    """Serves ``manager``'s locally held chunks to peers accepted by ``listener``.
-
-    Args:
-        manager: the instance's :class:`kvtier.storage.manager.StorageManager`.
-        listener: a :class:`TcpListener` or :class:`ShmListener` (owned: closed by :meth:`stop`).
-        timeout_s: bound of each send to a peer, seconds.
-    """
-
-    def __init__(self, manager: Any, listener: Any, timeout_s: float = 5.0):
-        self.manager = manager
-        self.listener = listener
-        self.timeout_s = timeout_s
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._channels: list[TransferChannel] = []
-        self._threads: list[threading.Thread] = []
-        self._acceptor = threading.Thread(target=self._accept_loop, name="kvtier-peer-accept", daemon=True)
-        self._acceptor.start()
-
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                chan = self.listener.accept(0.2)
-            except TransferError:
-                continue  # nobody connected yet, or a failed handshake
-            except OSError:
-                return  # listener closed
-            with self._lock:
-                self._channels.append(chan)
-                t = threading.Thread(target=self._serve, args=(chan,), name="kvtier-peer-serve", daemon=True)
-                self._threads.append(t)
-            t.start()
-
-    @property
-    def connections(self) -> int:
-        """Peers connected now (a peer that left or died is dropped once its channel failed)."""
-        with self._lock:
-            return len(self._channels)
-
-    def _serve(self, chan: TransferChannel) -> None:
-        try:
-            if not self._share_cpu_memory(chan):
-                return
-            self._serve_loop(chan)
-        except Exception:  # a bug or a local failure must not leave the peer waiting for a reply
-            log.exception("kvtier peer server: dropping a peer after an unexpected error")
-        finally:
-            chan.close()
-            with self._lock:  # forget the finished connection (a long-lived server sees many)
-                if chan in self._channels:
-                    self._channels.remove(chan)
-                me = threading.current_thread()
-                if me in self._threads:
-                    self._threads.remove(me)
-
-    def _share_cpu_memory(self, chan: TransferChannel) -> bool:
-        """Over shared memory, let the peer map the manager's CPU tier (``cpu_segment``, when it
-        has one): its chunks then go without a copy on this side. False: the peer is gone."""
-        segment = getattr(self.manager, "cpu_segment", None)
-        share = getattr(chan, "share_segment", None)
-        if segment is None or share is None:
-            return True
-        try:
-            share(segment, self.timeout_s)
-        except TransferError as exc:
-            log.warning("kvtier peer server: dropping a peer that did not take the CPU segment: %s", exc)
-            return False
-        return True
-
-    def _serve_loop(self, chan: TransferChannel) -> None:
-        decoder = msgspec.msgpack.Decoder(PeerRequest)
-        while not self._stop.is_set():
-            try:
-                body = chan.recv_control(timeout_s=24 * 3600.0)
-            except TransferError:
-                return  # the peer left (or stop() closed the channel)
-            try:
-                req = decoder.decode(body)
-                if req.op not in ("contains", "get") or len(req.keys) > _MAX_KEYS:
-                    raise ValueError(f"bad request {req.op!r} with {len(req.keys)} keys")
-                for k in req.keys:
-                    check_key(k)
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
-                log.warning("kvtier peer server: dropping a peer that sent a bad request: %s", exc)
-                chan.close()
-                return
-            try:
-                self._answer(chan, req)
-            except TransferError:
-                return
-
-    def _answer(self, chan: TransferChannel, req: PeerRequest) -> None:
-        local = [self.manager.where(k) is not None for k in req.keys]
-        if req.op == "contains":
-            chan.send_control(msgspec.msgpack.encode(PeerReply(found=local)), self.timeout_s)
-            return
-        wanted = [k for k, held in zip(req.keys, local) if held]
-        handles = self.manager.open_read_many([(k, None) for k in wanted]) if wanted else []
-        try:
-            got = {h.key: h for h in handles if h is not None}
-            found = [k in got for k in req.keys]
-            chan.send_control(msgspec.msgpack.encode(PeerReply(found=found)), self.timeout_s)
-            chan.send([(k, got[k].buffer) for k in req.keys if k in got], self.timeout_s)
-        finally:
-            for h in handles:
-                if h is not None:
-                    h.close()
-
-    def stop(self) -> None:
-        """Stop accepting, close every peer channel, join the threads (idempotent)."""
-        self._stop.set()
-        self.listener.close()
-        with self._lock:
-            channels, threads = list(self._channels), list(self._threads)
-        for chan in channels:
-            chan.close()
-        for t in [self._acceptor, *threads]:
-            t.join(5)
 
 
 class ReadOnlyTier(LowerTier):
@@ -231,7 +97,10 @@ class PeerTier(ReadOnlyTier):
 
     def _channel(self) -> TransferChannel | None:
         if self._chan is not None and not getattr(self._chan, "closed", False):
-            return self._chan
+            if not _closed_while_idle(self._chan):
+                return self._chan
+            self._chan.close()  # the server closed an idle link (its idle timeout, a restart): redial
+            self._chan = None
         if self._closed or time.monotonic() < self._down_until:
             self.counters.add(skipped_calls=1)
             return None
@@ -317,3 +186,16 @@ class PeerTier(ReadOnlyTier):
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters.snapshot(), "connected": self._chan is not None, "location": self._location}
+
+
+def _closed_while_idle(chan: TransferChannel) -> bool:
+    """True if an idle channel's socket is readable: between requests the server sends nothing, so
+    that is its close (EOF) or a refusal, and the link must be dialled again."""
+    sock = getattr(chan, "_sock", None)
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)

@@ -47,7 +47,7 @@ from kvtier.transfer.channel import (
 )
 from kvtier.transfer.errors import ProtocolError, TransferError
 from kvtier.transfer.frames import Batch, Chunk, ChunkAck, Segment, encode_frame
-from kvtier.transfer.stream import StreamChannel
+from kvtier.transfer.stream import StreamChannel, check_same_user
 from kvtier.transfer.verify import Check, Verifier, copy_and_hash
 
 #: Default bytes of the staging ring (sparse): the largest payload a private buffer may hold.
@@ -100,10 +100,12 @@ class ShmChannel(StreamChannel):
 
     @classmethod
     def connect(cls, path: str, timeout_s: float = DEFAULT_TIMEOUT_S,
-                staging_bytes: int = DEFAULT_STAGING_BYTES) -> "ShmChannel":
-        """Dial a :class:`ShmListener` at ``path`` and exchange hellos.
+                staging_bytes: int = DEFAULT_STAGING_BYTES, auth: object = None) -> "ShmChannel":
+        """Dial a :class:`ShmListener` at ``path`` and exchange hellos (with ``auth``, a
+        :class:`~kvtier.transfer.peer_auth.ClientAuth`: authenticated, see :meth:`handshake`).
 
         Raises:
+            PeerRefused: the listener runs as another user, or refused this end.
             TransferError: cannot connect, or the peer is not a shared-memory channel.
         """
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -113,8 +115,13 @@ class ShmChannel(StreamChannel):
         except OSError as exc:
             sock.close()
             raise TransferError(f"cannot connect to shm transfer peer {path}: {exc}") from None
+        try:
+            check_same_user(sock, f"shm transfer peer {path}")
+        except TransferError:
+            sock.close()
+            raise
         chan = cls(sock, timeout_s, staging_bytes)
-        chan.handshake()
+        chan.handshake(auth=auth)
         return chan
 
     @classmethod

@@ -5,16 +5,17 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import stat
 import tempfile
 
+from kvtier.protocol.unix_socket import bind_unix
 from kvtier.transfer.channel import DEFAULT_TIMEOUT_S
 from kvtier.transfer.shm import DEFAULT_STAGING_BYTES, ShmChannel
 from kvtier.transfer.stream import accept_socket
 
 
 class ShmListener:
-    """Accepts :class:`ShmChannel` peers on a Unix socket (owner-only directory).
+    """Accepts :class:`ShmChannel` peers on a Unix socket (created 0600: only this user may connect;
+    the peer server also checks each peer's uid, ``SO_PEERCRED``).
 
     Args:
         path: socket path (default: ``shm.sock`` in a new private temporary directory).
@@ -28,14 +29,26 @@ class ShmListener:
         self.path = path or os.path.join(self._tmpdir or "", "shm.sock")
         self.timeout_s = timeout_s
         self.staging_bytes = staging_bytes
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            _remove_stale_socket(self.path)
-            self._sock.bind(self.path)
-            self._sock.listen(16)
-        except OSError:
-            self._sock.close()
-            raise
+            # PATH.lock held while listening: a second listener starting while this one is between
+            # bind() and listen() refuses instead of unlinking its socket (kvtier.protocol.unix_socket).
+            # The socket is created 0600: only this user may connect (the peer server checks uids too).
+            self._unix = bind_unix(self.path, replace_stale=True, private_dir=False)
+        except RuntimeError as exc:
+            raise OSError(errno.EADDRINUSE, f"shm transfer address {self.path} is in use ({exc})") from None
+        self._sock = self._unix.sock
+
+    kind = "shm"
+
+    @property
+    def socket(self) -> socket.socket:
+        """The listening socket (a :class:`~kvtier.transfer.peer_server.PeerServer` accepts on it itself)."""
+        return self._sock
+
+    def channel(self, sock: socket.socket) -> ShmChannel:
+        """The channel of an accepted connection whose handshake is done (blocking mode)."""
+        sock.setblocking(True)
+        return ShmChannel(sock, self.timeout_s, self.staging_bytes)
 
     def accept(self, timeout_s: float | None = None) -> ShmChannel:
         """The next peer, hellos exchanged.
@@ -50,8 +63,8 @@ class ShmListener:
 
     def close(self) -> None:
         self._sock.close()
+        self._unix.remove()  # only the socket file this listener created
         try:
-            os.unlink(self.path)
             if self._tmpdir:
                 os.rmdir(self._tmpdir)
         except OSError:
@@ -62,33 +75,3 @@ class ShmListener:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _remove_stale_socket(path: str) -> None:
-    """Unlink ``path`` if it is a Unix socket nobody listens on (left by a peer that was killed),
-    so a restarted peer can listen at the same address.
-
-    Raises:
-        OSError (EADDRINUSE): a live listener answers at ``path``, or ``path`` is not a socket.
-    """
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise OSError(errno.EADDRINUSE, f"{path} exists and is not a socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        try:
-            os.unlink(path)  # stale: its listener is gone
-        except FileNotFoundError:
-            pass
-        return
-    except OSError:
-        raise OSError(errno.EADDRINUSE, f"shm transfer address {path} is in use") from None
-    finally:
-        probe.close()
-    raise OSError(errno.EADDRINUSE, f"shm transfer address {path} is in use")

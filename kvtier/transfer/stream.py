@@ -9,14 +9,17 @@ by a :class:`~kvtier.transfer.channel.Deadline`; a socket timeout becomes
 from __future__ import annotations
 
 import errno
+import os
 import socket
-from typing import Sequence
+import struct
+from typing import Any, Sequence
 
 import xxhash
 
 from kvtier.transfer.channel import Deadline, TransferChannel
 from kvtier.transfer.errors import (
     PeerGone,
+    PeerRefused,
     ProtocolError,
     TransferError,
     TransferTimeout,
@@ -29,6 +32,8 @@ from kvtier.transfer.frames import (
     Control,
     Hello,
     Message,
+    Proof,
+    Refused,
     Segment,
     decode_header,
     decode_prefix,
@@ -152,6 +157,8 @@ class StreamChannel(TransferChannel):
                     continue
                 if fds:
                     raise ProtocolError("unexpected file descriptors with a frame")
+                if isinstance(msg, Refused):
+                    raise PeerRefused(f"the {self.kind} peer refused this instance: {msg.reason[:300]}")
                 return msg
             finally:
                 for fd in fds:
@@ -215,24 +222,39 @@ class StreamChannel(TransferChannel):
         return ack
 
     # -- shared operations ----------------------------------------------------------
-    def handshake(self, timeout_s: float | None = None) -> None:
-        """Exchange :class:`Hello` frames.
+    def handshake(self, timeout_s: float | None = None, auth: Any = None) -> None:
+        """Exchange :class:`Hello` frames; with ``auth`` (a :class:`kvtier.transfer.peer_auth.ClientAuth`)
+        also prove this end's fleet key and check the server's (:mod:`kvtier.transfer.peer_auth`).
+
+        Without ``auth`` this end takes a server that presents no key; with ``auth`` only an
+        authenticated server, except over a Unix socket whose server runs as this user (``shm``
+        peers without fleet keys: same-user trust, see :func:`check_same_user`).
 
         Raises:
             ProtocolError: the peer speaks another channel kind or protocol version.
+            PeerRefused: the server refused this end, or is not the fleet member expected.
             TransferError: timeout or the peer gone.
         """
         deadline = self._deadline(timeout_s)
         try:
-            mine = Hello(kind=self.kind)
+            mine = Hello(kind=self.kind, key=auth.key, eph=auth.eph) if auth is not None else Hello(kind=self.kind)
             self._send_views([encode_frame(mine)], deadline)
             theirs = self._recv_msg(deadline)
             if not isinstance(theirs, Hello):
                 raise ProtocolError(f"expected a hello frame, got {type(theirs).__name__}")
             if theirs.kind != mine.kind or theirs.version != mine.version:
                 raise ProtocolError(f"peer speaks {theirs.kind!r} v{theirs.version}, not {mine.kind!r} v{mine.version}")
+            if auth is not None and (theirs.key or not self._same_user_server()):
+                proof = auth.answer(self.kind, theirs.key, theirs.eph, theirs.mac)
+                self._send_views([encode_frame(Proof(mac=proof))], deadline)
         except (OSError, TransferError) as exc:
             raise self._fail(exc) from None
+
+    def _same_user_server(self) -> bool:
+        """True over a Unix socket whose other end runs as this user (the only unauthenticated peer an
+        authenticating client accepts)."""
+        sock = self._sock
+        return sock is not None and sock.family == socket.AF_UNIX and peer_uid(sock) == os.geteuid()
 
     def send_control(self, body: bytes, timeout_s: float | None = None) -> None:
         deadline = self._deadline(timeout_s)
@@ -281,6 +303,28 @@ def accept_socket(listener: socket.socket, timeout_s: float, kind: str) -> socke
         raise TransferError(f"{kind} accept failed: {exc}") from None
     sock.settimeout(None)
     return sock
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a connected Unix socket (``SO_PEERCRED``), or None
+    where the platform does not say."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return None
+    return int(struct.unpack("3i", creds)[1])
+
+
+def check_same_user(sock: socket.socket, what: str) -> None:
+    """Refuse a Unix-socket peer running as another user (root excepted): shared-memory peers without
+    fleet keys trust the same user only, like ``kvtier server``'s owner-only socket.
+
+    Raises:
+        PeerRefused: naming ``what`` and the uid.
+    """
+    uid = peer_uid(sock)
+    if uid is not None and uid not in (os.geteuid(), 0):
+        raise PeerRefused(f"{what} runs as uid {uid}, not this user ({os.geteuid()}): refused")
 
 
 def _pack_fds(fds: Sequence[int]) -> bytes:

@@ -63,14 +63,16 @@ class TcpChannel(StreamChannel):
         super().__init__(sock, timeout_s)
 
     @classmethod
-    def connect(cls, host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> "TcpChannel":
-        """Dial a :class:`TcpListener` and exchange hellos.
+    def connect(cls, host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S, auth: object = None) -> "TcpChannel":
+        """Dial a :class:`TcpListener` (or a peer server) and exchange hellos; with ``auth`` (a
+        :class:`~kvtier.transfer.peer_auth.ClientAuth`) mutually authenticated.
 
         Raises:
+            PeerRefused: the server refused this end or is not the expected fleet member.
             TransferError: cannot connect within ``timeout_s``, or the peer is not a TCP transfer channel.
         """
         chan = cls(dial_tcp(host, port, timeout_s, "tcp"), timeout_s)
-        chan.handshake()
+        chan.handshake(auth=auth)
         return chan
 
     def send(self, chunks: Sequence[OutChunk], timeout_s: float | None = None) -> list[bool]:
@@ -127,10 +129,22 @@ class TcpListener:
         timeout_s: default call timeout of accepted channels, seconds.
     """
 
+    kind = "tcp"
+
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.timeout_s = timeout_s
-        self._sock = socket.create_server((host, port), reuse_port=False)
+        self._sock = socket.create_server((host, port), reuse_port=False, backlog=128)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
+
+    @property
+    def socket(self) -> socket.socket:
+        """The listening socket (a :class:`~kvtier.transfer.peer_server.PeerServer` accepts on it itself)."""
+        return self._sock
+
+    def channel(self, sock: socket.socket) -> TcpChannel:
+        """The channel of an accepted connection whose handshake is done (blocking mode)."""
+        sock.setblocking(True)
+        return TcpChannel(sock, self.timeout_s)
 
     def accept(self, timeout_s: float | None = None) -> TcpChannel:
         """The next peer, hellos exchanged.

@@ -37,24 +37,36 @@ def _parse(url: str) -> tuple[str, str, int]:
     return parts.scheme, parts.hostname, port
 
 
-def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TransferChannel:
-    """Dial the peer at ``url``.
+def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, auth: Any = None) -> TransferChannel:
+    """Dial the peer at ``url``; with ``auth`` (a :class:`~kvtier.transfer.peer_auth.ClientAuth`)
+    both ends authenticate (:mod:`kvtier.transfer.peer_auth`).
 
     Raises:
-        ValueError: a malformed URL. TransferError: cannot connect (ChannelUnavailable: NIXL missing).
+        ValueError: a malformed URL. PeerRefused: authentication failed either way.
+        TransferError: cannot connect (ChannelUnavailable: NIXL missing).
     """
     scheme, where, port = _parse(url)
     if scheme == "shm":
         from kvtier.transfer.shm import ShmChannel
 
-        return ShmChannel.connect(where, timeout_s)
+        return ShmChannel.connect(where, timeout_s, auth=auth)
     if scheme == "tcp":
         from kvtier.transfer.tcp import TcpChannel
 
-        return TcpChannel.connect(where, port, timeout_s)
+        return TcpChannel.connect(where, port, timeout_s, auth=auth)
     from kvtier.transfer.nixl import NixlChannel
 
-    return NixlChannel.connect(where, port, timeout_s)
+    return NixlChannel.connect(where, port, timeout_s, auth=auth)
+
+
+def host_of(url: str) -> str:
+    """The host of a ``tcp://`` / ``nixl://`` URL ("" for ``shm://``).
+
+    Raises:
+        ValueError: a malformed URL.
+    """
+    scheme, where, _ = _parse(url)
+    return "" if scheme == "shm" else where
 
 
 def listen(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:

@@ -1,10 +1,11 @@
 // kvtier dashboard: renders /dashboard/snapshot, then live /dashboard/events (server-sent events).
 // Every number cell carries data-series (the /metrics series it shows) and data-value (the raw number).
+// A service with a token answers 401 until the viewer signs in: POST /dashboard/login sets an HttpOnly,
+// SameSite=Strict session cookie (this script never keeps the token); operations send X-Kvtier-Dashboard.
 "use strict";
 (function () {
-  const K = (window.__kvtier = { charts: {}, renders: 0, firstPaintMs: null, snap: null });
+  const K = (window.__kvtier = { charts: {}, renders: 0, firstPaintMs: null, snap: null, signedIn: false });
   const $ = (id) => document.getElementById(id);
-  let token = sessionStorage.getItem("kvtier-token") || "";
 
   const fmtInt = (v) => (v == null ? "—" : Math.round(v).toLocaleString("en-US"));
   function fmtBytes(v) {
@@ -185,10 +186,10 @@
   }
 
   // -- operations ---------------------------------------------------------------------------
-  const opsEnabled = (snap) => snap.ops != null && (!snap.ops.token_required || token !== "");
+  const opsEnabled = (snap) => snap.ops != null;  // whoever reads the data may operate (same rule)
   function opButton(text, label, snap, onClick) {
     const b = el("button", { type: "button", "aria-label": label, text });
-    if (!opsEnabled(snap)) { b.disabled = true; b.title = "enter the API token to run operations"; }
+    if (!opsEnabled(snap)) { b.disabled = true; b.title = "no operations here"; }
     b.addEventListener("click", onClick);
     return b;
   }
@@ -213,17 +214,17 @@
     $("ops-log").prepend(li);
     return li;
   }
-  const authHeaders = () => Object.assign({ "Content-Type": "application/json" }, token ? { Authorization: "Bearer " + token } : {});
+  const opHeaders = { "Content-Type": "application/json", "X-Kvtier-Dashboard": "1" };
   async function runOp(op, body, desc) {
     const li = log(`${desc}: sending…`);
     try {
-      const r = await fetch("/dashboard/ops/" + op, { method: "POST", headers: authHeaders(), body: JSON.stringify(body) });
+      const r = await fetch("/dashboard/ops/" + op, { method: "POST", headers: opHeaders, body: JSON.stringify(body) });
       const rec = await r.json().catch(() => ({}));
       if (!r.ok) { li.textContent = `${desc}: refused (${r.status}) ${rec.detail || ""}`; li.className = "bad"; return; }
       li.dataset.eventId = rec.event_id;
       li.textContent = `${desc}: ${rec.state}…`;
       for (;;) {
-        const c = await fetch("/check_finish/" + encodeURIComponent(rec.event_id), { headers: authHeaders() });
+        const c = await fetch("/dashboard/op/" + encodeURIComponent(rec.event_id), { headers: opHeaders });
         const st = await c.json();
         if (st.state === "done" || st.state === "failed") {
           const res = st.result || {};
@@ -243,23 +244,53 @@
     K.snap = snap;
     $("kind").textContent = snap.kind === "controller" ? "controller (all instances)" : "server";
     document.title = "kvtier " + snap.kind;
-    $("token-form").hidden = snap.ops == null;
+    $("token-form").hidden = true;
+    $("signout").hidden = !K.signedIn;
     renderTiles(snap); renderTiers(snap); renderHot(snap); renderInstances(snap); renderCharts(snap);
     K.renders++;
     if (K.firstPaintMs == null) K.firstPaintMs = performance.now();
     $("status").textContent = "live, updated " + new Date(snap.time * 1000).toLocaleTimeString();
   }
-  $("token-form").addEventListener("submit", (e) => {
-    e.preventDefault();
-    token = $("token").value.trim();
-    sessionStorage.setItem("kvtier-token", token);
-    if (K.snap) render(K.snap);
-  });
-  function connect() {
-    const es = new EventSource("/dashboard/events");
-    es.addEventListener("snapshot", (e) => render(JSON.parse(e.data)));
-    es.onerror = () => { $("status").textContent = "disconnected, retrying…"; };
+  function signIn(why) {
+    $("token-form").hidden = false;
+    $("signout").hidden = true;
+    $("status").textContent = why;
+    $("token").focus();
   }
-  fetch("/dashboard/snapshot").then((r) => r.json()).then(render).catch((e) => { $("status").textContent = "error: " + e; })
-    .finally(connect);
+  let es = null;
+  function connect() {
+    if (es) es.close();
+    es = new EventSource("/dashboard/events");
+    es.addEventListener("snapshot", (e) => render(JSON.parse(e.data)));
+    es.onerror = () => {
+      $("status").textContent = "disconnected, retrying…";
+      if (es.readyState === EventSource.CLOSED) { es = null; setTimeout(load, 2000); }  // refused: ask again
+    };
+  }
+  async function load() {
+    try {
+      const r = await fetch("/dashboard/snapshot");
+      if (r.status === 401) { K.signedIn = false; if (es) { es.close(); es = null; } signIn("sign in with the operator token to see this dashboard"); return; }
+      if (!r.ok) { const d = await r.json().catch(() => ({})); $("status").textContent = `refused (${r.status}) ${d.detail || ""}`; return; }
+      render(await r.json());
+      if (!es) connect();
+    } catch (e) { $("status").textContent = "error: " + e; }
+  }
+  $("token-form").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const token = $("token").value.trim();
+    $("token").value = "";
+    const r = await fetch("/dashboard/login", { method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ token }) });
+    if (!r.ok) { signIn(r.status === 401 ? "wrong token, try again" : "sign-in refused (" + r.status + ")"); return; }
+    K.signedIn = true;
+    await load();
+  });
+  $("signout").addEventListener("click", async () => {
+    await fetch("/dashboard/logout", { method: "POST" });
+    K.signedIn = false;
+    if (es) { es.close(); es = null; }
+    await load();
+  });
+  load();
 })();

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvtier.config import KVTierConfig
-from kvtier.index.keys import ChunkHasher, KeyNamespace
+from kvtier.index.keys import ChunkHasher, KeyNamespace, chain_parents
 from kvtier.integrations.transformers.layout import UnsupportedModel, hf_namespace
 from kvtier.integrations.transformers.payload import chunk_view, load_chunk, save_chunk
 from kvtier.storage.backend import KVStore
@@ -173,8 +173,12 @@ class KVTierHF:
                 return PrefixLoad(self._new_cache(), 0, [0] * B, pads)
             device = self.model.device
             L, H, D = self.namespace.layout.num_layers, self.namespace.layout.num_kv_heads, self.namespace.layout.head_dim
-            keys_t = [torch.zeros(B, H, P, D, dtype=self.dtype) for _ in range(L)]
-            vals_t = [torch.zeros(B, H, P, D, dtype=self.dtype) for _ in range(L)]
+            # Staged in page-locked memory for a CUDA model, so the moves below run as DMA,
+            # asynchronously on the current stream (torch's host allocator keeps the pages
+            # until those copies complete).
+            pin = device.type == "cuda"
+            keys_t = [torch.zeros(B, H, P, D, dtype=self.dtype, pin_memory=pin) for _ in range(L)]
+            vals_t = [torch.zeros(B, H, P, D, dtype=self.dtype, pin_memory=pin) for _ in range(L)]
             for b in range(B):
                 for j, h in enumerate(per_row[b]):
                     n = min(C, hit[b] - j * C)
@@ -185,12 +189,16 @@ class KVTierHF:
             for handles in per_row:
                 for h in handles:
                     h.close()
-        cache = self._new_cache([(k.to(device), v.to(device)) for k, v in zip(keys_t, vals_t)])
+        cache = self._new_cache([(k.to(device, non_blocking=True), v.to(device, non_blocking=True))
+                                 for k, v in zip(keys_t, vals_t)])
         return PrefixLoad(cache, P, hit, pads)
 
     # -- store --------------------------------------------------------------------------------
     def store_prompt_chunks(self, cache: Any, input_ids: torch.Tensor, pads: Sequence[int], upto: int | None = None) -> int:
         """Store every full chunk of each row's prompt that ``cache`` covers and no local tier holds.
+
+        A row whose every chunk a lookup finds (in any tier) is skipped before anything is
+        copied: a full hit moves no KV off the device.
 
         Args:
             cache: a ``DynamicCache`` whose positions ``[0, T)`` are the prompt (padded);
@@ -202,31 +210,41 @@ class KVTierHF:
         Returns:
             Chunks stored (committed). Failures are logged, never raised.
         """
+        first = cache.layers[0] if getattr(cache, "layers", None) else None
+        if first is None or getattr(first, "keys", None) is None or first.keys.dim() != 4:
+            return 0
+        B, T = input_ids.shape
+        limit = min(first.keys.shape[2], T, upto if upto is not None else T)
+        ids = input_ids.to("cpu").numpy()
+        rows: list[tuple[int, list[bytes]]] = []
+        for b in range(B):
+            n = max(0, (limit - pads[b]) // self.chunk_size)
+            if n == 0:
+                continue
+            try:
+                keys = self.hasher.keys(ids[b, pads[b]:], self.cache_salt, max_chunks=n)
+                if len(self.store.lookup_keys(keys).keys) < len(keys):  # else: every chunk is stored already
+                    rows.append((b, keys))
+            except Exception:  # defensive: a failing store is a skipped store
+                log.exception("kvtier: lookup before storing row %d failed", b)
+        if not rows:
+            return 0  # a full hit copies nothing off the device
         try:
             layers = [(layer.keys.to("cpu"), layer.values.to("cpu")) for layer in cache.layers]
         except Exception:  # defensive: an unexpected cache shape is a skipped store
             log.exception("kvtier: cannot read the cache; nothing stored")
             return 0
-        if not layers or layers[0][0] is None or layers[0][0].dim() != 4:
-            return 0
-        B, T = input_ids.shape
         stride = max(1, layers[0][0].shape[0] // B)
-        limit = min(layers[0][0].shape[2], T, upto if upto is not None else T)
-        ids = input_ids.to("cpu").numpy()
         stored = 0
-        for b in range(B):
-            tokens = ids[b, pads[b]:]
-            n = max(0, (limit - pads[b]) // self.chunk_size)
-            if n == 0:
-                continue
+        for b, keys in rows:
             try:
-                stored += self._store_row(layers, b * stride, pads[b], self.hasher.keys(tokens, self.cache_salt, max_chunks=n))
+                stored += self._store_row(layers, b * stride, pads[b], keys)
             except Exception:  # defensive: a failed store never fails generation
                 log.exception("kvtier: storing row %d failed", b)
         return stored
 
     def _store_row(self, layers: list[tuple[torch.Tensor, torch.Tensor]], row: int, pad: int, keys: list[bytes]) -> int:
-        bufs = self.store.open_write_many(keys)
+        bufs = self.store.open_write_many(keys, chain_parents(keys))
         stored, stop = 0, False
         for i, (key, buf) in enumerate(zip(keys, bufs)):
             parent = keys[i - 1] if i else None

@@ -6,6 +6,7 @@ Load it with::
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.integrations.vllm",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",  # a failed load is recomputed (vLLM's default "fail" errors)
         "kv_connector_extra_config": {"cpu_capacity": "4GiB", "disk_path": "/var/cache/kvtier"},
     })
 
@@ -19,7 +20,9 @@ Modules (the shape of vLLM's ``OffloadingConnector``):
   (embedded, in-process direct, RPC, kvtier server); ``extras``: LoRA and
   multimodal key inputs; ``accounting``: per-request hit records;
   ``inspection``: helpers for in-process engines (``request_hits``, ``flush_all``,
-  ``stats_all``).
+  ``stats_all``); ``groups``: KV cache groups of hybrid models (``SupportsHMA``);
+  ``reset``: what ``reset_cache`` may clear; ``failure_policy``: what a failed load
+  does under vLLM's ``kv_load_failure_policy``; ``kv_events``: tier changes as vLLM KV events.
 
 Scheduler side: looks up the longest cached prefix of each new prompt beyond
 what vLLM's own prefix cache holds, leases those chunks, and after block
@@ -29,17 +32,38 @@ the forward pass (chunks held only by a lower tier asynchronously, while the
 request waits in WAITING_FOR_REMOTE_KVS) and saves planned chunks after it.
 """
 
-from kvtier.integrations.vllm.connector import KVTierConnector
-from kvtier.integrations.vllm.inspection import flush_all, request_hits, stats_all
-from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, RequestHits, TransferSpec
+from __future__ import annotations
 
-__all__ = [
-    "ChunkCopy",
-    "KVTierConnector",
-    "KVTierMetadata",
-    "RequestHits",
-    "TransferSpec",
-    "flush_all",
-    "request_hits",
-    "stats_all",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.integrations.vllm.connector import KVTierConnector
+    from kvtier.integrations.vllm.inspection import flush_all, request_hits, stats_all
+    from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, RequestHits, TransferSpec
+
+#: public name -> defining module. Imported on first access (PEP 562), so that
+#: ``kvtier.integrations.vllm.gpu`` (the paged-KV copy path, which needs only torch) imports on a
+#: machine without vLLM; vLLM's ``kv_connector_module_path`` loader does ``getattr(module, name)``,
+#: which resolves here.
+_EXPORTS = {
+    "KVTierConnector": "kvtier.integrations.vllm.connector",
+    "flush_all": "kvtier.integrations.vllm.inspection",
+    "request_hits": "kvtier.integrations.vllm.inspection",
+    "stats_all": "kvtier.integrations.vllm.inspection",
+    "ChunkCopy": "kvtier.integrations.vllm.types",
+    "KVTierMetadata": "kvtier.integrations.vllm.types",
+    "RequestHits": "kvtier.integrations.vllm.types",
+    "TransferSpec": "kvtier.integrations.vllm.types",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later accesses skip this hook
+    return value

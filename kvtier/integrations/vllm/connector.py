@@ -15,12 +15,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.integrations.vllm.extras import check_engine_extra_keys
-from kvtier.integrations.vllm.kv_events import kv_events_enabled
+from kvtier.integrations.vllm.failure_policy import log_failure_policy
+from kvtier.integrations.vllm.groups import kv_groups
+from kvtier.integrations.vllm.kv_events import group_specs, kv_events_enabled
 from kvtier.integrations.vllm.pd import PDSettings
+from kvtier.integrations.vllm.modes import engine_instance
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics, counter_delta, ledger_counters
 from kvtier.integrations.vllm.scheduler import KVTierScheduler
 from kvtier.integrations.vllm.types import KVTierMetadata
@@ -53,12 +57,18 @@ def _ensure_log_handler(level: str) -> None:
     logger.addHandler(handler)
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtier's vLLM v1 KV connector (CPU tier plus lower tiers, embedded or in a shared server).
 
+    Supports vLLM's hybrid KV cache manager (``SupportsHMA``): models with full-attention and
+    sliding-window KV cache groups keep it on, and a hit restores every group exactly
+    (:mod:`kvtier.integrations.vllm.groups`).
+
     Raises:
-        ValueError: tensor-parallel size > 1 in embedded mode, or the engine keys its
-            blocks on an input kvtier cannot key (see ``extras.check_engine_extra_keys``).
+        ValueError: tensor-parallel size > 1 in embedded mode, the engine keys its blocks on an
+            input kvtier cannot key (see ``extras.check_engine_extra_keys``), or a KV cache
+            group kvtier cannot restore (Mamba / linear attention state; PD or CUDA KV with
+            several groups).
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
@@ -77,18 +87,26 @@ class KVTierConnector(KVConnectorBase_V1):
                 "tensor_parallel_size=1 (one worker in that process)"
             )
         check_engine_extra_keys()
-        self._force_recompute_policy()
         self.namespace = namespace_from_vllm(vllm_config, self.config.chunk_size, self.config.model_id)
         self.chunk_size = self.namespace.chunk_size
+        self.groups = kv_groups(kv_cache_config, self.namespace.layout.block_size)
+        if self.groups.multi and self.pd.role != "off":
+            raise ValueError("kvtier: PD (pd_role) is not supported for hybrid models (several KV cache groups)")
         engine_id = str(self._kv_transfer_config.engine_id or "default")
         self.scheduler: KVTierScheduler | None = None
         self.worker: KVTierWorker | None = None
         self._reported = ledger_counters({}, {}, 0)  # ledger counters already sent as stats
         kv_events = kv_events_enabled(vllm_config)  # kvtier's tier changes go to vLLM's KV event publisher
+        instance = engine_instance(engine_id, vllm_config)  # both sides of this engine, no other engine
         if role == KVConnectorRole.WORKER:
-            self.worker = KVTierWorker(self.config, self.namespace, engine_id, kv_events=kv_events, pd=self.pd)
+            self.worker = KVTierWorker(self.config, self.namespace, engine_id, kv_events=kv_events, pd=self.pd,
+                                       instance=instance, groups=self.groups)
         else:
-            self.scheduler = KVTierScheduler(self.config, self.namespace, engine_id, kv_events=kv_events, pd=self.pd)
+            self.scheduler = KVTierScheduler(self.config, self.namespace, engine_id, kv_events=kv_events, pd=self.pd,
+                                             instance=instance, event_groups=group_specs(kv_cache_config),
+                                             groups=self.groups)
+        if role == KVConnectorRole.SCHEDULER:
+            log_failure_policy(self._kv_transfer_config)
         log.info(
             "kvtier connector (%s) ready: model=%s layout=%s chunk=%d tokens (%d bytes)",
             role.name,
@@ -98,20 +116,12 @@ class KVTierConnector(KVConnectorBase_V1):
             self.namespace.chunk_bytes,
         )
 
-    def _force_recompute_policy(self) -> None:
-        """vLLM's default ("fail") fails the whole request when a load fails; for a cache a
-        failed load is a miss, so the blocks are recomputed instead. The scheduler reads this
-        right after creating its connector (vLLM 0.32)."""
-        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") == "recompute":
-            return
-        try:
-            self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            log.info("kvtier: kv_load_failure_policy set to 'recompute' (a failed load is recomputed)")
-        except Exception:  # a frozen config: say what the user must set
-            log.warning(
-                "kvtier: set kv_transfer_config kv_load_failure_policy='recompute'; with 'fail' a "
-                "failed kvtier load fails the request instead of recomputing it"
-            )
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: kvtier is a best-effort cache (a save that does not happen is a later miss), so a
+        request vLLM preempts under async scheduling keeps its in-flight output (vLLM's base class
+        says so for caches; its CPU offload connectors answer False too)."""
+        return False
 
     @property
     def manager(self) -> Any:
@@ -134,10 +144,45 @@ class KVTierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         assert self.scheduler is not None
         self.scheduler.update_connector_output(connector_output)
+        invalid = connector_output.invalid_block_ids
+        manager = getattr(self, "_kv_cache_manager", None)
+        if invalid and manager is not None:
+            # Under the recompute policy vLLM keeps blocks that failed to load in its
+            # prefix cache for the request that recomputes them; if that request ends
+            # first (aborted), a later request would take the unfilled blocks as a
+            # local hit and compute over them. Take them out of the prefix cache: the
+            # requests holding them keep them; anyone else misses (kvtier may hit).
+            try:
+                manager.evict_blocks(set(invalid))
+            except Exception:  # never take the engine down
+                log.exception("kvtier: evicting %d blocks that failed to load from the prefix cache failed",
+                              len(invalid))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: the request finished in every KV cache group (kvtier keeps every group's
+        blocks together: an async load still writing into them holds them all)."""
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """Learn the null block's id (vLLM fills sliding-window slots out of the window with it)."""
+        null = getattr(getattr(gpu_block_pool, "null_block", None), "block_id", None)
+        if self.scheduler is not None and isinstance(null, int):
+            self.scheduler.null_block = null
+
+    def reset_cache(self) -> bool:
+        """Clear this engine's namespace in every tier it owns, or answer False (see
+        :meth:`KVTierScheduler.reset_cache`; the worker side has nothing to reset)."""
+        return self.scheduler.reset_cache() if self.scheduler is not None else True
+
+    def has_pending_block_frees(self) -> bool:
+        """True while kvtier holds blocks of requests finished (aborted) mid-load (see the scheduler side)."""
+        return self.scheduler is not None and self.scheduler.has_pending_block_frees()
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         assert self.scheduler is not None
@@ -168,7 +213,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def take_events(self) -> Iterable["KVCacheEvent"]:
-        """kvtier's tier changes since the last call as vLLM KV events (medium CPU/DISK/REMOTE)."""
+        """kvtier's tier changes since the last call as vLLM KV events (media CPU/STORAGE, see kv_events)."""
         return self.scheduler.take_events() if self.scheduler is not None else ()
 
     def check_invariants(self) -> None:
@@ -219,8 +264,22 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = self._step_meta()
         return self.worker.get_finished(finished_req_ids, idle=meta is not None and meta.idle)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """``get_finished`` plus, for hybrid models, the async loads that failed (``failed_recving``:
+        vLLM 0.32 takes no block-level errors with several KV cache groups)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.worker.take_failed_recving(recving, sending) if self.worker is not None else set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self) -> Any:
+        """The step this output reports (the scheduler side matches failures to steps by it)."""
+        return self.worker.build_worker_meta() if self.worker is not None else None
 
     def get_kv_connector_kv_cache_events(self) -> Any:
         """This step's tier changes (kvtier keys + tier), carried to the scheduler side by vLLM."""

@@ -20,9 +20,16 @@ kvtier's tiers visible there, in vLLM's own classes and hash scheme:
   parent block hash, the chunk's token ids (a compact ``array('l')``), the LoRA
   name/id and vLLM's per-block extra keys, in an LRU map of at most ``max_chunks``
   chunks. The worker's changes are translated through it into ``BlockStored`` /
-  ``BlockRemoved`` with medium ``CPU``/``DISK``/``REMOTE`` (consecutive chunks of a
-  chain merge into one event). A key it does not know is counted in
-  ``untranslated``, never given an invented hash.
+  ``BlockRemoved`` in vLLM 0.32's terms (consecutive chunks of a chain merge into one
+  event). A key it does not know is counted in ``untranslated``, never given an invented hash.
+
+Fields (what vLLM's own offload connectors set): ``medium`` is one of vLLM's three
+(``CPU`` for kvtier's CPU tier, ``STORAGE`` for disk, remote and peer tiers), ``locality``
+``LOCAL`` (CPU, disk) or ``REMOTE`` (Redis, shared fs, peers), ``ownership`` ``"kvtier"``
+(:data:`kvtier.events.from_tiers.TIER_MEDIUMS`); ``group_idx``, ``kv_cache_spec_kind`` and
+``kv_cache_spec_sliding_window`` those of the engine's KV cache group, one event per group
+(a kvtier chunk holds every layer, so each group's blocks are in the tier; a model with one
+group: ``group_idx=0``, ``"full_attention"``).
 
 A cleared tier (``"c"``) becomes ``BlockRemoved`` of every remembered chunk in that
 tier (``AllBlocksCleared`` has no medium: a router would also drop the engine's GPU
@@ -40,10 +47,18 @@ from typing import Any, Iterable, Sequence
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 
+from kvtier.events.from_tiers import TIER_MEDIUMS
+from kvtier.events.schema import OWNERSHIP
+
 log = logging.getLogger("kvtier.vllm")
 
-#: kvtier tier kind -> KV event ``medium``.
-MEDIUM = {"cpu": "CPU", "disk": "DISK", "remote": "REMOTE", "peer": "REMOTE"}
+#: kvtier tier kind -> KV event ``(medium, locality)`` (vLLM 0.32's media; see the module doc).
+MEDIUM = TIER_MEDIUMS
+
+#: One KV cache group as its events describe it: ``(kv_cache_spec_kind, sliding_window)``.
+GroupSpec = tuple[str, "int | None"]
+#: The groups of a model with one full-attention group (vLLM's events: group 0, "full_attention").
+FULL_ATTENTION: tuple[GroupSpec, ...] = (("full_attention", None),)
 
 #: One change as it crosses from worker to scheduler: (op, tier, keys).
 ChangeTuple = tuple[str, str, tuple[bytes, ...]]
@@ -139,16 +154,23 @@ class BlockEventTranslator:
         chunk_size: tokens per kvtier chunk.
         block_size: vLLM's block size in tokens (``chunk_size`` is a multiple of it).
         max_chunks: chunks remembered (LRU); >= 1.
+        groups: the engine's KV cache groups, ``(kv_cache_spec_kind, sliding_window)`` each, in
+            ``group_idx`` order (:func:`group_specs`); one event per group per change.
 
     Raises:
-        ValueError: ``chunk_size`` not a positive multiple of ``block_size``, or ``max_chunks`` < 1.
+        ValueError: ``chunk_size`` not a positive multiple of ``block_size``, ``max_chunks`` < 1,
+            or no group.
     """
 
-    def __init__(self, chunk_size: int, block_size: int, max_chunks: int = 16384):
+    def __init__(self, chunk_size: int, block_size: int, max_chunks: int = 16384,
+                 groups: Sequence[GroupSpec] = FULL_ATTENTION):
         if block_size < 1 or chunk_size < block_size or chunk_size % block_size:
             raise ValueError(f"chunk_size {chunk_size} must be a positive multiple of block_size {block_size}")
         if max_chunks < 1:
             raise ValueError(f"max_chunks must be >= 1, got {max_chunks}")
+        if not groups:
+            raise ValueError("at least one KV cache group is needed")
+        self.groups = tuple(groups)
         self.chunk_size = chunk_size
         self.block_size = block_size
         self.blocks_per_chunk = chunk_size // block_size
@@ -157,6 +179,8 @@ class BlockEventTranslator:
         self.translated = 0
         self._map: OrderedDict[bytes, _Chunk] = OrderedDict()
         self._pending: list[KVCacheEvent] = []
+        # the events new chunks may still merge into: per (stored?, medium, locality, group)
+        self._tail: dict[tuple[bool, str, str, int], Any] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -206,8 +230,8 @@ class BlockEventTranslator:
         """Translate tier changes (from :class:`TierChanges`) into pending vLLM events."""
         with self._lock:
             for op, tier, keys in changes:
-                medium = MEDIUM.get(tier)
-                if medium is None:
+                where = MEDIUM.get(tier)
+                if where is None:
                     self.untranslated += len(keys)
                     continue
                 if op == "c":
@@ -215,7 +239,7 @@ class BlockEventTranslator:
                     for c in gone:
                         c.tiers.discard(tier)
                     if gone:
-                        self._removed([h for c in gone for h in c.hashes], medium)
+                        self._removed([h for c in gone for h in c.hashes], where)
                     continue
                 for key in keys:
                     c = self._map.get(key)
@@ -226,46 +250,67 @@ class BlockEventTranslator:
                     if op == "s":
                         c.tiers.add(tier)
                         self._map.move_to_end(key)
-                        self._stored(c, medium)
+                        self._stored(c, where)
                     elif op == "r":
                         c.tiers.discard(tier)
-                        self._removed(list(c.hashes), medium)
+                        self._removed(list(c.hashes), where)
 
-    def _stored(self, c: _Chunk, medium: str) -> None:
-        last = self._pending[-1] if self._pending else None
-        if (
-            isinstance(last, BlockStored) and last.medium == medium and last.lora_name == c.lora_name
-            and c.parent is not None and last.block_hashes and last.block_hashes[-1] == c.parent
-            and (last.extra_keys is None) == (c.extra_keys is None)
-        ):
-            last.block_hashes.extend(c.hashes)
-            last.token_ids.extend(c.tokens)
-            if last.extra_keys is not None and c.extra_keys is not None:
-                last.extra_keys.extend(c.extra_keys)
-            return
-        self._pending.append(BlockStored(
-            block_hashes=list(c.hashes),
-            parent_block_hash=c.parent,
-            token_ids=c.tokens.tolist(),
-            block_size=self.block_size,
-            lora_id=c.lora_id,
-            medium=medium,
-            lora_name=c.lora_name,
-            extra_keys=list(c.extra_keys) if c.extra_keys is not None else None,
-            group_idx=0,
-        ))
+    def _append(self, stored: bool, event: Any, tail_key: tuple[bool, str, str, int]) -> None:
+        if any(k[0] != stored for k in self._tail):
+            self._tail.clear()  # a store after a removal (or back) must not merge across it
+        self._tail[tail_key] = event
+        self._pending.append(event)
 
-    def _removed(self, hashes: list[Any], medium: str) -> None:
-        last = self._pending[-1] if self._pending else None
-        if isinstance(last, BlockRemoved) and last.medium == medium:
-            last.block_hashes.extend(hashes)
-            return
-        self._pending.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0))
+    def _stored(self, c: _Chunk, where: tuple[str, str]) -> None:
+        medium, locality = where
+        if any(not k[0] for k in self._tail):
+            self._tail.clear()
+        for g, (kind, window) in enumerate(self.groups):
+            last = self._tail.get((True, medium, locality, g))
+            if (
+                last is not None and last.lora_name == c.lora_name
+                and c.parent is not None and last.block_hashes and last.block_hashes[-1] == c.parent
+                and (last.extra_keys is None) == (c.extra_keys is None)
+            ):
+                last.block_hashes.extend(c.hashes)
+                last.token_ids.extend(c.tokens)
+                if last.extra_keys is not None and c.extra_keys is not None:
+                    last.extra_keys.extend(c.extra_keys)
+                continue
+            self._append(True, BlockStored(
+                block_hashes=list(c.hashes),
+                parent_block_hash=c.parent,
+                token_ids=c.tokens.tolist(),
+                block_size=self.block_size,
+                lora_id=c.lora_id,
+                medium=medium,
+                lora_name=c.lora_name,
+                extra_keys=list(c.extra_keys) if c.extra_keys is not None else None,
+                group_idx=g,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
+                locality=locality,
+                ownership=OWNERSHIP,
+            ), (True, medium, locality, g))
+
+    def _removed(self, hashes: list[Any], where: tuple[str, str]) -> None:
+        medium, locality = where
+        if any(k[0] for k in self._tail):
+            self._tail.clear()
+        for g in range(len(self.groups)):
+            last = self._tail.get((False, medium, locality, g))
+            if last is not None:
+                last.block_hashes.extend(hashes)
+                continue
+            self._append(False, BlockRemoved(block_hashes=list(hashes), medium=medium, group_idx=g,
+                                             locality=locality, ownership=OWNERSHIP),
+                         (False, medium, locality, g))
 
     def take(self) -> list[KVCacheEvent]:
         """The events translated since the last call, in order."""
         with self._lock:
             out, self._pending = self._pending, []
+            self._tail.clear()
         return out
 
 
@@ -285,3 +330,15 @@ def _extra_keys(request: Any, start: int, block_size: int, blocks: int) -> list[
         keys, mm_idx = generate_block_hash_extra_keys(request, s, s + block_size, mm_idx)
         out.append(keys)
     return to_event_extra_keys(out)
+
+
+def group_specs(kv_cache_config: Any) -> tuple[GroupSpec, ...]:
+    """``(kv_cache_spec_kind, sliding_window)`` of each KV cache group of vLLM's ``KVCacheConfig``
+    (:data:`FULL_ATTENTION` when there is none, e.g. a test double)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    if not groups:
+        return FULL_ATTENTION
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
+    return tuple((get_kv_cache_spec_kind(g.kv_cache_spec).value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+                 for g in groups)

@@ -33,7 +33,26 @@ class LookupIndex(Protocol):
 
     def release(self, lease_owner: str) -> None: ...
 
+    def clear(self) -> dict[str, int] | None:
+        """Remove this namespace's chunks from every tier; chunks removed per tier (None: failed)."""
+        ...
+
     def close(self) -> None: ...
+
+
+def engine_instance(engine_id: str, vllm_config: Any) -> str:
+    """The name of one engine instance: what its scheduler and worker sides both know, and no
+    other engine shares.
+
+    vLLM's ``engine_id`` alone is not enough: two engines may be given the same id (or ids a
+    file name would make equal). Added: vLLM's per-config ``instance_id`` (a nanosecond clock
+    reading, copied to the engine's worker processes with the config) and the data-parallel
+    rank (DP engines share one config). Keys the in-process manager registry and the lookup
+    endpoint's socket (:func:`kvtier.service.lookup_endpoint.socket_path`).
+    """
+    instance_id = str(getattr(vllm_config, "instance_id", "") or "")
+    dp_rank = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_rank", 0)
+    return f"{engine_id}\x00{instance_id}\x00dp{dp_rank}"
 
 
 def service_client(config: KVTierConfig, namespace: KeyNamespace, engine_id: str) -> KVStore:
@@ -50,13 +69,18 @@ def service_client(config: KVTierConfig, namespace: KeyNamespace, engine_id: str
     )
 
 
-def open_worker_store(config: KVTierConfig, namespace: KeyNamespace, engine_id: str) -> tuple[KVStore, Any]:
-    """The worker side's store and its lookup server (None in server mode)."""
+def open_worker_store(config: KVTierConfig, namespace: KeyNamespace, engine_id: str,
+                      instance: str | None = None) -> tuple[KVStore, Any]:
+    """The worker side's store and its lookup server (None in server mode).
+
+    ``instance``: :func:`engine_instance` (None: ``engine_id``), the registry and socket key.
+    """
     if config.server:
         return service_client(config, namespace, engine_id), None
-    manager = registry.acquire(engine_id, lambda: StorageManager(config, namespace))
+    key = engine_id if instance is None else instance
+    manager = registry.acquire(key, lambda: StorageManager(config, namespace))
     try:
-        return manager, LookupServer(manager, socket_path(engine_id))
+        return manager, LookupServer(manager, socket_path(key))
     except BaseException:
         registry.release(manager)
         raise
@@ -72,17 +96,22 @@ def close_worker_store(store: KVStore, lookup_server: Any) -> None:
         store.close()
 
 
-def open_scheduler_index(config: KVTierConfig, namespace: KeyNamespace, engine_id: str) -> LookupIndex:
-    """The scheduler side's index: the server, the worker's manager in this process, or an RPC stub."""
+def open_scheduler_index(config: KVTierConfig, namespace: KeyNamespace, engine_id: str,
+                         instance: str | None = None) -> LookupIndex:
+    """The scheduler side's index: the server, the worker's manager in this process, or an RPC stub.
+
+    ``instance``: as for :func:`open_worker_store` (both sides must pass the same).
+    """
     if config.server:
         return service_client(config, namespace, engine_id)
-    local = registry.get(engine_id)
+    key = engine_id if instance is None else instance
+    local = registry.get(key)
     if local is not None:
         return local
     # The worker's lookup may include one remote existence call and one call per peer.
     timeout = (config.lookup_timeout_s + (config.remote_timeout_s if config.remote_url else 0)
                + config.peer_timeout_s * len(config.peers))
-    return LookupClient(socket_path(engine_id), namespace.chunk_size, timeout_s=timeout)
+    return LookupClient(socket_path(key), namespace.chunk_size, timeout_s=timeout)
 
 
 def close_scheduler_index(index: LookupIndex) -> None:

@@ -8,7 +8,8 @@ Protocol (the one vLLM's own disaggregation connectors and proxy use):
    (:func:`partial_key`) into the store both instances share (a ``kvtier server``).
    ``request_finished`` keeps the request's blocks (``delay_free=True``) and returns
    ``do_remote_prefill=True`` with ``remote_engine_id``, ``remote_request_id``,
-   ``remote_block_ids``, ``remote_host``, ``remote_port`` and ``kvtier_prompt_tokens``.
+   ``remote_block_ids``, ``remote_host``, ``remote_port``, ``kvtier_prompt_tokens`` and
+   ``kvtier_confirm`` (a random 128-bit value drawn for this hold).
 2. The proxy sends the request with those params to a *decoder*. Its scheduler side
    keys its own prompt (so a different prompt can only miss, never load wrong KV)
    and looks up every chunk including the partial one. When every chunk to load is
@@ -24,22 +25,32 @@ Protocol (the one vLLM's own disaggregation connectors and proxy use):
    worker then reports the request in ``finished_sending`` (vLLM frees its blocks) and
    releases its store lease on the chunks. Without a confirm the hold ends after
    ``pd_lease_s`` seconds (counted from the request's finish, acted on at the next step).
+
+Trust: ``kv_transfer_params`` reach a decoder from whoever sends it a request, so a decoder
+acts only on those naming a prefiller it knows (:meth:`PDSettings.knows`: the ``pd_prefillers``
+it was given, else any on loopback); others are ignored (the prompt is computed as for any
+request) and never dialled. A confirm releases a hold only if it carries that hold's
+``kvtier_confirm`` value, which only the prefiller's own answer ever carried: knowing (or
+guessing) an engine and request id is not enough to end another request's hold early.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import blake3
 import msgspec
 
+from kvtier.protocol.addresses import is_loopback
+
 log = logging.getLogger("kvtier.vllm")
 
 PDRole = Literal["off", "prefill", "decode", "both"]
 #: ``kv_connector_extra_config`` keys read here (removed before kvtier's own config is loaded).
-PD_KEYS = ("pd_role", "pd_lease_s", "pd_host", "pd_port", "pd_sync_load_bytes")
+PD_KEYS = ("pd_role", "pd_lease_s", "pd_host", "pd_port", "pd_sync_load_bytes", "pd_prefillers")
 #: Default of ``PDSettings.sync_load_bytes`` (128 MiB).
 DEFAULT_SYNC_LOAD_BYTES = 128 << 20
 _PARTIAL_DOMAIN = b"kvtier/pd-partial-chunk/v1"
@@ -65,6 +76,9 @@ class PDSettings:
             128 MiB at the ~5 GB/s one core copies). Larger loads, and chunks that
             must still travel (another tier, a peer), load asynchronously. 0: always
             asynchronous.
+        prefillers: decoder: the prefillers' confirm endpoints (``(host, port)``, host
+            lower-cased) whose ``kv_transfer_params`` it acts on; ``None`` (unset): any on a
+            loopback address (same machine). Across machines, list them.
     """
 
     role: PDRole = "off"
@@ -72,6 +86,14 @@ class PDSettings:
     host: str = "127.0.0.1"
     port: int = 0
     sync_load_bytes: int = DEFAULT_SYNC_LOAD_BYTES
+    prefillers: tuple[tuple[str, int], ...] | None = None
+
+    def knows(self, host: str, port: int) -> bool:
+        """Whether this decoder acts on params naming the prefiller at ``host:port`` (see
+        :attr:`prefillers`; names are compared as given, never resolved)."""
+        if self.prefillers is None:
+            return is_loopback(host)
+        return (host.strip("[]").lower(), port) in self.prefillers
 
     @property
     def prefills(self) -> bool:
@@ -102,7 +124,32 @@ class PDSettings:
         sync_bytes = int(extra.pop("pd_sync_load_bytes", DEFAULT_SYNC_LOAD_BYTES))
         if sync_bytes < 0:
             raise ValueError(f"pd_sync_load_bytes must be >= 0, got {sync_bytes}")
-        return cls(role, lease, host, port, sync_bytes)  # type: ignore[arg-type]
+        raw = extra.pop("pd_prefillers", None)
+        prefillers = None if raw is None else tuple(_endpoint(e) for e in _as_list(raw))
+        return cls(role, lease, host, port, sync_bytes, prefillers)  # type: ignore[arg-type]
+
+
+def _as_list(raw: Any) -> list[Any]:
+    if isinstance(raw, str):
+        return [p for p in raw.split(",") if p.strip()]
+    if isinstance(raw, (list, tuple)):
+        return list(raw)
+    raise ValueError(f"pd_prefillers must be a list of HOST:PORT, got {raw!r}")
+
+
+def _endpoint(entry: Any) -> tuple[str, int]:
+    """``HOST:PORT`` or ``tcp://HOST:PORT`` (``[v6]:PORT``) -> ``(host, port)``.
+
+    Raises:
+        ValueError: not that shape.
+    """
+    text = str(entry).strip()
+    if text.startswith("tcp://"):
+        text = text[len("tcp://"):]
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"pd_prefillers entry {entry!r}: expected HOST:PORT (the prefiller's pd_host:pd_port)")
+    return host.strip("[]").lower(), int(port)
 
 
 class PDConfirm(msgspec.Struct, frozen=True):
@@ -110,6 +157,7 @@ class PDConfirm(msgspec.Struct, frozen=True):
 
     engine_id: str  # the prefiller's engine id (a confirm for another engine is ignored)
     request_id: str  # the prefiller's request id
+    token: str = ""  # the hold's ``kvtier_confirm`` (a confirm without the right one is ignored)
 
 
 @dataclass(frozen=True)
@@ -121,6 +169,7 @@ class RemotePrefill:
     host: str
     port: int
     prompt_tokens: int
+    token: str = ""  # ``kvtier_confirm``: sent back in the confirm
 
     @property
     def endpoint(self) -> str:
@@ -134,7 +183,7 @@ class RemotePrefill:
         try:
             return cls(str(params["remote_engine_id"]), str(params["remote_request_id"]),
                        str(params["remote_host"]), int(params["remote_port"]),
-                       int(params.get("kvtier_prompt_tokens", 0)))
+                       int(params.get("kvtier_prompt_tokens", 0)), str(params.get("kvtier_confirm", "")))
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("kvtier pd: malformed kv_transfer_params %r (%s); the prompt is computed", params, exc)
             return None
@@ -145,9 +194,15 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
     return bool(params and params.get("do_remote_decode"))
 
 
+def new_confirm_token() -> str:
+    """A hold's confirm value: 128 random bits (hex), drawn by the prefiller (:mod:`secrets`)."""
+    return secrets.token_hex(16)
+
+
 def prefill_params(settings: PDSettings, engine_id: str, request_id: str, block_ids: list[int],
-                   prompt_tokens: int) -> dict[str, Any]:
-    """The ``kv_transfer_params`` a prefiller returns for the decoder (JSON-serializable)."""
+                   prompt_tokens: int, confirm_token: str = "") -> dict[str, Any]:
+    """The ``kv_transfer_params`` a prefiller returns for the decoder (JSON-serializable);
+    ``confirm_token``: the hold's :func:`new_confirm_token`."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -157,6 +212,7 @@ def prefill_params(settings: PDSettings, engine_id: str, request_id: str, block_
         "remote_host": settings.host,
         "remote_port": settings.port,
         "kvtier_prompt_tokens": prompt_tokens,
+        "kvtier_confirm": confirm_token,
     }
 
 
@@ -199,7 +255,8 @@ class ConfirmSender:
                 sock.setsockopt(zmq.SNDHWM, 10_000)
                 sock.connect(remote.endpoint)
                 self._socks[remote.endpoint] = sock
-            sock.send(msgspec.msgpack.encode(PDConfirm(remote.engine_id, remote.request_id)), zmq.NOBLOCK)
+            sock.send(msgspec.msgpack.encode(PDConfirm(remote.engine_id, remote.request_id, remote.token)),
+                      zmq.NOBLOCK)
             self.sent += 1
         except Exception as exc:  # a lost confirm is covered by the prefiller's lease
             log.warning("kvtier pd: confirm to %s for %s not sent: %s", remote.endpoint, remote.request_id, exc)

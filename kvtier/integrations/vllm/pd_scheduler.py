@@ -16,6 +16,7 @@ from kvtier.integrations.vllm.pd import (
     ConfirmSender,
     PDSettings,
     RemotePrefill,
+    new_confirm_token,
     partial_key,
     prefill_params,
     wants_remote_decode,
@@ -40,6 +41,8 @@ class PDScheduler:
         self.sender = ConfirmSender()
         self._releases: list[str] = []  # aborted prefill legs whose hold the worker ends at the next step
         self._sync_bytes = 0  # bytes of sync PD loads planned in the step being scheduled
+        self._confirm_tokens: dict[str, str] = {}  # prefill legs marked held -> their hold's confirm value
+        self._unknown_warned: set[tuple[str, int]] = set()  # prefillers whose params were ignored (logged once)
 
     def annotate(self, tr: Any, request: Any, extras: KeyExtras | None) -> None:
         """Mark ``tr`` as a prefill or decode leg from ``request.kv_transfer_params``; key its partial chunk."""
@@ -47,7 +50,16 @@ class PDScheduler:
         if self.settings.prefills and wants_remote_decode(params):
             tr.pd_prefill = True
         elif self.settings.decodes:
-            tr.pd_remote = RemotePrefill.parse(params)
+            remote = RemotePrefill.parse(params)
+            if remote is not None and not self.settings.knows(remote.host, remote.port):
+                where = (remote.host, remote.port)
+                if where not in self._unknown_warned and len(self._unknown_warned) < 64:
+                    self._unknown_warned.add(where)
+                    log.warning("kvtier pd: ignoring kv_transfer_params naming prefiller %s:%d, not one this decoder "
+                                "knows (pd_prefillers %s); the prompt is computed", remote.host, remote.port,
+                                self.settings.prefillers if self.settings.prefillers is not None else "unset: loopback")
+                remote = None
+            tr.pd_remote = remote
         if not (tr.pd_prefill or tr.pd_remote is not None):
             return
         n = len(tr.tokens) % self.chunk_size
@@ -103,7 +115,8 @@ class PDScheduler:
             if len(blocks) == nblocks:
                 parent = tr.keys[p - 1] if p else tr.lineage
                 meta.saves.append(TransferSpec(tr.req_id, [ChunkCopy(tr.keys[p], blocks, 0, parent)]))
-        meta.pd_holds.append(PDHold(tr.req_id, list(tr.keys)))
+        token = self._confirm_tokens[tr.req_id] = new_confirm_token()
+        meta.pd_holds.append(PDHold(tr.req_id, list(tr.keys), token))
         tr.pd_marked = True
 
     def finished(self, tr: Any, request: Any, block_ids: list[int]) -> dict[str, Any] | None:
@@ -111,11 +124,12 @@ class PDScheduler:
         self.confirm(tr)
         if not tr.pd_marked:
             return None
+        token = self._confirm_tokens.pop(tr.req_id, "")
         status = str(getattr(request, "status", ""))
         if "ABORTED" in status.upper():
             self._releases.append(tr.req_id)
             return None
-        return prefill_params(self.settings, self.engine_id, tr.req_id, block_ids, len(tr.tokens))
+        return prefill_params(self.settings, self.engine_id, tr.req_id, block_ids, len(tr.tokens), token)
 
     def end_step(self, meta: KVTierMetadata) -> None:
         """Once per engine step (``build_connector_meta``): queue aborted holds' releases, reset the sync budget."""

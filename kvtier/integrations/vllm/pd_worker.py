@@ -5,13 +5,15 @@ Invariants:
   reported it finished (``get_finished``'s ``finished_req_ids``; the scheduler side
   returned ``delay_free=True`` for every request it marked), so vLLM never frees a
   running request's blocks.
-- Each hold ends by a confirm, a release from the scheduler side (request aborted),
-  or ``lease_s`` seconds after vLLM finished the request; its store lease
+- Each hold ends by a confirm carrying the hold's confirm value (a confirm without it,
+  whoever sends it, is ignored and counted), a release from the scheduler side (request
+  aborted), or ``lease_s`` seconds after vLLM finished the request; its store lease
   (``pd:<request id>``) ends with it. Shutdown releases everything.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,10 +26,14 @@ from kvtier.integrations.vllm.types import PDHold
 
 log = logging.getLogger("kvtier.vllm")
 
+#: Largest confirm frame read (bytes; a confirm is ~100).
+MAX_CONFIRM_BYTES = 4096
+
 
 @dataclass
 class _Held:
     keys: list[bytes]
+    token: str = ""  # the confirm value a confirm must carry
     finished_at: float | None = None  # when vLLM reported it finished (monotonic seconds)
     done: bool = False  # confirmed or released: report once vLLM finished it
 
@@ -50,6 +56,7 @@ class PDWorker:
     held: dict[str, _Held] = field(default_factory=dict)
     confirms: int = 0
     expired: int = 0
+    refused: int = 0  # confirms for a held request without its confirm value
     _ctx: Any = None
     _sock: Any = None
 
@@ -59,6 +66,7 @@ class PDWorker:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONFIRM_BYTES)  # anyone may connect: bound what it sends
         self._sock.bind(f"tcp://{self.settings.host}:{self.settings.port}")
         log.info("kvtier pd: prefiller confirms on tcp://%s:%d (lease %.1f s)",
                  self.settings.host, self.settings.port, self.settings.lease_s)
@@ -69,7 +77,7 @@ class PDWorker:
         for h in holds:
             if h.req_id in self.held:
                 continue
-            self.held[h.req_id] = _Held(list(h.keys))
+            self.held[h.req_id] = _Held(list(h.keys), h.confirm_token)
             if self.store is not None and h.keys:
                 try:
                     self.store.lookup_keys(h.keys, f"pd:{h.req_id}")
@@ -90,12 +98,22 @@ class PDWorker:
             try:
                 msg = msgspec.msgpack.decode(raw, type=PDConfirm)
             except msgspec.DecodeError:
-                log.warning("kvtier pd: dropped a malformed confirm (%d bytes)", len(raw))
+                self.refused += 1
+                self._warn(f"dropped a malformed confirm ({len(raw)} bytes)")
                 continue
             h = self.held.get(msg.request_id)
-            if msg.engine_id == self.engine_id and h is not None:
-                h.done = True
-                self.confirms += 1
+            if msg.engine_id != self.engine_id or h is None:
+                continue
+            if not h.token or not hmac.compare_digest(msg.token.encode(), h.token.encode()):
+                self.refused += 1  # not from the decoder this hold's params went to
+                self._warn(f"ignored a confirm for {msg.request_id!r} without its confirm value")
+                continue
+            h.done = True
+            self.confirms += 1
+
+    def _warn(self, what: str) -> None:
+        if self.refused & (self.refused - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood cannot fill the log
+            log.warning("kvtier pd: %s (%d refused so far)", what, self.refused)
 
     def waiting_for_confirms(self) -> bool:
         """True while a held request vLLM already finished waits for its decoder's confirm."""

@@ -17,6 +17,12 @@ and asserted at each transition):
   but its last token (sync load, ``PDSettings.sync_load_bytes``); either way the
   engine computes exactly that token. Saves cover only full
   prompt chunks computed by the engine, each once, in prompt order.
+- Every step's metadata carries its block tables and token ranges
+  (``validity.step_blocks``, all requests), from which the worker refuses to store a
+  chunk computed over a block that failed to load (``validity.py``). When vLLM
+  reports invalid blocks it has rewound each request holding them; chunks past
+  a request's new ``num_computed_tokens`` are planned again, so what the worker
+  refused is stored once recomputed.
 
 Accounting (:class:`~kvtier.integrations.vllm.accounting.RequestLedger`): engine
 hit = ``num_computed_tokens`` at lookup; kvtier hit = tokens of loads sent to the
@@ -30,16 +36,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import ChunkHasher, KeyNamespace
 from kvtier.integrations.vllm.accounting import RequestLedger
 from kvtier.integrations.vllm.extras import AdapterFingerprints, UnkeyableRequest, request_extras
-from kvtier.integrations.vllm.kv_events import BlockEventTranslator, TierChanges
+from kvtier.integrations.vllm.groups import KVGroups
+from kvtier.integrations.vllm.kv_events import FULL_ATTENTION, BlockEventTranslator, GroupSpec, TierChanges
 from kvtier.integrations.vllm.modes import LookupIndex, close_scheduler_index, open_scheduler_index
 from kvtier.integrations.vllm.pd import PDSettings, RemotePrefill
 from kvtier.integrations.vllm.pd_scheduler import PDScheduler
+from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, KVTierWorkerMeta, TransferSpec
+from kvtier.integrations.vllm.validity import ForeignLoads, step_blocks
+from kvtier.integrations.vllm.reset import reset_tiers
 from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, TransferSpec
 from kvtier.storage.trace_file import TraceRecorder
 from kvtier.storage.types import LookupResult
@@ -62,11 +72,15 @@ class _Tracker:
     lookup: LookupResult | None = None
     lease_held: bool = False  # see the module invariants
     pending_load: TransferSpec | None = None  # a sync load to send with this step's metadata
-    loaded_blocks: dict[int, int] = field(default_factory=dict)  # engine block id -> chunk index loaded
+    loaded_blocks: dict[int, int] = field(default_factory=dict)  # engine block id (hybrid: -1 - pos) -> chunk
     load_async: bool = False  # the last lookup asked vLLM for an asynchronous load
+    expected_computed: int = 0  # tokens computed when scheduled: the engine's hit, plus kvtier's load
     async_inflight: bool = False  # an async load was sent and its completion not yet seen
     request: Any = field(default=None, repr=False, compare=False)  # vLLM's Request (block hashes for KV events)
     lineage: bytes | None = None  # recorded parent of chunk 0: the salt's lineage marker (index/keys.py)
+    # hybrid models (groups.py): block ids of KV cache groups 1.. (``block_ids`` is group 0's)
+    more_blocks: list[list[int]] = field(default_factory=list)
+    no_more_loads: bool = False  # hybrid: a load of this request failed; later lookups are misses
     # PD (pd_scheduler.py): keys then end with the partial chunk's key (pd_partial tokens)
     pd_prefill: bool = False  # a prefill leg (do_remote_decode)
     pd_marked: bool = False  # its hold was sent to the worker: request_finished keeps the blocks
@@ -93,10 +107,14 @@ class KVTierScheduler:
     """
 
     def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str, kv_events: bool = False,
-                 pd: PDSettings | None = None):
+                 pd: PDSettings | None = None, instance: str | None = None,
+                 event_groups: Sequence[GroupSpec] = FULL_ATTENTION, groups: KVGroups | None = None):
         self.config = config
+        self.groups = groups if groups is not None else KVGroups(block_size=namespace.layout.block_size)
+        self.null_block = 0  # vLLM's null block id (connector.bind_gpu_block_pool)
         self.namespace = namespace
         self.engine_id = engine_id
+        self.instance = instance  # modes.engine_instance: which worker's tiers this scheduler side uses
         self.chunk_size = namespace.chunk_size
         self.block_size = namespace.layout.block_size
         self.blocks_per_chunk = namespace.blocks_per_chunk
@@ -113,9 +131,13 @@ class KVTierScheduler:
         self._pd_confirm_next: list[str] = []  # PD decode legs whose sync load left with the last metadata
         # finished requests whose load outcome is not reported yet: req -> (block -> tier, async)
         self._unsettled: dict[str, tuple[dict[int, str], bool]] = {}
+        self._foreign = ForeignLoads()  # blocks other connectors load (vLLM's MultiConnector)
+        # finished (aborted) requests whose blocks an async load still fills: freed at its finished_sending
+        self._held_mid_load: set[str] = set()
         self.events: BlockEventTranslator | None = None
         if kv_events:
-            self.events = BlockEventTranslator(self.chunk_size, self.block_size, config.kv_events_map_chunks)
+            self.events = BlockEventTranslator(self.chunk_size, self.block_size, config.kv_events_map_chunks,
+                                               event_groups)
         #: ``trace_capture_path``: every finished request as a Mooncake trace line (None: off).
         self.capture: TraceRecorder | None = None
         if config.trace_capture_path is not None and config.enabled:
@@ -129,7 +151,7 @@ class KVTierScheduler:
     # -- index and leases ----------------------------------------------------------------------
     def _lookup_index(self) -> LookupIndex | None:
         if self._index is None and self.config.enabled:
-            self._index = open_scheduler_index(self.config, self.namespace, self.engine_id)
+            self._index = open_scheduler_index(self.config, self.namespace, self.engine_id, self.instance)
         return self._index
 
     def _drop_lease(self, tr: _Tracker) -> None:
@@ -184,10 +206,11 @@ class KVTierScheduler:
         tr = None
         try:
             tr = self._tracker(request)
-            if tr is None or not self.config.should_load:
+            if tr is None or not self.config.should_load or tr.no_more_loads:
                 return 0, False
             assert tr.pending_load is None and not tr.async_inflight, f"{tr.req_id}: looked up with a load planned"
             self.ledger.on_lookup(tr.req_id, len(tr.tokens), num_computed_tokens)
+            tr.expected_computed = num_computed_tokens
             # Never the whole prompt: the chunk holding the last token is left out
             # (except for a PD decode leg, whose last token vLLM computes after the load).
             candidates = tr.keys[: max(0, (len(tr.tokens) - 1) // self.chunk_size)]
@@ -210,6 +233,8 @@ class KVTierScheduler:
                 return 0, False
             first = num_computed_tokens // self.chunk_size
             tr.load_async = self.config.async_load and any(t != "cpu" for t in res.tiers[first:])
+            # Hybrid models: always async, so a failed load is reported as the request (failed_recving)
+            tr.load_async = tr.load_async or self.groups.multi
             # PD: WAITING_FOR_REMOTE_KVS, unless the chunks are in memory here and small enough (pd.py)
             tr.load_async = tr.load_async or (tr.pd_remote is not None and not pd_sync)
             return res.num_tokens - num_computed_tokens, tr.load_async
@@ -230,7 +255,11 @@ class KVTierScheduler:
             if tr.lease_held:
                 self._drop_lease(tr)
             return
-        block_ids = blocks.get_block_ids()[0]
+        all_ids = blocks.get_block_ids()
+        block_ids = all_ids[0]
+        more = [self._no_null(ids) for ids in all_ids[1:]] if self.groups.multi else []
+        if more:
+            block_ids = self._no_null(block_ids)
         hit = tr.lookup.num_tokens
         start = hit - num_external_tokens  # block-aligned local hit
         assert start >= 0 and start % self.block_size == 0, f"{tr.req_id}: load starts at token {start}"
@@ -241,8 +270,11 @@ class KVTierScheduler:
             offset = max(0, start // bs - first)
             parent = tr.keys[ci - 1] if ci else tr.lineage
             blocks_of_chunk = tuple(block_ids[first + offset : first + bpc])
-            chunks.append(ChunkCopy(tr.keys[ci], blocks_of_chunk, offset, parent))
+            more_of_chunk = tuple(tuple(ids[first + offset : first + bpc]) for ids in more)
+            chunks.append(ChunkCopy(tr.keys[ci], blocks_of_chunk, offset, parent, more_of_chunk))
+        tr.expected_computed = hit
         spec = TransferSpec(request.request_id, chunks, is_async=tr.load_async)
+        assert tr.load_async or not self.groups.multi, f"{tr.req_id}: a sync load of a hybrid model"
         if tr.load_async:
             self._async_to_send.append(spec)  # not scheduled until the load completes: send it now
         else:
@@ -257,7 +289,11 @@ class KVTierScheduler:
         hit = tr.lookup.num_tokens
         for ci, ch in enumerate(spec.chunks, start=first):
             assert tr.keys[ci] == ch.key
-            tr.loaded_blocks.update((b, ci) for b in ch.block_ids)
+            if self.groups.multi:  # block ids differ per group (and may be null): key by -(1 + block position)
+                pos = ci * self.blocks_per_chunk + ch.offset
+                tr.loaded_blocks.update((-1 - (pos + j), ci) for j in range(len(ch.block_ids)))
+            else:
+                tr.loaded_blocks.update((b, ci) for b in ch.block_ids)
             # Tokens this chunk's blocks load: a PD hit may end mid-block (the prompt's
             # last partial chunk), which must not count as a whole block of hits.
             at = (ci * self.blocks_per_chunk + ch.offset) * self.block_size
@@ -278,6 +314,10 @@ class KVTierScheduler:
         self._async_to_send = []
         if self.pd is not None:
             self.pd.end_step(meta)
+        if self.config.should_save:
+            meta.blocks = step_blocks(scheduler_output)
+            meta.blocks.unverified = self._foreign_loads(scheduler_output)
+            meta.step = self._foreign.fill(meta.blocks)
         for preempted in scheduler_output.preempted_req_ids or ():
             tr = self._trackers.get(preempted)
             if tr is not None:  # its blocks are freed; it is looked up again on resume
@@ -285,13 +325,16 @@ class KVTierScheduler:
                     tr.pending_load = None
                     self._drop_lease(tr)
                 tr.block_ids = []
+                tr.more_blocks = []
                 tr.loaded_blocks = {}
         for new in scheduler_output.scheduled_new_reqs:
             tr = self._trackers.get(new.req_id)
             if tr is None:
                 continue
             tr.block_ids = list(new.block_ids[0]) if new.block_ids else []
-            self._emit(tr, new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0), meta)
+            tr.more_blocks = [list(ids) for ids in new.block_ids[1:]] if new.block_ids else []
+            self._emit(tr, new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0), meta,
+                       new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tr = self._trackers.get(req_id)
@@ -300,14 +343,43 @@ class KVTierScheduler:
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 tr.block_ids = list(new_blocks[0]) if new_blocks else []
+                tr.more_blocks = [list(ids) for ids in new_blocks[1:]] if new_blocks else []
             elif new_blocks:
                 tr.block_ids.extend(new_blocks[0])
+                for g, ids in enumerate(new_blocks[1:]):
+                    if g < len(tr.more_blocks):
+                        tr.more_blocks[g].extend(ids)
+                    else:
+                        tr.more_blocks.append(list(ids))
             self._emit(
-                tr, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0), meta
+                tr, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0), meta,
+                cached.num_computed_tokens[i],
             )
         return meta
 
-    def _emit(self, tr: _Tracker, computed_after_step: int, meta: KVTierMetadata) -> None:
+    def _foreign_loads(self, scheduler_output: "SchedulerOutput") -> list[int]:
+        """Blocks of requests scheduled (new or resumed) with more computed tokens than the engine's
+        hit and kvtier's load: another connector loads them in this step (vLLM's MultiConnector)."""
+        out: list[int] = []
+        cached = scheduler_output.scheduled_cached_reqs
+        starts = [(n.req_id, n.num_computed_tokens, n.block_ids[0] if n.block_ids else [])
+                  for n in scheduler_output.scheduled_new_reqs]
+        starts += [(r, cached.num_computed_tokens[i], (cached.new_block_ids[i] or ([],))[0])
+                   for i, r in enumerate(cached.req_ids) if r in cached.resumed_req_ids]
+        bs = self.block_size
+        for req_id, computed, table in starts:
+            tr = self._trackers.get(req_id)
+            if tr is not None and computed > tr.expected_computed:
+                out.extend(table[tr.expected_computed // bs : -(-computed // bs)])
+        return out
+
+
+    def _no_null(self, ids: Sequence[int]) -> list[int]:
+        """Block ids with vLLM's null block (a slot out of a sliding window) as -1: nothing to copy."""
+        return [-1 if b == self.null_block else b for b in ids]
+
+    def _emit(self, tr: _Tracker, computed_after_step: int, meta: KVTierMetadata,
+              computed_before_step: int = 0) -> None:
         """Add this step's load and save work for one request to ``meta``."""
         if tr.pending_load is not None:
             self._hand_over(tr, tr.pending_load)
@@ -319,12 +391,16 @@ class KVTierScheduler:
             return
         full = min(computed_after_step, len(tr.tokens)) // self.chunk_size
         full = min(full, len(tr.keys), len(tr.block_ids) // self.blocks_per_chunk)
+        if self.groups.multi:
+            full = self.groups.saveable_chunks((tr.block_ids, *tr.more_blocks), tr.saved_chunks, full,
+                                               self.blocks_per_chunk, computed_before_step, self.null_block)
         if full <= tr.saved_chunks:
             return
         bpc = self.blocks_per_chunk
         chunks = [
             ChunkCopy(
-                tr.keys[ci], tuple(tr.block_ids[ci * bpc : (ci + 1) * bpc]), parent=tr.keys[ci - 1] if ci else tr.lineage
+                tr.keys[ci], tuple(tr.block_ids[ci * bpc : (ci + 1) * bpc]), parent=tr.keys[ci - 1] if ci else tr.lineage,
+                more_blocks=tuple(tuple(ids[ci * bpc : (ci + 1) * bpc]) for ids in tr.more_blocks),
             )
             for ci in range(tr.saved_chunks, full)
         ]
@@ -338,6 +414,7 @@ class KVTierScheduler:
         if self.events is not None and isinstance(changes, TierChanges):
             self.events.update(changes.get_all_events())
         done = set(connector_output.finished_recving or ()) | set(connector_output.finished_sending or ())
+        self._held_mid_load -= set(connector_output.finished_sending or ())
         if self._pd_confirm_next and self.pd is not None:
             # A PD decode leg's sync load ran in the step this output reports (or, with
             # vLLM's async scheduling, the next one): the decoder's own lease keeps the
@@ -347,6 +424,8 @@ class KVTierScheduler:
                 if tr is not None:
                     self.pd.confirm(tr)
             self._pd_confirm_next = []
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            self._hybrid_load_failed(req_id)
         for req_id in connector_output.finished_recving or ():
             tr = self._trackers.get(req_id)
             if tr is not None:
@@ -354,9 +433,17 @@ class KVTierScheduler:
                 if self.pd is not None:
                     self.pd.confirm(tr)  # PD decode leg: the load is over, the prefiller may free
         invalid = set(connector_output.invalid_block_ids or ())
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self._foreign.on_output(worker_meta.steps if isinstance(worker_meta, KVTierWorkerMeta) else (), invalid)
         if invalid:
-            # vLLM recomputes from the first unfilled block; those chunks are not
-            # stored anywhere after all, so save them once they are recomputed.
+            # vLLM has rewound every request that holds an invalid block to recompute
+            # from there (a request sharing the blocks as a local prefix hit too, and
+            # under async scheduling a step already planned past it); the worker did
+            # not store what those requests computed over the gap (validity.py). Save
+            # each such chunk again once it is recomputed.
+            for tr in self._trackers.values():
+                if tr.request is not None:
+                    tr.saved_chunks = min(tr.saved_chunks, tr.request.num_computed_tokens // self.chunk_size)
             for tr in self._trackers.values():
                 failed = [tr.loaded_blocks[b] for b in invalid if b in tr.loaded_blocks]
                 if failed:
@@ -374,6 +461,20 @@ class KVTierScheduler:
         # Sync outcomes arrive in the output of the step that ran them; async ones no later
         # than the output reporting the request finished.
         self._unsettled = {r: v for r, v in self._unsettled.items() if v[1] and r not in done}
+
+    def _hybrid_load_failed(self, req_id: str) -> None:
+        """A hybrid model's async load failed (``failed_recving``): vLLM recomputes the request from
+        its first token (recompute policy); nothing it loaded counts, and it is not looked up again."""
+        tr = self._trackers.get(req_id)
+        if tr is not None:
+            if tr.loaded_blocks and tr.lookup is not None:
+                cut = min(tr.loaded_blocks.values())
+                self._account_failure(req_id, {b: tr.lookup.tiers[c] for b, c in tr.loaded_blocks.items()})
+                tr.saved_chunks = min(tr.saved_chunks, cut)
+            tr.loaded_blocks = {}
+            tr.no_more_loads = True
+        elif req_id in self._unsettled:
+            self._account_failure(req_id, dict(self._unsettled[req_id][0]))
 
     def _account_failure(self, req_id: str, tier_of_failed_block: dict[int, str]) -> None:
         by_tier: dict[str, int] = {}
@@ -401,10 +502,19 @@ class KVTierScheduler:
             tiers = {b: tr.lookup.tiers[c] for b, c in tr.loaded_blocks.items()}
             self._unsettled[tr.req_id] = (tiers, tr.async_inflight)
         params = self.pd.finished(tr, request, block_ids) if self.pd is not None else None
+        if tr.async_inflight:
+            self._held_mid_load.add(tr.req_id)
         # An async load may still be writing into this request's blocks: keep them
         # until the worker reports the load over (as finished_sending). A PD prefill
         # leg's blocks are kept until the decoder confirms (pd_worker.py).
         return tr.async_inflight or tr.pd_marked, params
+
+    def has_pending_block_frees(self) -> bool:
+        """True while a finished request's blocks wait for its async load to end (they come back
+        with the worker's ``finished_sending`` for it, within the load's timeout): vLLM then waits
+        for them instead of preempting a running request. A PD prefill leg's held blocks do not
+        count (they wait on another engine, up to ``pd`` timeouts)."""
+        return bool(self._held_mid_load)
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -424,6 +534,13 @@ class KVTierScheduler:
                 out[src] = out.get(src, 0) + n
         return out
 
+    def reset_cache(self) -> bool:
+        """Clear what this engine's namespace holds in every tier it owns, or answer False
+        (:func:`kvtier.integrations.vllm.reset.reset_tiers`)."""
+        if not self.config.enabled:
+            return True
+        return reset_tiers(self.config, self._lookup_index)
+
     def take_events(self) -> list[Any]:
         """vLLM KV events of kvtier's tiers since the last call (empty unless ``kv_events``)."""
         return self.events.take() if self.events is not None else []
@@ -436,3 +553,4 @@ class KVTierScheduler:
         if self._index is not None:
             close_scheduler_index(self._index)
         self._index = None
+

@@ -7,6 +7,10 @@ Invariants:
   silent wrong load. Errors of an async load are recorded before its id is
   reported finished, so they reach vLLM no later than that report.
 - Every load ends its request's lease (``release``), whatever its outcome.
+- No chunk computed over a block whose load failed is stored, whichever request
+  computed it and whenever the scheduler side learns of the failure
+  (:mod:`~kvtier.integrations.vllm.validity`): saves are cut before the first
+  chunk whose request's blocks up to it may hold wrong KV.
 - Blocks being filled by an asynchronous load are never freed under it: a
   request vLLM finished mid-load is reported in ``finished_sending`` only after
   the load ends (the scheduler side held its blocks).
@@ -27,11 +31,13 @@ import numpy as np
 
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import KeyNamespace
-from kvtier.integrations.block_copy import load_blocks, save_blocks
+from kvtier.integrations.block_copy import load_blocks, load_blocks_grouped, save_blocks, save_blocks_grouped
+from kvtier.integrations.vllm.groups import KVGroups
 from kvtier.integrations.vllm.kv_events import TierChanges, WorkerTierFeed
 from kvtier.integrations.vllm.modes import close_worker_store, open_worker_store
 from kvtier.integrations.vllm.pd import PDSettings
-from kvtier.integrations.vllm.types import KVTierMetadata, TransferSpec
+from kvtier.integrations.vllm.types import KVTierMetadata, KVTierWorkerMeta, TransferSpec
+from kvtier.integrations.vllm.validity import BlockValidity
 from kvtier.integrations.vllm_layout import paged_views, stacked_view
 from kvtier.storage.backend import KVStore
 from kvtier.storage.manager import StorageManager
@@ -60,8 +66,11 @@ class KVTierWorker:
     IDLE_WAIT_S = 0.025
 
     def __init__(self, config: KVTierConfig, namespace: KeyNamespace, engine_id: str, kv_events: bool = False,
-                 pd: PDSettings | None = None):
+                 pd: PDSettings | None = None, instance: str | None = None, groups: KVGroups | None = None):
         self.config = config
+        # Hybrid models: each layer's blocks come from its KV cache group's table (groups.py)
+        self.groups = groups if groups is not None else KVGroups(block_size=namespace.layout.block_size)
+        self._layer_groups: list[int] = []
         self.namespace = namespace
         self.block_size = namespace.layout.block_size
         self.blocks_per_chunk = namespace.blocks_per_chunk
@@ -70,18 +79,21 @@ class KVTierWorker:
         self.tier_feed: WorkerTierFeed | None = None
         self.agent: Any = None  # kvtier.fleet.agent.FleetAgent with config.controller (embedded mode)
         if config.enabled:
-            self.store, self._lookup_server = open_worker_store(config, namespace, engine_id)
+            self.store, self._lookup_server = open_worker_store(config, namespace, engine_id, instance)
             self._start_fleet(kv_events)
         self._layers: list[np.ndarray] = []
         self._kv: np.ndarray | list[np.ndarray] = []  # stacked view if possible, else _layers
         self._load_errors: set[int] = set()
-        self._lock = threading.Lock()  # guards the async-load sets and _load_errors
+        self._validity = BlockValidity(self.block_size)  # blocks that may hold wrong KV (guarded by _lock)
+        self._step_seen: KVTierMetadata | None = None  # the metadata whose block changes were applied
+        self._step_reported_last: KVTierMetadata | None = None  # the last step echoed to the scheduler side
+        self._lock = threading.Lock()  # guards the async-load sets, _load_errors and _validity
         self._load_ended = threading.Condition(self._lock)  # notified when an async load ends
         self._loader: ThreadPoolExecutor | None = None
         self._async_active: set[str] = set()  # submitted, completion not yet reported
         self._async_done: set[str] = set()  # finished, to report in get_finished
         self._finished_while_loading: set[str] = set()  # vLLM finished them mid-load
-        self._failed_sync_loads: set[str] = set()  # requests whose load failed in this step
+        self._failed_async: set[str] = set()  # hybrid models: async loads that failed, for failed_recving
         self._pd_orphans: set[str] = set()  # PD holds with no PD worker: reported once finished
         self._torch: Any = None  # gpu.steps.TorchSteps: torch copies, layer by layer (CUDA engines)
         self._torch_saving = False  # this step's saves were handed to _torch
@@ -104,13 +116,15 @@ class KVTierWorker:
         if self.config.controller:
             try:
                 from kvtier.fleet.agent import FleetAgent, namespace_info, tier_infos
+                from kvtier.protocol.trust import credentials_from_config
                 from kvtier.storage.instance_ops import InstanceOps
 
                 info = namespace_info(self.namespace)
                 self.agent = FleetAgent(
                     self.config.controller, self.config.instance_id, "embedded",
                     {info.digest: (info, InstanceOps(manager))}, tier_infos(manager),
-                    token=self.config.controller_token,
+                    token=self.config.controller_token, credentials=credentials_from_config(self.config),
+                    controller_key=self.config.controller_key,
                 ).start()
                 log.info("kvtier: registering with controller %s as %s", self.config.controller, self.agent.instance_id)
             except Exception:
@@ -130,6 +144,13 @@ class KVTierWorker:
         if self.store is None:
             return
         try:
+            if self.groups.multi:  # hybrid model: per-layer views, each copied with its group's block ids
+                if torch_path or any(t.device.type != "cpu" for t in kv_caches.values()):
+                    raise ValueError("hybrid models (several KV cache groups) are supported on CPU KV only")
+                self._layers = paged_views(kv_caches, self.namespace.layout)
+                self._kv = self._layers
+                self._layer_groups = self.groups.groups_of(list(kv_caches))
+                return
             if torch_path if torch_path is not None else any(t.device.type != "cpu" for t in kv_caches.values()):
                 from kvtier.integrations.vllm.gpu.steps import torch_steps_for
 
@@ -147,14 +168,48 @@ class KVTierWorker:
         """A slot as ``uint8 [num_layers, blocks_per_chunk, block_bytes]``."""
         return buf.reshape(len(self._layers), self.blocks_per_chunk, -1)
 
+    # -- block validity ------------------------------------------------------------------------
+    def _begin_step(self, meta: KVTierMetadata) -> None:
+        """Apply this step's block-table changes (once; vLLM may call the hooks in either order)."""
+        if meta is self._step_seen:
+            return
+        self._step_seen = meta
+        if meta.blocks is not None:
+            with self._lock:
+                self._validity.begin_step(meta.blocks)
+
+    def _clean_saves(self, meta: KVTierMetadata) -> list[TransferSpec]:
+        """This step's saves, less every chunk computed over a block that may hold wrong KV."""
+        self._begin_step(meta)
+        if meta.blocks is None or not meta.saves:
+            return meta.saves
+        with self._lock:
+            return self._validity.clean(meta.saves)
+
+    def build_worker_meta(self) -> KVTierWorkerMeta | None:
+        """This step's number, once, for the scheduler side (None when nothing is saved)."""
+        meta = self._step_seen
+        if meta is None or meta is self._step_reported_last or meta.blocks is None:
+            return None
+        self._step_reported_last = meta
+        return KVTierWorkerMeta((meta.step,))
+
+    def mirrored_table(self, req_id: str) -> list[int] | None:
+        """The block table of ``req_id`` as the validity check knows it (for tests)."""
+        with self._lock:
+            return self._validity.table(req_id)
+
     # -- loads ---------------------------------------------------------------------------------
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         """Run this step's sync loads; submit its async loads to the loader thread."""
         if self.store is None:
             return
-        self._failed_sync_loads.clear()
+        self._begin_step(meta)
         if self._torch is not None:  # sync loads: issued layer by layer, finished by wait_for_save
-            self._failed_sync_loads |= self._torch.begin_loads([s for s in meta.loads if not s.is_async])
+            sync = [s for s in meta.loads if not s.is_async]
+            with self._lock:  # failures reported by begin_loads mark their blocks bad again
+                self._validity.loaded(b for s in sync for ch in s.chunks for b in ch.block_ids)
+            self._torch.begin_loads(sync)
         for spec in meta.loads:
             if spec.is_async:
                 if self._loader is None:
@@ -166,8 +221,7 @@ class KVTierWorker:
             if self._torch is not None:
                 continue
             try:
-                if not self._load_request(spec):
-                    self._failed_sync_loads.add(spec.req_id)
+                self._load_request(spec)
             finally:
                 self.store.release(spec.req_id)
 
@@ -245,6 +299,9 @@ class KVTierWorker:
                 try:
                     if self._torch is not None:
                         self._torch.copy_chunk_in(handle.buffer, tuple(ch.block_ids), ch.offset)
+                    elif self.groups.multi:
+                        load_blocks_grouped(self._chunk_view(handle.buffer), self._layers, self._layer_groups,
+                                            (ch.block_ids, *ch.more_blocks), ch.offset, skip=-1)
                     else:
                         load_blocks(self._chunk_view(handle.buffer), self._kv, ch.block_ids, ch.offset)
                 except Exception:
@@ -255,12 +312,21 @@ class KVTierWorker:
             for handle in handles:
                 if handle is not None:
                     handle.close()
+        filled = spec.chunks if failed_at is None else spec.chunks[:failed_at]
+        with self._lock:
+            self._validity.loaded(b for ch in filled for b in ch.block_ids)
+            if failed_at is not None:
+                # Everything from this chunk on is unfilled: vLLM recomputes it.
+                if self.groups.multi:
+                    # vLLM 0.32 cannot map block ids back to requests with several KV cache groups
+                    # (it raises): the request is reported in failed_recving and recomputed whole.
+                    self._failed_async.add(spec.req_id)
+                for later in spec.chunks[failed_at:]:
+                    if not self.groups.multi:
+                        self._load_errors.update(later.block_ids)
+                    self._validity.load_failed(later.block_ids)
         if failed_at is None:
             return True
-        # Everything from this chunk on is unfilled: vLLM recomputes it.
-        with self._lock:
-            for later in spec.chunks[failed_at:]:
-                self._load_errors.update(later.block_ids)
         log.warning(
             "kvtier: request %s: chunk %d of %d unavailable, %d blocks reported for recompute",
             spec.req_id,
@@ -271,8 +337,10 @@ class KVTierWorker:
         return False
 
     def _report_load_errors(self, block_ids: Any) -> None:
+        blocks = list(block_ids)
         with self._lock:
-            self._load_errors.update(block_ids)
+            self._load_errors.update(blocks)
+            self._validity.load_failed(blocks)
 
     @property
     def layerwise(self) -> bool:
@@ -290,8 +358,21 @@ class KVTierWorker:
             return
         if not self._torch_saving:
             self._torch_saving = True
-            self._torch.set_saves([s for s in meta.saves if s.req_id not in self._failed_sync_loads])
+            self._torch.set_saves(self._clean_saves(meta))
         self._torch.save_layer(layer_name)
+
+    def take_failed_recving(self, recving: set[str] | None, sending: set[str] | None = None) -> set[str]:
+        """Hybrid models: of the async loads reported finished (``recving``), those that failed
+        (vLLM's ``KVConnectorTransferResults.failed_recving``); empty with one KV cache group.
+        A request finished mid-load (reported in ``sending``) is included: vLLM ignores it (it is
+        not waiting), the scheduler side settles its accounting."""
+        done = set(recving or ()) | set(sending or ())
+        if not done:
+            return set()
+        with self._lock:
+            failed = self._failed_async & done  # a finished request's: only kvtier's accounting reads it
+            self._failed_async -= done
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -308,14 +389,12 @@ class KVTierWorker:
         if self._torch is not None:
             self._torch.end_loads()
             if not self._torch_saving:
-                self._torch.set_saves([s for s in meta.saves if s.req_id not in self._failed_sync_loads])
+                self._torch.set_saves(self._clean_saves(meta))
             self._torch_saving = False
             self._torch.end_saves()
-        for spec in meta.saves if self._torch is None else ():
-            if spec.req_id in self._failed_sync_loads:
-                # This step's forward ran over unfilled blocks: what it computed
-                # past them is wrong, so it is not stored (vLLM recomputes it).
-                continue
+        # Chunks computed over a failed load (by any request, in this step or since)
+        # are not stored: vLLM recomputes them and the scheduler side saves them then.
+        for spec in self._clean_saves(meta) if self._torch is None else ():
             self._save_request(spec)
         if self.pd is not None and (meta.pd_holds or meta.pd_releases):
             self.pd.on_step(meta.pd_holds, meta.pd_releases)
@@ -328,7 +407,7 @@ class KVTierWorker:
         aborting the reservations after it (later chunks would be unreachable).
         """
         assert self.store is not None
-        bufs = self.store.open_write_many([ch.key for ch in spec.chunks])
+        bufs = self.store.open_write_many([ch.key for ch in spec.chunks], [ch.parent for ch in spec.chunks])
         stop = False
         for ch, buf in zip(spec.chunks, bufs):
             if not isinstance(buf, np.ndarray):
@@ -339,7 +418,11 @@ class KVTierWorker:
                 self.store.abort(ch.key)
                 continue
             try:
-                save_blocks(self._kv, self._chunk_view(buf), ch.block_ids)
+                if self.groups.multi:
+                    save_blocks_grouped(self._layers, self._layer_groups, self._chunk_view(buf),
+                                        (ch.block_ids, *ch.more_blocks))
+                else:
+                    save_blocks(self._kv, self._chunk_view(buf), ch.block_ids)
             except Exception:
                 log.exception("kvtier: saving chunk %s failed", ch.key.hex()[:16])
                 self.store.abort(ch.key)

@@ -40,20 +40,31 @@ class UnsupportedKVLayout(ValueError):
     """The engine's KV cache is not in a layout kvtier can copy correctly."""
 
 
+#: vLLM 0.32's ``KVCacheLayout`` members (``vllm/v1/kv_cache_layout.py``, RFC #42082): name ->
+#: physical order of the logical axes ``[L, B, H, N, C]`` (outermost first). kvtier keeps its own
+#: copy so its GPU copy path (registration, gather/scatter, layer-wise streams) runs without vLLM
+#: (the transformers engine, the GPU check on a machine without vLLM); a test that runs where
+#: vLLM is installed keeps this table equal to vLLM's enum.
+KV_LAYOUTS: dict[str, tuple[int, ...]] = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+
+
 def layout_stride_order(name: str) -> tuple[int, ...]:
     """Physical order of the logical axes ``[L, B, H, N, C]`` for a vLLM layout name.
 
     Raises:
-        UnsupportedKVLayout: ``name`` is not a member of vLLM's ``KVCacheLayout``.
+        UnsupportedKVLayout: ``name`` is not one of vLLM 0.32's ``KVCacheLayout`` members.
     """
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
     try:
-        return tuple(KVCacheLayout[name].stride_order)
+        return KV_LAYOUTS[name]
     except KeyError:
-        raise UnsupportedKVLayout(
-            f"unknown KV cache layout {name!r}; vLLM defines {[m.name for m in KVCacheLayout]}"
-        ) from None
+        raise UnsupportedKVLayout(f"unknown KV cache layout {name!r}; vLLM defines {list(KV_LAYOUTS)}") from None
 
 
 @dataclass(frozen=True)

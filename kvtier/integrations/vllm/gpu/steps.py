@@ -180,7 +180,7 @@ class TorchSteps:
         specs, self._save_specs = self._save_specs, None
         jobs: list[ChunkJob] = []
         for spec in specs or []:
-            bufs = self.store.open_write_many([ch.key for ch in spec.chunks])
+            bufs = self.store.open_write_many([ch.key for ch in spec.chunks], [ch.parent for ch in spec.chunks])
             stop = False
             for ch, buf in zip(spec.chunks, bufs):
                 if not isinstance(buf, np.ndarray):

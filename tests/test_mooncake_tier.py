@@ -1,0 +1,175 @@
+"""The lower-tier contract (kvtier.testing) run against the Mooncake Store tier, plus its URL handling.
+
+``TestMooncakeContract`` uses the master ``.ci/mooncake.sh start`` runs (127.0.0.1:50151)
+and skips when none answers there; ``TestMooncakeThrowawayContract`` starts its own
+master on free loopback ports so the failure tests may kill and restart it. The tiers
+under test mount no memory (``segment_bytes=0``): a holder client in this process
+mounts the pool's segment, so a chunk outlives the tier that wrote it (as with a
+dedicated ``mooncake_client``), and reads and writes raw values for the corruption tests.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+
+import pytest
+
+from kvtier.testing import NS_A, TierContract, TierHarness
+from kvtier.testing.mooncake_master import MooncakeMasterProcess, mooncake_missing
+
+pytestmark = pytest.mark.mooncake
+
+CI_MASTER = ("127.0.0.1", 50151)
+_SKIP_HINT = "start the CI master with `bash .ci/mooncake.sh start`"
+
+
+def _skip_without_mooncake() -> None:
+    why = mooncake_missing()
+    if why:
+        pytest.skip(why)
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class Holder:
+    """A raw Mooncake client that mounts the pool's segment and reads/writes values directly."""
+
+    def __init__(self, master: str, segment_bytes: int = 256 << 20):
+        from kvtier.tiers.mooncake_calls import set_client_environment
+
+        set_client_environment("127.0.0.1")
+        from mooncake.store import MooncakeDistributedStore
+
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", segment_bytes, 16 << 20, "tcp", "", master)
+        assert rc == 0, f"holder setup failed: {rc}"
+
+    def read(self, tier, key: bytes) -> bytes | None:
+        mk = tier.mooncake_key(key)
+        if self.store.is_exist(mk) != 1:
+            return None
+        return bytes(self.store.get(mk))
+
+    def write(self, tier, key: bytes, data: bytes) -> None:
+        mk = tier.mooncake_key(key)
+        self.store.remove(mk, True)
+        assert self.store.put(mk, data) == 0
+
+    def close(self) -> None:
+        """Leave the client open until the process exits: closing a client whose segment
+        another client (a tier whose call outlived a master outage) still transfers into
+        crashes the process in Mooncake 0.3.13.post1 (seen in these tests)."""
+        from kvtier.tiers.mooncake_calls import _park
+
+        _park(self.store)
+
+
+def _harness(url: str, holder: Holder, **extra) -> TierHarness:
+    prefix = f"kvtier-test-{uuid.uuid4().hex[:12]}:"
+
+    def make(namespace: bytes = NS_A, **kw):
+        from kvtier.tiers.mooncake_tier import MooncakeTier
+
+        return MooncakeTier(
+            url, key_prefix=prefix, namespace=namespace, timeout_s=2.0, breaker_backoff_s=0.1,
+            breaker_max_backoff_s=0.5, segment_bytes=0, **kw,
+        )
+
+    return TierHarness(make=make, read_raw=holder.read, write_raw=holder.write, recovery_s=20.0, **extra)
+
+
+class TestMooncakeContract(TierContract):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def holder(cls):
+        _skip_without_mooncake()
+        if not _answers(*CI_MASTER):
+            pytest.skip(f"no Mooncake master on {CI_MASTER[0]}:{CI_MASTER[1]}; {_SKIP_HINT}")
+        h = Holder(f"{CI_MASTER[0]}:{CI_MASTER[1]}")
+        yield h
+        h.close()
+
+    @pytest.fixture
+    def harness(self, holder: Holder) -> TierHarness:
+        return _harness(f"mooncake://{CI_MASTER[0]}:{CI_MASTER[1]}", holder)
+
+
+class TestMooncakeThrowawayContract(TierContract):
+    """A master this class owns, so the failure tests may kill and restart it."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def master(cls):
+        _skip_without_mooncake()
+        m = MooncakeMasterProcess()
+        yield m
+        m.stop()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def holder(cls, master: MooncakeMasterProcess):
+        h = Holder(master.address)
+        yield h
+        h.close()
+
+    @pytest.fixture
+    def harness(self, master: MooncakeMasterProcess, holder: Holder) -> TierHarness:
+        def restore() -> None:
+            master.start()
+
+        return _harness(master.url, holder, break_store=master.kill, restore_store=restore)
+
+
+# -- URL and options (no master needed) ---------------------------------------------------------
+def test_url_options_are_parsed_and_checked():
+    from kvtier.tiers.mooncake_url import parse_url
+
+    opts: dict = {}
+    target = parse_url("mooncake://127.0.0.1:50051?segment_bytes=1GiB&timeout_s=0.25&workers=2", opts)
+    assert target.master == "127.0.0.1:50051"
+    assert opts == {"segment_bytes": 1 << 30, "timeout_s": 0.25, "workers": 2}
+    for bad, match in [
+        ("redis://127.0.0.1:1", "scheme"),
+        ("mooncake://127.0.0.1", "HOST:PORT"),
+        ("mooncake://127.0.0.1:1?segmnt_bytes=1", "segmnt_bytes"),
+        ("mooncake://127.0.0.1:1?timeout_s=soon", "timeout_s"),
+        ("mooncake://127.0.0.1:1?segment_bytes=lots", "segment_bytes"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            parse_url(bad, {})
+
+
+def test_bad_options_are_refused_before_anything_is_contacted():
+    from kvtier.tiers.mooncake_tier import MooncakeTier
+
+    for url in ["mooncake://127.0.0.1:1?protocol=rdma", "mooncake://127.0.0.1:1?workers=0",
+                "mooncake://127.0.0.1:1?timeout_s=0", "mooncake://127.0.0.1:1?key_prefix=a/b",
+                "mooncake://127.0.0.1:1?segment_bytes=8MiB"]:
+        with pytest.raises(ValueError):
+            MooncakeTier.check_url(url)
+    MooncakeTier.check_url("mooncake://127.0.0.1:1?segment_bytes=0&codec=shuffle-zstd")
+
+
+def test_config_accepts_mooncake_urls_and_names_bad_options():
+    from kvtier.config import KVTierConfig
+
+    assert KVTierConfig(remote_url="mooncake://127.0.0.1:50051").remote_url  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="segmnt"):
+        KVTierConfig(remote_url="mooncake://127.0.0.1:50051?segmnt=1")  # type: ignore[call-arg]
+
+
+def test_the_registry_opens_mooncake_urls():
+    from kvtier.tiers.registry import available_tiers, load_tier_class
+
+    assert "mooncake" in available_tiers()
+    _skip_without_mooncake()
+    from kvtier.tiers.mooncake_tier import MooncakeTier
+
+    assert load_tier_class("mooncake") is MooncakeTier

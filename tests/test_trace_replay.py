@@ -48,6 +48,8 @@ def test_a_malformed_line_names_the_line_and_the_field(tmp_path: Path, text: str
         list(iter_trace(p, 512))
     assert exc.value.line == 3 and exc.value.field == field
     assert what in str(exc.value) and "t.jsonl line 3" in str(exc.value)
+    if field is not None:  # the message itself names the field, not only the attribute
+        assert f"t.jsonl line 3, field {field!r}" in str(exc.value)
 
 
 def test_timestamps_must_not_go_back_and_blank_lines_are_skipped(tmp_path: Path) -> None:

@@ -108,6 +108,54 @@ def test_dynamo_driver_refuses_bad_cells_and_a_missing_python(tmp_path: Path) ->
     assert len(list(iter_trace(EXCERPT))) == 300
 
 
+_FAKE_REPLAY = """
+def run_trace_replay(trace, extra_engine_args, num_workers, replay_mode, router_mode,
+                     arrival_speedup_ratio, trace_block_size):
+    assert extra_engine_args["engine"]["num_gpu_blocks"] == 40 and trace_block_size == 64
+    if router_mode == "round_robin" and num_workers == 3:
+        raise RuntimeError("fake failure")
+    return {"prefix_cache_reused_ratio": 0.5 if router_mode == "kv_router" else 0.25,
+            "mean_ttft_ms": 100.0, "p99_ttft_ms": 200.0, "num_requests": 300}
+"""
+
+
+def _fake_dynamo_python(tmp_path: Path) -> Path:
+    """A 'Python' whose ``dynamo.replay`` is a fake (the real Dynamo is not needed)."""
+    pkg = tmp_path / "site" / "dynamo"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "replay.py").write_text(_FAKE_REPLAY)
+    py = tmp_path / "python"
+    py.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'site'} exec {sys.executable} \"$@\"\n")
+    py.chmod(0o755)
+    return py
+
+
+def test_dynamo_driver_imports_dynamo_not_its_sibling_module(tmp_path: Path) -> None:
+    """The driver's folder holds kvtier's dynamo.py: run as a script it must still import Dynamo's
+    package (it did not: every cell failed with "'dynamo' is not a package")."""
+    from kvtier.sim.fleet.dynamo import dynamo_cell
+
+    cells = [dynamo_cell(w, r, 40, BS, 1.0) for w in (2, 3) for r in ("kv_router", "round_robin")]
+    out = run_dynamo(_fake_dynamo_python(tmp_path), EXCERPT, cells)
+    got = {(c["cell"]["workers"], c["cell"]["router"]): c for c in out["cells"]}
+    assert got[(2, "kv_router")]["reuse"] == 0.5 and got[(2, "round_robin")]["reuse"] == 0.25
+    assert "fake failure" in got[(3, "round_robin")]["error"]  # one cell failing leaves the others
+
+
+def test_bench_fleet_refuses_a_dynamo_that_fails_every_cell(tmp_path: Path) -> None:
+    from kvtier.bench.common import BenchUsageError
+    from kvtier.bench.fleet import run_bench_fleet
+
+    broken = tmp_path / "python"  # a "Python" whose every cell fails, as Dynamo's import did
+    broken.write_text(f"#!{sys.executable}\nimport json\n"
+                      "print(json.dumps({'cells': [{'cell': {}, 'error': 'ImportError: no dynamo'}]}))\n")
+    broken.chmod(0o755)
+    with pytest.raises(BenchUsageError, match="failed in every cell.*no dynamo"):
+        run_bench_fleet(EXCERPT, None, broken, workers=(2,), speeds=(1.0,), capacity_tokens=40 * 512,
+                        block_size=512, enforce=False)
+
+
 def test_a_request_larger_than_an_engine_is_refused_not_fatal() -> None:
     recs = conversations(50) + [TraceRecord(1e6, 100 * BS, 1, tuple(range(10_000, 10_100)))]
     sim, res = run("kv-aware", recs)

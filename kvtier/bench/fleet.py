@@ -105,6 +105,12 @@ def run_bench_fleet(trace: Path, json_path: Path | None = None, dynamo_python: P
             dyn = run_dynamo(dynamo_python, trace, dcells)
         except DynamoError as exc:
             raise BenchUsageError(str(exc)) from None
+        failed = [d for d in dyn["cells"] if "error" in d]
+        if failed and len(failed) == len(dyn["cells"]):  # nothing to compare: say why, not a column of '-'
+            raise BenchUsageError(f"Dynamo's replay failed in every cell, e.g. {failed[0]['cell']}: "
+                                  f"{failed[0]['error']}")
+        for d in failed:
+            con.print(f"[yellow]Dynamo cell {d['cell']} failed: {d['error']}[/yellow]")
         by = {(d["cell"]["workers"], float(d["cell"]["speed"]), d["cell"]["router"]): d for d in dyn["cells"]}
         for c in cells:
             for r in ("kv_router", "round_robin"):

@@ -17,8 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+
+# Run as a script, this file's folder (kvtier/sim/fleet) is sys.path[0]: its dynamo.py would
+# shadow Dynamo's own ``dynamo`` package (and any other sibling a Dynamo dependency's name).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 ROUTERS = ("kv_router", "round_robin")
 

@@ -61,13 +61,27 @@ def simulate(
     policies: Optional[str] = typer.Option(None, help="Comma-separated eviction policies (default: all)."),
     requests: int = typer.Option(2000, min=1, help="Prompts in the trace."),
     seed: int = typer.Option(0, help="Trace seed (same seed, same trace)."),
-    chunk_size: int = typer.Option(256, help="Tokens per chunk."),
+    chunk_size: Optional[int] = typer.Option(None, help="Tokens per chunk (default 256; a trace file: its block size)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    trace_file: Optional[Path] = typer.Option(None, "--trace-file", help="Replay a Mooncake-format JSONL trace instead "
+        "(timestamp, input_length, output_length, hash_ids), with Belady's MIN and the unbounded cache."),
+    block_size: int = typer.Option(512, help="--trace-file: tokens per hash id."),
+    capacity_tokens: Optional[str] = typer.Option(None, help="--trace-file: comma-separated capacities in tokens "
+        "(default 100k,1M,3M,10M)."),
+    mode: str = typer.Option("every-block", help="--trace-file: every-block (every block referenced and cached, "
+        "the Mooncake figures) or engine (full chunks only, the last token always computed)."),
+    belady: bool = typer.Option(True, "--belady/--no-belady", help="--trace-file: also Belady's MIN (12 bytes a reference)."),
+    max_requests: Optional[int] = typer.Option(None, min=1, help="--trace-file: replay only the first N requests."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="--trace-file: write a PNG plot here (needs the bench extra)."),
 ) -> None:
-    """Token hit rate of each eviction policy at several tier capacities, on a seeded synthetic trace."""
-    from kvtier.sim.run import run_simulate
+    """Hit rate of each eviction policy at several tier capacities: a seeded synthetic trace, or a production
+    trace file (--trace-file)."""
+    from kvtier.sim.run import run_simulate, run_trace_file
 
     with _json_target(json_path) as out:
+        if trace_file is not None:
+            _finish("simulate", lambda: run_trace_file(
+                trace_file, capacity_tokens, policies, block_size, chunk_size, mode, belady, max_requests, out, plot))
         _finish(
             "simulate",
             lambda: run_simulate(
@@ -76,7 +90,7 @@ def simulate(
                 policies=policies,
                 seed=seed,
                 num_requests=requests,
-                chunk_size=chunk_size,
+                chunk_size=chunk_size or 256,
                 json_path=out,
             ),
         )

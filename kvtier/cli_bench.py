@@ -230,3 +230,49 @@ def bench_hf(
 
     with _json_target(json_path) as out:
         _finish("bench hf", lambda: run_bench_hf(json_path=out, reps=reps, prefix_tokens=prefix_tokens))
+
+
+@bench_app.command("fleet")
+def bench_fleet(
+    trace: Path = typer.Option(..., "--trace", help="Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    dynamo_python: Optional[Path] = typer.Option(None, "--dynamo-python", help="Python of a Dynamo 1.6 venv: also run "
+        "Dynamo's replay on the same cells (without it the Dynamo columns are null)."),
+    workers: str = typer.Option("4,8", help="Worker counts, comma-separated."),
+    speeds: str = typer.Option("1,4", help="Arrival speed-ups, comma-separated."),
+    capacity_tokens: int = typer.Option(3_000_000, min=1, help="Engine KV cache per worker, tokens."),
+    block_size: int = typer.Option(512, min=2, help="Tokens per hash id (and per engine block)."),
+    engine: str = typer.Option("mocker-like", help="Engine timing preset: mocker-like or vllm-cpu-smollm2."),
+    pool_policy: str = typer.Option("lru", help="Eviction policy of the shared pool."),
+    max_requests: Optional[int] = typer.Option(None, min=1, help="Replay only the first N requests (kvtier side)."),
+) -> None:
+    """A production trace through kvtier's policies, router and tiers, Dynamo's KV router side by side."""
+    from kvtier.bench.common import BenchUsageError
+    from kvtier.bench.fleet import run_bench_fleet
+
+    def run() -> int:
+        try:
+            ws = [int(x) for x in workers.split(",") if x.strip()]
+            sp = [float(x) for x in speeds.split(",") if x.strip()]
+        except ValueError:
+            raise BenchUsageError("--workers and --speeds take comma-separated numbers") from None
+        if not ws or not sp or min(ws) < 1 or min(sp) <= 0:
+            raise BenchUsageError("--workers and --speeds need positive values")
+        return run_bench_fleet(trace, out, dynamo_python, ws, sp, capacity_tokens, block_size, engine, pool_policy,
+                               max_requests)
+
+    with _json_target(json_path) as out:
+        _finish("bench fleet", run)
+
+
+@bench_app.command("policies")
+def bench_policies(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every measured number here (- for stdout)."),
+    chunks: int = typer.Option(1_000_000, min=1000, help="Chunks resident."),
+    ops: int = typer.Option(200_000, min=1000, help="Timed touches and evictions."),
+) -> None:
+    """Each eviction policy's insert / touch / evict cost in us per operation (target: a2q <= 2 us at 1M chunks)."""
+    from kvtier.bench.policies import run_bench_policies
+
+    with _json_target(json_path) as out:
+        _finish("bench policies", lambda: run_bench_policies(chunks, ops, out))

@@ -81,6 +81,7 @@ SERVER_KEYS = frozenset(
         "controller", "instance_id", "controller_token", "kv_events_endpoint", "kv_events_replay_endpoint",
         "peer_listen", "peers", "peer_timeout_s", "peer_retry_s", "peer_discovery",
         "fleet_key", "fleet_members", "controller_key", "peer_allow_remote", "kv_events_plain",
+        "trace_capture_path", "trace_capture_max_bytes",
     }
 )
 
@@ -154,6 +155,17 @@ class KVTierConfig(BaseModel):
     )
     lease_ttl_s: float = Field(
         300.0, gt=0, description="Seconds a lookup's lease pins its chunks if no load/finish ends it."
+    )
+    trace_capture_path: Path | None = Field(
+        None,
+        description=(
+            "Record this instance's requests (a kvtier server: every lookup; the vLLM connector: every "
+            "finished request) as a Mooncake-format trace here, created 0600: chunk keys as small integers, "
+            "no token ids or text. Unset: off."
+        ),
+    )
+    trace_capture_max_bytes: Size = Field(
+        ByteSize(64 << 20), description="Most bytes of the captured trace; recording stops there."
     )
     lookup_timeout_s: float = Field(
         0.5, gt=0, description="Bound on a scheduler-to-worker lookup call (plus remote_timeout_s when a remote tier is set); a timeout is a miss."

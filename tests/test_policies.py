@@ -51,7 +51,7 @@ def drain(p: EvictionPolicy) -> list[bytes]:
 
 
 def test_registry_and_config_accept_every_policy() -> None:
-    assert set(POLICIES) == {"lru", "lfu", "fifo", "s3fifo"}
+    assert set(POLICIES) == {"lru", "lfu", "fifo", "s3fifo", "a2q"}
     for name in POLICIES:
         assert make_policy(name).name == name
         cfg = KVTierConfig(cpu_eviction=name, disk_eviction=name)
@@ -312,3 +312,98 @@ def test_lfu_counts_survive_deferral() -> None:
     assert order(p) == [k(9), k(0)]  # back with its count of 5, not as a new key
 
 
+
+
+# -- a2q ---------------------------------------------------------------------------------------
+def _a2q(mode: object | None = None) -> "object":
+    from kvtier.tiers.policy_a2q import A2QPolicy
+
+    p = A2QPolicy()
+    if mode is not None:
+        p.mini._choose = lambda: None  # type: ignore[method-assign]
+        p.mini.mode = mode  # type: ignore[assignment]
+    return p
+
+
+def _evict_to(p: EvictionPolicy, cap: int, protect: set[bytes] = frozenset()) -> None:  # type: ignore[assignment]
+    while len(p) > cap:
+        v = next(x for x in p.candidates() if x not in protect)
+        p.remove(v)
+
+
+def test_a2q_in_lru_mode_evicts_exactly_like_lru() -> None:
+    rng = random.Random(4)
+    a, b = _a2q("lru"), make_policy("lru")
+    for step in range(3000):
+        i = rng.randrange(300)
+        parent = k(i - 1) if i % 5 and (k(i - 1) in a) else None
+        use = rng.random() < 0.4
+        for p in (a, b):
+            if use and k(i) in p:
+                p.touch(k(i))
+            elif k(i) not in p:
+                p.insert(k(i), parent)
+            _evict_to(p, 64)
+        assert sorted(a._parent) == sorted(b._parent), step  # type: ignore[attr-defined]
+    a.check_invariants()  # type: ignore[attr-defined]
+
+
+def test_a2q_keeps_a_key_used_twice_through_a_scan_of_new_keys() -> None:
+    p = _a2q(0.0)
+    hot = [k(i) for i in range(5)]
+    for x in hot:
+        p.insert(x)
+    for x in hot:
+        p.touch(x)  # used again: the LRU of reused keys
+    for i in range(100, 400):  # a scan of keys seen once
+        p.insert(k(i))
+        _evict_to(p, 20)
+    assert all(x in p for x in hot)
+    lru = make_policy("lru")
+    for x in hot:
+        lru.insert(x)
+        lru.touch(x)
+    for i in range(100, 400):
+        lru.insert(k(i))
+        _evict_to(lru, 20)
+    assert not any(x in lru for x in hot)  # LRU loses them: the test can tell the two apart
+
+
+def test_a2q_remembers_evicted_keys_and_admits_them_as_reused() -> None:
+    from kvtier.tiers.policy_a2q import GhostTable, fingerprint
+
+    g = GhostTable(256)
+    fs = [fingerprint(k(i)) for i in range(64)]
+    for f in fs:
+        g.add(f)
+    g.grow_to(1024)  # growing keeps them
+    assert all(g.pop(f) for f in fs) and not g.pop(fs[0])
+    for i in range(64, 64 + 5000):  # far more than it holds: the oldest are forgotten
+        g.add(fingerprint(k(i)))
+    assert sum(g.pop(fingerprint(k(i))) for i in range(64, 564)) < 50
+    assert sum(g.pop(fingerprint(k(i))) for i in range(4900, 5064)) > 150
+
+    p = _a2q(0.0)
+    for i in range(10):
+        p.insert(k(i))
+    _evict_to(p, 0)
+    p.insert(k(3))  # in the history: straight to the reused queue
+    for i in range(100, 130):
+        p.insert(k(i))
+        _evict_to(p, 5)
+    assert k(3) in p
+
+
+def test_a2q_chooses_its_mode_by_miniature_simulation() -> None:
+    from kvtier.tiers.policy_a2q import MiniSims
+
+    loop = MiniSims(min_cache=64)  # keys reused at a distance beyond the cache, and a one-off stream
+    rng = random.Random(1)
+    for n in range(60_000):
+        f = (rng.randrange(150) if n % 2 else 10_000 + n) * 2 + 1
+        loop.observe(f, None, 100)
+    assert loop.mode != "lru"
+    recent = MiniSims(min_cache=64)  # pure recency: a sliding window smaller than the cache
+    for n in range(60_000):
+        recent.observe((n - rng.randrange(60)) * 2 + 1, None, 100)
+    assert recent.mode == "lru"

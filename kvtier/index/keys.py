@@ -292,6 +292,8 @@ class ChunkHasher:
         cache_salt: str | None = None,
         max_chunks: int | None = None,
         extras: KeyExtras | None = None,
+        *,
+        parent: bytes | None = None,
     ) -> list[bytes]:
         """Keys of the full chunks of ``tokens`` (at most ``max_chunks``).
 
@@ -301,13 +303,19 @@ class ChunkHasher:
             max_chunks: stop after this many chunks.
             extras: adapter identity and multimodal items of the request (None or empty:
                 the plain scheme-1 keys).
+            parent: the key of the chunk just before ``tokens[0]``, to continue a prompt
+                whose earlier chunks were hashed already (None: ``tokens`` starts the prompt).
+                The keys equal those of the whole prompt at the same positions.
 
         Returns:
             ``len(tokens) // chunk_size`` keys (or fewer with ``max_chunks``), 32 bytes each.
 
         Raises:
-            ValueError: a token id is not an integer, is negative or does not fit in 32 bits.
+            ValueError: a token id is not an integer, is negative or does not fit in 32 bits;
+                ``parent`` given with multimodal items (their offsets count from token 0).
         """
+        if parent is not None and extras is not None and extras.mm_items:
+            raise ValueError("parent cannot be combined with multimodal items")
         n = len(tokens) // self.chunk_size
         if max_chunks is not None:
             n = min(n, max_chunks)
@@ -321,7 +329,8 @@ class ChunkHasher:
             arr = arr.astype("<u4")
         buf = memoryview(arr.tobytes())
         step = self.chunk_size * 4
-        parent = self._root(cache_salt, extras.adapter if extras else None)
+        if parent is None:
+            parent = self._root(cache_salt, extras.adapter if extras else None)
         mm = self._mm_suffixes(extras.mm_items, n) if extras and extras.mm_items else {}
         out: list[bytes] = []
         for i in range(n):

@@ -26,8 +26,8 @@ from kvtier.router.forward import Forwarder, forward_headers
 from kvtier.router.load import LoadTracker
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.pool import BackendPool
-from kvtier.router.prefix_index import EventFeed, PrefixIndex, chain_keys
-from kvtier.router.scoring import Candidate, Decision, rank, weighted_hit
+from kvtier.router.prefix_index import EventFeed, PrefixIndex
+from kvtier.router.scoring import Candidate, Decision, predicted_hit, rank
 from kvtier.router.request_body import BadBody, prepare
 from kvtier.router.tokenize import PromptTokenizer, PromptTooLong, Tokenizer
 from kvtier.urls import mask_url
@@ -55,8 +55,6 @@ def _error(status: int, message: str, kind: str, headers: dict[str, str] | None 
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
                         headers=headers)
 
-#: Tiers of the fleet controller's ``/lookup`` rows, weighed like the event media of the same name.
-_CONTROLLER_TIERS = ("CPU", "DISK", "REMOTE")
 
 
 class Router:
@@ -220,23 +218,10 @@ class Router:
         for b in healthy:
             hit_tokens, hit_score, per_tier = 0, 0.0, {}
             if tokens and self.config.policy == "kv-aware":
-                segments: list[tuple[int, float]] = []
-                bs = self.index.block_size(b.name)
-                if bs:
-                    if bs not in keys_by_bs:
-                        keys_by_bs[bs] = chain_keys(tokens, bs, extra_keys=extra)
-                    m = self.index.match(b.name, keys_by_bs[bs], bs)
-                    segments = [(end, w.medium(med)) for end, med in m.segments]
-                    per_tier = {k.lower() if k != "GPU" else "engine": v for k, v in m.per_medium.items()}
-                prefixes: list[tuple[int, float]] = []
                 row = rows.get(b.spec.instance_id or "") if b.spec.instance_id else None
-                if isinstance(row, dict):
-                    for tier in _CONTROLLER_TIERS:
-                        n = row.get(tier)
-                        if isinstance(n, int) and n > 0:
-                            prefixes.append((min(n, len(tokens)), w.medium(tier)))
-                            per_tier[f"controller_{tier.lower()}"] = n
-                hit_tokens, hit_score = weighted_hit(segments, prefixes)
+                hit_tokens, hit_score, per_tier = predicted_hit(self.index, b.name, tokens, keys_by_bs, w,
+                                                                row if isinstance(row, dict) else None,
+                                                                extra_keys=extra)
             out.append(Candidate(name=b.name, index=b.index, hit_tokens=hit_tokens, hit_score=hit_score,
                                  per_tier=per_tier, load_tokens=self.load.load_tokens(b.name),
                                  last_assigned=self.load.last_assigned(b.name)))

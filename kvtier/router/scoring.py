@@ -12,8 +12,13 @@ the second.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier.router.config import Weights
+    from kvtier.router.prefix_index import PrefixIndex
 
 #: Two scores closer than this are a tie.
 EPS = 1e-9
@@ -49,6 +54,44 @@ def weighted_hit(segments: Sequence[tuple[int, float]], prefixes: Sequence[tuple
         total += best * (end - prev)
         prev = end
     return prev, total
+
+
+#: Tiers of the fleet controller's ``/lookup`` rows, weighed like the event media of the same name.
+CONTROLLER_TIERS = ("CPU", "DISK", "REMOTE")
+
+
+def predicted_hit(index: PrefixIndex, backend: str, tokens: Sequence[int], keys_by_bs: dict[int, list[bytes]],
+                  weights: Weights, row: Mapping[str, Any] | None = None,
+                  extra_keys: Sequence[object | None] | None = None) -> tuple[int, float, dict[str, int]]:
+    """What ``backend`` holds of a prompt: ``(hit tokens, tier-weighted score, tokens per tier)``.
+
+    The events index (``index``, keyed by the router's chain keys at the backend's block
+    size; ``keys_by_bs`` memoizes the prompt's keys per block size across backends) and the
+    fleet controller's ``/lookup`` row for the backend (``row``: tier -> cached prefix tokens;
+    ``None``: no row) are combined by :func:`weighted_hit`. ``extra_keys``: per block, extra
+    hash inputs of the prompt's keys (vLLM's ``(cache_salt,)`` on block 0; ``None``: none). No I/O: the HTTP router and the
+    offline fleet replay (:mod:`kvtier.sim.fleet`) both call it.
+    """
+    from kvtier.router.prefix_index import chain_keys
+
+    segments: list[tuple[int, float]] = []
+    per_tier: dict[str, int] = {}
+    bs = index.block_size(backend)
+    if bs:
+        if bs not in keys_by_bs:
+            keys_by_bs[bs] = chain_keys(tokens, bs, extra_keys=extra_keys)
+        m = index.match(backend, keys_by_bs[bs], bs)
+        segments = [(end, weights.medium(med)) for end, med in m.segments]
+        per_tier = {k.lower() if k != "GPU" else "engine": v for k, v in m.per_medium.items()}
+    prefixes: list[tuple[int, float]] = []
+    if isinstance(row, Mapping):
+        for tier in CONTROLLER_TIERS:
+            n = row.get(tier)
+            if isinstance(n, int) and n > 0:
+                prefixes.append((min(n, len(tokens)), weights.medium(tier)))
+                per_tier[f"controller_{tier.lower()}"] = n
+    hit_tokens, hit_score = weighted_hit(segments, prefixes)
+    return hit_tokens, hit_score, per_tier
 
 
 @dataclass(frozen=True)

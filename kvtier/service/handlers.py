@@ -70,6 +70,8 @@ class DataHandlers:
         self.metrics = metrics
         self.prefetch_q = prefetch_q
         self.server_stats = server_stats
+        #: The lookup trace recorder (kvtier.service.trace_capture), None when trace_capture_path is unset.
+        self.capture: Any = None
         self.table: dict[str, Handler] = {
             "lookup": self.lookup,
             "contains": self.contains,
@@ -90,6 +92,8 @@ class DataHandlers:
     # -- leases ------------------------------------------------------------------------------
     def lookup(self, h: Holds, reg: Registered, r: Lookup) -> dict[str, Any]:
         res, codes = lookup_op(reg.host.manager, h, reg.prefix, r)
+        if self.capture is not None:
+            self.capture.lookup(reg.host.namespace.chunk_size, r.keys)
         m = self.metrics
         m.lookups.inc()
         cs = reg.host.namespace.chunk_size

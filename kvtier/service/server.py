@@ -126,6 +126,14 @@ class CacheServer:
         self._closing_lock = threading.Lock()
         self._prefetch_q: queue.Queue[tuple[NamespaceHost, bytes]] = queue.Queue(maxsize=options.prefetch_queue)
         self._handlers = DataHandlers(self.metrics, self._prefetch_q, self._server_stats)
+        if config.trace_capture_path is not None:
+            from kvtier.service.trace_capture import ServerTraceCapture
+
+            try:
+                self._handlers.capture = ServerTraceCapture(Path(config.trace_capture_path), config.chunk_size,
+                                                            int(config.trace_capture_max_bytes))
+            except OSError as exc:
+                raise ConfigError(f"invalid kvtier config: trace_capture_path: {exc}") from None
         self._kv = KVOps(self._handlers, SegmentPins())  # copies by engine block id (kvtier.service.kv_ops)
         self._http: MetricsHTTPServer | None = None
         self._started = False
@@ -216,6 +224,8 @@ class CacheServer:
             self.peer_server.stop()  # before the namespaces: no peer read outlives their segments
         self._kv.close()  # engine KV registrations and segment pins, before the segments are unmapped
         self._namespaces.close()
+        if self._handlers.capture is not None:
+            self._handlers.capture.close()
         if self._unix is not None:
             self._unix.remove()  # only the socket file this server created
             self._unix = None

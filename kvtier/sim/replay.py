@@ -10,7 +10,10 @@ during its request (as a lookup lease pins them). Stores start right after the
 resident prefix and stop at the first chunk that cannot be stored, so a stored
 chunk's parent is always resident.
 
-Token hit rate = hit tokens / prompt tokens, over the whole trace.
+Token hit rate = hit tokens / prompt tokens, over the whole trace; chunk hit rate = hit
+chunks / chunks referenced (a Mooncake trace's "fraction of block references hit").
+:func:`step` is one request, shared by :func:`replay` and the trace replay
+(:mod:`kvtier.sim.trace_replay`), whose ``every-block`` mode lets every referenced chunk hit.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class SimStats:
         requests: prompts replayed.
         prompt_tokens: tokens of every prompt.
         hit_tokens: tokens served from the tier.
+        chunk_refs: chunks referenced (every key of every request).
+        hit_chunks: chunks served from the tier.
         stored_chunks: chunks inserted.
         evicted_chunks: chunks evicted.
         store_skipped: chunks not stored because every candidate was pinned.
@@ -43,6 +48,8 @@ class SimStats:
     requests: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    chunk_refs: int = 0
+    hit_chunks: int = 0
     stored_chunks: int = 0
     evicted_chunks: int = 0
     store_skipped: int = 0
@@ -53,8 +60,13 @@ class SimStats:
         """Token hit rate in [0, 1]."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def chunk_hit_rate(self) -> float:
+        """Chunk (block reference) hit rate in [0, 1]."""
+        return self.hit_chunks / self.chunk_refs if self.chunk_refs else 0.0
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
+        return {**asdict(self), "hit_rate": self.hit_rate, "chunk_hit_rate": self.chunk_hit_rate}
 
 
 class SimTier:
@@ -114,6 +126,39 @@ class SimTier:
         self.stats.evicted_chunks += 1
 
 
+def step(tier: SimTier, num_tokens: int, keys: Sequence[bytes], hit_limit: int) -> int:
+    """One request: look up, touch the hits tail first, store the rest; returns hit chunks.
+
+    Args:
+        tier: the simulated tier (its ``stats`` are updated).
+        num_tokens: the prompt's tokens.
+        keys: the chunk keys the request references, in prompt order.
+        hit_limit: most chunks that may count as hits (the engine computes at least one
+            token: ``(num_tokens - 1) // chunk_size``; ``len(keys)`` lets every one hit).
+    """
+    stats = tier.stats
+    stats.requests += 1
+    stats.prompt_tokens += num_tokens
+    stats.chunk_refs += len(keys)
+    present = 0  # longest resident prefix; at most `hit_limit` of it is a hit
+    while present < len(keys) and keys[present] in tier:
+        present += 1
+    if present + 1 < len(keys) and keys[present + 1] in tier:
+        stats.chain_violations += 1  # an unreachable chunk was kept
+    touch = tier.policy.touch
+    for key in reversed(keys[:present]):
+        touch(key)
+    hits = min(present, hit_limit)
+    stats.hit_chunks += hits
+    pinned = set(keys)
+    for i in range(present, len(keys)):
+        parent = keys[i - 1] if i else None
+        if not tier.store(keys[i], parent, pinned):
+            stats.store_skipped += len(keys) - i
+            break
+    return hits
+
+
 def replay(
     prompts: Sequence[tuple[int, list[bytes]]],
     chunk_size: int,
@@ -135,21 +180,6 @@ def replay(
     stats = SimStats(policy, capacity)
     tier = SimTier(capacity, make_policy(policy), stats)
     for num_tokens, keys in prompts:
-        stats.requests += 1
-        stats.prompt_tokens += num_tokens
-        limit = max(0, (num_tokens - 1) // chunk_size)
-        present = 0  # longest resident prefix; at most `limit` of it is a hit
-        while present < len(keys) and keys[present] in tier:
-            present += 1
-        if present + 1 < len(keys) and keys[present + 1] in tier:
-            stats.chain_violations += 1  # an unreachable chunk was kept
-        for key in reversed(keys[:present]):
-            tier.policy.touch(key)
-        stats.hit_tokens += min(present, limit) * chunk_size
-        pinned = set(keys)
-        for i in range(present, len(keys)):
-            parent = keys[i - 1] if i else None
-            if not tier.store(keys[i], parent, pinned):
-                stats.store_skipped += len(keys) - i
-                break
+        hits = step(tier, num_tokens, keys, max(0, (num_tokens - 1) // chunk_size))
+        stats.hit_tokens += hits * chunk_size
     return stats

@@ -231,3 +231,67 @@ def run_simulate(
         json_path.write_text(json.dumps(data[0] if len(data) == 1 else data, indent=2))
         console.print(f"wrote {json_path}")
     return 0
+
+
+def run_trace_file(
+    trace_file: Path,
+    capacity_tokens: str | None = None,
+    policies: str | None = None,
+    block_size: int = 512,
+    chunk_size: int | None = None,
+    mode: str = "every-block",
+    with_belady: bool = True,
+    max_requests: int | None = None,
+    json_path: Path | None = None,
+    plot_path: Path | None = None,
+) -> int:
+    """CLI entry for a Mooncake-format trace file (:mod:`kvtier.sim.trace_replay`): a table
+    of chunk hit rates per policy and capacity with Belady's MIN and the unbounded cache.
+
+    Bad arguments and malformed trace lines print one error line and return 2.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvtier.sim.trace_replay import DEFAULT_CAPACITY_TOKENS, parse_tokens, replay_trace, write_plot
+
+    console = Console()
+    err = Console(stderr=True)
+    try:
+        caps = [parse_tokens(t) for t in _parse_list(capacity_tokens, "--capacity-tokens") or []] or \
+            list(DEFAULT_CAPACITY_TOKENS)
+        pols = _parse_list(policies, "--policies")
+        if not console.is_terminal:
+            console.print(f"replaying {trace_file} ...")
+        rep = replay_trace(trace_file, caps, pols, block_size, chunk_size, mode, with_belady, max_requests,
+                           progress=lambda s: err.print(f"[dim]{s}[/dim]") if err.is_terminal else None)
+    except (ValueError, OSError) as exc:
+        err.print(f"[red]kvtier simulate: {exc}[/red]")
+        return 2
+    table = Table(title=(f"Chunk hit rate, {rep.trace} ({rep.mode}): {rep.requests:,} requests, "
+                         f"{rep.chunk_refs:,} chunk references, {rep.chunk_size}-token chunks"))
+    table.add_column("policy")
+    for t in rep.capacities_tokens:
+        table.add_column(f"{t:,} tokens", justify="right")
+    best = {c: max(by[c].chunk_hit_rate for by in rep.results.values()) for c in rep.capacities_chunks}
+    for pol, by in rep.results.items():
+        cells = [f"{by[c].chunk_hit_rate:.3f}" for c in rep.capacities_chunks]
+        cells = [f"[bold]{x}[/bold]" if by[c].chunk_hit_rate == best[c] else x
+                 for x, c in zip(cells, rep.capacities_chunks)]
+        table.add_row(pol, *cells)
+    if rep.belady is not None:
+        table.add_row("Belady's MIN", *[f"{rep.belady[c].chunk_hit_rate:.3f}" for c in rep.capacities_chunks],
+                      style="dim")
+    table.add_row("unbounded", *[f"{rep.unbounded.chunk_hit_rate:.3f}"] * len(rep.capacities_chunks), style="dim")
+    console.print(table)
+    violations = sum(s.chain_violations for by in rep.results.values() for s in by.values())
+    console.print(f"chain violations: {violations}; {rep.elapsed_s:.1f} s; peak RSS {rep.max_rss_bytes / 2**20:.0f} MiB"
+                  + "".join(f"; {n}" for n in rep.notes))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(rep.as_dict(), indent=2))
+        console.print(f"wrote {json_path}")
+    if plot_path is not None:
+        write_plot(rep, plot_path)
+        console.print(f"wrote {plot_path}")
+    return 0

@@ -478,11 +478,14 @@ class S3FIFOPolicy(ChainAwarePolicy):
                 return
 
 
+from kvtier.tiers.policy_a2q import A2QPolicy  # noqa: E402 - it subclasses ChainAwarePolicy above
+
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "lfu": LFUPolicy,
     "fifo": FIFOPolicy,
     "s3fifo": S3FIFOPolicy,
+    "a2q": A2QPolicy,
 }
 
 

@@ -51,6 +51,7 @@ from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, KVTierWork
 from kvtier.integrations.vllm.validity import ForeignLoads, step_blocks
 from kvtier.integrations.vllm.reset import reset_tiers
 from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, TransferSpec
+from kvtier.storage.trace_file import TraceRecorder
 from kvtier.storage.types import LookupResult
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -137,6 +138,15 @@ class KVTierScheduler:
         if kv_events:
             self.events = BlockEventTranslator(self.chunk_size, self.block_size, config.kv_events_map_chunks,
                                                event_groups)
+        #: ``trace_capture_path``: every finished request as a Mooncake trace line (None: off).
+        self.capture: TraceRecorder | None = None
+        if config.trace_capture_path is not None and config.enabled:
+            try:
+                self.capture = TraceRecorder(config.trace_capture_path, self.chunk_size,
+                                             int(config.trace_capture_max_bytes))
+            except OSError as exc:  # never take the engine down: no trace, said once
+                log.error("kvtier: trace_capture_path %s cannot be created (%s): no trace is recorded",
+                          config.trace_capture_path, exc)
 
     # -- index and leases ----------------------------------------------------------------------
     def _lookup_index(self) -> LookupIndex | None:
@@ -476,6 +486,15 @@ class KVTierScheduler:
         tr = self._trackers.pop(request.request_id, None)
         if tr is None:
             return False, None
+        if self.capture is not None and len(tr.tokens):
+            try:
+                n_out = getattr(request, "num_output_tokens", None)  # vLLM's Request; else count the ids
+                if n_out is None:
+                    n_out = len(getattr(request, "output_token_ids", None) or ())
+                self.capture.record(tr.keys, len(tr.tokens), int(n_out))
+            except (OSError, ValueError):
+                log.exception("kvtier: trace capture failed; stopping it")
+                self.capture = None
         self._async_to_send = [s for s in self._async_to_send if s.req_id != tr.req_id]
         if tr.lease_held:  # a hit never handed to the worker
             self._drop_lease(tr)
@@ -527,6 +546,8 @@ class KVTierScheduler:
         return self.events.take() if self.events is not None else []
 
     def shutdown(self) -> None:
+        if self.capture is not None:
+            self.capture.close()
         if self.pd is not None:
             self.pd.close()
         if self._index is not None:

@@ -20,7 +20,8 @@ from kvtier.bench.soak_workload import soak_namespace
 from kvtier.fleet.agent import namespace_info
 from kvtier.index.keys import KeyNamespace
 from kvtier.protocol import fleet as F
-from kvtier.protocol.trust import FleetKey, curve_client
+from kvtier.protocol.curve import curve_client
+from kvtier.protocol.trust import FleetKey
 
 #: Runs (windows) kept in detail per attack; all are counted.
 MAX_WINDOWS = 4000

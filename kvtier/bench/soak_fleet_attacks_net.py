@@ -31,7 +31,8 @@ import zmq
 
 from kvtier.bench.soak_fleet_workload import SALTS
 from kvtier.bench.soak_workload import system_prompts
-from kvtier.protocol.trust import Credentials, FleetKey, Member, Members, curve_client
+from kvtier.protocol.curve import curve_client
+from kvtier.protocol.trust import Credentials, FleetKey, Member, Members
 from kvtier.transfer.errors import TransferError
 
 if TYPE_CHECKING:

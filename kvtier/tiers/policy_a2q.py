@@ -44,7 +44,7 @@ from array import array
 from collections import OrderedDict
 from typing import Iterator
 
-from kvtier.tiers.policies import ChainAwarePolicy
+from kvtier.tiers.policy_base import ChainAwarePolicy
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15

@@ -563,6 +563,8 @@ def _read_file(path: Path) -> dict[str, Any]:
     kind = "JSON" if path.suffix.lower() == ".json" else "TOML"
     try:
         data = json.loads(text) if kind == "JSON" else tomllib.loads(text)
+    except RecursionError:  # json and tomllib recurse per nesting level and give up past the limit
+        raise ConfigError(f"kvtier config file {path} is not valid {kind}: nested too deeply") from None
     except (ValueError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(
             f"kvtier config file {path} is not valid {kind} (kvtier reads TOML, or JSON for a .json file): {exc}"

@@ -157,6 +157,17 @@ def test_unreadable_or_invalid_file(tmp_path: Path) -> None:
         load_config({"config_file": not_table}, environ={})
 
 
+@pytest.mark.parametrize("name, text", [
+    ("deep.json", '{"chunk_size": ' + "[" * 5000 + "]" * 5000 + "}"),
+    ("deep.toml", "chunk_size = " + "[" * 5000 + "]" * 5000 + "\n"),
+    ("inline.toml", "chunk_size = " + "{a = " * 5000 + "1" + "}" * 5000 + "\n"),
+])
+def test_a_file_nested_too_deeply_is_a_config_error(tmp_path: Path, name: str, text: str) -> None:
+    # json and tomllib give up past the recursion limit with RecursionError, not their parse error
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config({"config_file": write(tmp_path / name, text)}, environ={})
+
+
 # -- precedence ------------------------------------------------------------------------
 
 

@@ -285,6 +285,12 @@ def test_tiny_cpu_capacity_from_the_environment_is_refused() -> None:
         ("server_timeout_s", 0, {}),
         ("lease_ttl_s", float("inf"), {}),
         ("remote_ttl_s", -3, {}),
+        # finite but absurd: socket.settimeout(1e308) raises OverflowError in the call, not at start
+        ("peer_timeout_s", 1e308, {}),
+        ("remote_timeout_s", 7200, {}),
+        ("peer_retry_s", 1e308, {}),
+        ("lease_ttl_s", 1e12, {}),
+        ("remote_ttl_s", 1e308, {}),
         ("remote_write_queue", 0, {}),
         ("remote_url", "redis://127.0.0.1:notaport", {}),
         ("remote_url", "redis://127.0.0.1:70000", {}),

@@ -55,7 +55,8 @@ class BackendSpec:
         """Display name: the instance id, else ``host:port``."""
         if self.instance_id:
             return self.instance_id
-        return urlsplit(self.url).netloc or self.url
+        netloc = urlsplit(self.url).netloc
+        return netloc.rpartition("@")[2] if netloc else mask_url(self.url)  # never a user:password@ (answer headers)
 
 
 #: Where a backend's events part starts: ``@`` followed by a ZMQ endpoint's scheme (a ``user:password@``

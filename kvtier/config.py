@@ -91,6 +91,13 @@ Size = Annotated[ByteSize, BeforeValidator(parse_size)]
 log = logging.getLogger(__name__)
 
 
+#: Longest bound on one call (seconds). Beyond it a timeout is no bound at all, and very large values
+#: fail later, in the call (``socket.settimeout(1e308)`` raises OverflowError).
+MAX_CALL_S = 3600.0
+#: Longest expiry, lease or back-off (seconds): a year.
+MAX_TTL_S = 365 * 86400.0
+
+
 class KVTierConfig(BaseModel):
     """Every kvtier setting, with its default and unit."""
 
@@ -145,16 +152,16 @@ class KVTierConfig(BaseModel):
     )
     remote_codec: str = Field("raw", description="Codec of chunks written to the remote tier.")
     remote_ttl_s: float | None = Field(
-        None, gt=0, description="Expiry of remote chunks in seconds; unset keeps them until the store evicts."
+        None, gt=0, le=MAX_TTL_S, description="Expiry of remote chunks in seconds; unset keeps them until the store evicts."
     )
     remote_timeout_s: float = Field(
-        1.0, gt=0, description="Bound on one remote call (all its round trips); a timeout is a miss."
+        1.0, gt=0, le=MAX_CALL_S, description="Bound on one remote call (all its round trips); a timeout is a miss."
     )
     remote_write_queue: int = Field(
         64, ge=1, description="Chunks waiting for write-behind to the remote tier; more are dropped (counted)."
     )
     lease_ttl_s: float = Field(
-        300.0, gt=0, description="Seconds a lookup's lease pins its chunks if no load/finish ends it."
+        300.0, gt=0, le=MAX_TTL_S, description="Seconds a lookup's lease pins its chunks if no load/finish ends it."
     )
     trace_capture_path: Path | None = Field(
         None,
@@ -168,7 +175,7 @@ class KVTierConfig(BaseModel):
         ByteSize(64 << 20), description="Most bytes of the captured trace; recording stops there."
     )
     lookup_timeout_s: float = Field(
-        0.5, gt=0, description="Bound on a scheduler-to-worker lookup call (plus remote_timeout_s when a remote tier is set); a timeout is a miss."
+        0.5, gt=0, le=MAX_CALL_S, description="Bound on a scheduler-to-worker lookup call (plus remote_timeout_s when a remote tier is set); a timeout is a miss."
     )
     async_load: bool = Field(
         True,
@@ -180,7 +187,7 @@ class KVTierConfig(BaseModel):
         description="Address of a shared `kvtier server` (unix:///path.sock or tcp://127.0.0.1:PORT); "
         "unset runs the tiers embedded in the engine.",
     )
-    server_timeout_s: float = Field(0.5, gt=0, description="Bound on each call to the kvtier server; a timeout is a miss.")
+    server_timeout_s: float = Field(0.5, gt=0, le=MAX_CALL_S, description="Bound on each call to the kvtier server; a timeout is a miss.")
     server_token: str | None = Field(None, description="Token for a TCP kvtier server (required there).")
     model_id: str | None = Field(
         None,
@@ -241,10 +248,10 @@ class KVTierConfig(BaseModel):
         "after peers). The instances register with `controller`; unset: no controller-directed P2P.",
     )
     peer_timeout_s: float = Field(
-        1.0, gt=0, description="Bound on one peer call (connect, lookup or pull); a timeout is a miss."
+        1.0, gt=0, le=MAX_CALL_S, description="Bound on one peer call (connect, lookup or pull); a timeout is a miss."
     )
     peer_retry_s: float = Field(
-        5.0, gt=0, description="After a peer fails, seconds its calls are misses without trying it again."
+        5.0, gt=0, le=MAX_TTL_S, description="After a peer fails, seconds its calls are misses without trying it again."
     )
     fleet_key: Path | None = Field(
         None,
@@ -563,6 +570,8 @@ def _read_file(path: Path) -> dict[str, Any]:
     kind = "JSON" if path.suffix.lower() == ".json" else "TOML"
     try:
         data = json.loads(text) if kind == "JSON" else tomllib.loads(text)
+    except RecursionError:  # json and tomllib recurse per nesting level and give up past the limit
+        raise ConfigError(f"kvtier config file {path} is not valid {kind}: nested too deeply") from None
     except (ValueError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(
             f"kvtier config file {path} is not valid {kind} (kvtier reads TOML, or JSON for a .json file): {exc}"

@@ -521,6 +521,8 @@ def read_lmcache_file(path: Path) -> tuple[dict[str, Any], LmcacheTranslation]:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"LMCache config file {path} is not valid YAML: {exc}") from None
+    except RecursionError:  # PyYAML's composer recurses per nesting level
+        raise ConfigError(f"LMCache config file {path} is not valid YAML: nested too deeply") from None
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):

@@ -48,6 +48,9 @@ def _translation(path: Path | None) -> tuple[LmcacheTranslation | None, str | No
         return translate_lmcache(doc), None
     except (OSError, ValueError, yaml.YAMLError) as exc:  # ConfigError is a ValueError
         return None, str(exc)
+    except RecursionError:
+        return None, "nested too deeply"
+
 
 
 def _settings(config: KVTierConfig) -> dict[str, Any]:

@@ -21,22 +21,35 @@ MASK = "***"
 def mask_url(url: str) -> str:
     """``url`` with the password of its ``user:password@`` part and the value of every query
     parameter named in :data:`SECRET_PARAMS` (after percent-decoding the name, as redis-py does)
-    replaced by ``***``; anything else unchanged (a string that is not a URL is returned as is)."""
+    replaced by ``***``, and likewise inside a query value that is itself a URL (a metadata server's
+    ``http://user:password@host``); anything else unchanged (a string that is not a URL is returned
+    as is).
+
+    The ``user:password@`` part ends at the last ``@`` before the query: a password may hold ``/`` or
+    ``#`` (base64 holds ``/``), which a URL reader takes for the path or the fragment, and a URL that
+    does not parse is still shown, in its error."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
+    qpos = rest.find("?")
+    at = rest.rfind("@", 0, qpos if qpos >= 0 else len(rest))
+    cred = ""
+    if at >= 0:
+        user, colon, _ = rest[:at].partition(":")
+        cred, rest = f"{user}{':' + MASK if colon else ''}@", rest[at + 1:]
     rest, hash_, fragment = rest.partition("#")
     rest, q, query = rest.partition("?")
-    netloc, slash, path = rest.partition("/")
-    if "@" in netloc:
-        cred, _, host = netloc.rpartition("@")
-        user, colon, _ = cred.partition(":")
-        netloc = f"{user}{':' + MASK if colon else ''}@{host}"
     if query:
         parts = []
         for item in query.split("&"):
-            name, eq, _ = item.partition("=")
+            name, eq, value = item.partition("=")
             secret = eq and unquote_plus(name).strip().lower() in SECRET_PARAMS  # as the URL's reader decodes it
-            parts.append(f"{name}={MASK}" if secret else item)
+            if secret:
+                item = f"{name}={MASK}"
+            elif "://" in unquote_plus(value):
+                inner = unquote_plus(value)
+                if mask_url(inner) != inner:
+                    item = f"{name}={mask_url(inner)}"
+            parts.append(item)
         query = "&".join(parts)
-    return f"{scheme}://{netloc}{slash}{path}{q}{query}{hash_}{fragment}"
+    return f"{scheme}://{cred}{rest}{q}{query}{hash_}{fragment}"

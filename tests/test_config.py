@@ -157,6 +157,17 @@ def test_unreadable_or_invalid_file(tmp_path: Path) -> None:
         load_config({"config_file": not_table}, environ={})
 
 
+@pytest.mark.parametrize("name, text", [
+    ("deep.json", '{"chunk_size": ' + "[" * 5000 + "]" * 5000 + "}"),
+    ("deep.toml", "chunk_size = " + "[" * 5000 + "]" * 5000 + "\n"),
+    ("inline.toml", "chunk_size = " + "{a = " * 5000 + "1" + "}" * 5000 + "\n"),
+])
+def test_a_file_nested_too_deeply_is_a_config_error(tmp_path: Path, name: str, text: str) -> None:
+    # json and tomllib give up past the recursion limit with RecursionError, not their parse error
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config({"config_file": write(tmp_path / name, text)}, environ={})
+
+
 # -- precedence ------------------------------------------------------------------------
 
 
@@ -274,6 +285,12 @@ def test_tiny_cpu_capacity_from_the_environment_is_refused() -> None:
         ("server_timeout_s", 0, {}),
         ("lease_ttl_s", float("inf"), {}),
         ("remote_ttl_s", -3, {}),
+        # finite but absurd: socket.settimeout(1e308) raises OverflowError in the call, not at start
+        ("peer_timeout_s", 1e308, {}),
+        ("remote_timeout_s", 7200, {}),
+        ("peer_retry_s", 1e308, {}),
+        ("lease_ttl_s", 1e12, {}),
+        ("remote_ttl_s", 1e308, {}),
         ("remote_write_queue", 0, {}),
         ("remote_url", "redis://127.0.0.1:notaport", {}),
         ("remote_url", "redis://127.0.0.1:70000", {}),

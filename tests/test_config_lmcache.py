@@ -275,6 +275,9 @@ def test_invalid_yaml_and_non_mapping(tmp_path: Path) -> None:
         load_config({"config_file": write(tmp_path / "a.yaml", "chunk_size: [1\n")}, environ={})
     with pytest.raises(ConfigError, match="mapping"):
         load_config({"config_file": write(tmp_path / "b.yaml", "- 1\n- 2\n")}, environ={})
+    deep = "chunk_size: " + "[" * 5000 + "]" * 5000 + "\n"  # PyYAML's composer recurses per level
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config({"config_file": write(tmp_path / "c.yaml", deep)}, environ={})
 
 
 def test_env_beats_the_lmcache_file_and_explicit_beats_env(tmp_path: Path) -> None:

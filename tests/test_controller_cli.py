@@ -110,3 +110,10 @@ def test_instances_table_folds_long_values_at_80_columns_instead_of_cutting_them
     columns = ["".join(r[i].strip() for r in body) for i in range(len(body[0]))]
     for value in ("myhost:12345", "tcp://127.0.0.1:42121", "HuggingFaceTB/SmolLM2-135M-InstructC=256r0/1"):
         assert value in columns, (value, columns)
+
+
+def test_a_tokens_list_nested_too_deeply_is_a_usage_error() -> None:
+    from kvtier.controller.ctl import CtlUsageError, parse_tokens
+
+    with pytest.raises(CtlUsageError, match="nested too deeply"):
+        parse_tokens("[" * 5000 + "]" * 5000, None)

@@ -51,6 +51,9 @@ def test_namespace_from_spec_round_trips_digest():
         namespace_from_spec(b"\xff")
     with pytest.raises(ValueError, match="scheme"):
         namespace_from_spec(b'{"scheme": 99}')
+    # a registration's spec is bounded to 4 KiB, which still nests 2,000 deep (json: RecursionError)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        namespace_from_spec(b"[" * 2000 + b"]" * 2000)
 
 
 def test_snapshot_parts_swap_on_last_and_longest_prefix():

@@ -348,6 +348,15 @@ def test_mask_url_covers_query_passwords() -> None:
         "s3://bucket/p?token=abc#frag": "s3://bucket/p?token=***#frag",
         "redis://h:6379/0?key_prefix=kv": "redis://h:6379/0?key_prefix=kv",
         "not a url": "not a url",
+        # a password holding "/" or "#" (base64 holds "/"): the userinfo ends at the last "@" before "?"
+        "redis://u:pa/ss+Q==@h:6379/0": "redis://u:***@h:6379/0",
+        "redis://:ab#cd@h:6379": "redis://:***@h:6379",
+        "fs:///data/x@y/z": "fs:///data/x@y/z",
+        "redis://h/0?x=a@b:c": "redis://h/0?x=a@b:c",
+        # a query value that is itself a URL with a password (a Mooncake metadata server)
+        "mooncake://m:50051?metadata=http://u:s3cret@meta:8080": "mooncake://m:50051?metadata=http://u:***@meta:8080",
+        "mooncake://m:1?metadata=http%3A%2F%2Fu%3As3cret%40meta": "mooncake://m:1?metadata=http://u:***@meta",
+        "mooncake://m:1?metadata=P2PHANDSHAKE": "mooncake://m:1?metadata=P2PHANDSHAKE",
     }
     for url, want in cases.items():
         assert mask_url(url) == config_mask(url) == masked(url) == want, url

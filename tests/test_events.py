@@ -325,6 +325,54 @@ def test_round_trip_and_replay_after_injected_gap() -> None:
     assert pub.published >= 5
 
 
+def test_a_flood_of_replay_requests_does_not_stall_the_live_stream(tmp_path: Path) -> None:
+    """1,000 eight-byte replay requests of a full buffer, never read: each asks for every buffered
+    batch. Unbudgeted, the publisher's thread answered them one after another and a fresh batch
+    did not reach a subscriber within 90 s; now replays share a budget and live batches go out
+    between them."""
+    import zmq
+
+    from kvtier.events import EventPublisher
+
+    pub = EventPublisher(f"ipc://{tmp_path}/ev.sock", replay_endpoint=f"ipc://{tmp_path}/rep.sock",
+                         topic="kv", buffer_batches=10_000)
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for i in range(10_000):
+            pub.publish([stored([H[i % len(H)]], None, list(range(64)))])
+        deadline = time.monotonic() + 30
+        while pub.published < 10_000 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pub.published == 10_000
+        for _ in range(20):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(pub.replay_endpoint)
+            for _ in range(50):
+                s.send_multipart([b"", (0).to_bytes(8, "big")])
+            socks.append(s)
+        live = ctx.socket(zmq.SUB)
+        live.setsockopt(zmq.LINGER, 0)
+        live.setsockopt(zmq.SUBSCRIBE, b"")
+        live.connect(pub.endpoint)
+        socks.append(live)
+        deadline = time.monotonic() + 10
+        while pub.stats()["replays"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the flood is being served
+        got = False
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:  # PUB drops until the SUB has joined: republish
+            pub.publish([stored([H[0]], None, [7])])
+            got = bool(live.poll(200))
+        assert got, f"no live batch within 5 s while replays were flooded ({pub.stats()})"
+    finally:
+        for s in socks:
+            s.close()
+        ctx.term()
+        pub.close()
+
+
 def test_a_wildcard_ipv4_endpoint_binds() -> None:
     """``tcp://0.0.0.0:PORT`` (the README's kvtier server example) binds like ``tcp://*:PORT``; it used to
     connect to 0.0.0.0 as to a forwarder, so the stream went nowhere and subscribers got nothing

@@ -231,6 +231,37 @@ def test_links_per_member_are_bounded(serving, fleet) -> None:
             c.close()
 
 
+@pytest.mark.parametrize("stall", ["half_a_request", "no_ack"])
+def test_a_stalling_member_cannot_take_every_worker(serving, fleet, stall: str) -> None:
+    """A member (here one restricted to another model, so it may read nothing) opens 8 links and on
+    each sends half a request frame, or a whole ``get`` whose batch it never acknowledges: each
+    holds a worker for the server's ``timeout_s``. With every worker held, another member's pull
+    missed (all 4 chunks, after its 1 s timeout); now one member's requests hold at most half the
+    pool, and the other member's pull is served."""
+    import msgspec
+
+    from kvtier.transfer.frames import MAGIC, PREFIX
+    from kvtier.transfer.peer_wire import PeerRequest
+
+    a, keys = serving
+    fleet.set_options("c", "models=test/other-*")  # the stall needs no read access
+    links = [TcpChannel.connect(*_address(a), timeout_s=2.0, auth=ClientAuth(fleet.credentials("c")))
+             for _ in range(8)]
+    try:
+        for c in links:
+            if stall == "half_a_request":
+                c._sock.sendall(PREFIX.pack(MAGIC, 100))  # a request frame's prefix, then nothing
+            else:
+                c.send_control(msgspec.msgpack.encode(PeerRequest(op="get", keys=keys[:1])))
+        wait_until(lambda: a.peer_server.counters["deferred"] >= 1, 5.0)
+        tier = UrlPeerTier(a.peer_server.url, timeout_s=1.0, credentials=fleet.credentials("b"))
+        assert _pull(tier, keys) == [True] * 4
+        tier.close()
+    finally:
+        for c in links:
+            c.close()
+
+
 def test_a_member_gets_only_its_models(fleet) -> None:
     fleet.set_options("b", "models=test/other-*")
     a = _manager(peer_listen="tcp://127.0.0.1:0", **fleet.config("a"))

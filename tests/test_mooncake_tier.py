@@ -146,12 +146,28 @@ def test_url_options_are_parsed_and_checked():
             parse_url(bad, {})
 
 
+def test_url_errors_and_the_shown_url_mask_secrets():
+    from kvtier.tiers.mooncake_url import parse_url
+
+    for bad in ["mooncake://127.0.0.1:1?timeout_s=soon&metadata=http://u:s3cret@meta:8080",
+                "mooncake://u:s3cret@127.0.0.1:1?bogus=1", "mooncake://u:s3cret@[::1:1"]:
+        with pytest.raises(ValueError) as exc:
+            parse_url(bad, {})
+        assert "s3cret" not in str(exc.value) and "***" in str(exc.value), exc.value
+    assert "s3cret" not in parse_url("mooncake://u:s3cret@127.0.0.1:1", {}).url
+
+
 def test_bad_options_are_refused_before_anything_is_contacted():
     from kvtier.tiers.mooncake_tier import MooncakeTier
 
     for url in ["mooncake://127.0.0.1:1?protocol=rdma", "mooncake://127.0.0.1:1?workers=0",
                 "mooncake://127.0.0.1:1?timeout_s=0", "mooncake://127.0.0.1:1?key_prefix=a/b",
-                "mooncake://127.0.0.1:1?segment_bytes=8MiB"]:
+                "mooncake://127.0.0.1:1?segment_bytes=8MiB",
+                # nan passes every "<= 0" check and inf bounds nothing: a call that never times out
+                "mooncake://127.0.0.1:1?timeout_s=nan", "mooncake://127.0.0.1:1?timeout_s=inf",
+                "mooncake://127.0.0.1:1?setup_timeout_s=1e308", "mooncake://127.0.0.1:1?breaker_backoff_s=-5",
+                "mooncake://127.0.0.1:1?transfer_grace_s=nan",
+                "mooncake://127.0.0.1:1?breaker_backoff_s=60&breaker_max_backoff_s=1"]:
         with pytest.raises(ValueError):
             MooncakeTier.check_url(url)
     MooncakeTier.check_url("mooncake://127.0.0.1:1?segment_bytes=0&codec=shuffle-zstd")

@@ -101,3 +101,27 @@ def test_prefill_body_and_bad_config() -> None:
     assert (b["max_tokens"], b["max_completion_tokens"], b["stream"]) == (1, 1, False) and "stream_options" not in b
     with pytest.raises(ValueError):
         PDProxyServer([], ["http://x"], port=0)
+
+
+def test_backend_passwords_never_reach_clients() -> None:
+    """A prefiller or decoder URL with user:password@ (a backend behind basic auth): the proxy's
+    answer headers named them raw, so every client read the password."""
+    seen: list[dict[str, Any]] = []
+    pre, dec = backends(seen)
+    with serve(pre) as purl, serve(dec) as durl:
+        auth = lambda u: u.replace("http://", "http://op:s3cret@")  # noqa: E731
+        with PDProxyServer([auth(purl)], [auth(durl)], port=0) as proxy:
+            r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+            assert "s3cret" not in r.headers["x-kvtier-prefill"] + r.headers["x-kvtier-decode"]
+            assert r.headers["x-kvtier-prefill"] == purl.replace("http://", "http://op:***@")
+    dead = f"http://op:s3cret@127.0.0.1:{free_port()}"
+    with PDProxyServer([dead], [dead], port=0) as proxy:
+        r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert r.status_code == 502 and "s3cret" not in r.text + str(r.headers)
+
+
+def test_router_backend_names_carry_no_password() -> None:
+    from kvtier.router.config import parse_backend
+
+    assert parse_backend("http://op:s3cret@h:8000@tcp://h:5557").name == "h:8000"

@@ -178,6 +178,15 @@ def test_parse_backend() -> None:
     for bad in ("h:1", "http://h:1=", "http://h:1@", "ftp://h:1"):
         with pytest.raises(RouterConfigError):
             parse_backend(bad)
+    # a backend URL with user:password@ was split at its "@": url "http://u:s3cret" (the password shown
+    # unmasked wherever the URL is), events "h:8000"
+    b = parse_backend("http://u:s3cret@h:8000=i@tcp://h:5557")
+    assert (b.url, b.instance_id, b.events) == ("http://u:s3cret@h:8000", "i", "tcp://h:5557")
+    assert parse_backend("http://u:s3cret@h:8000").events is None
+    for bad in ("http://u:s3cret@h:port", "http://u:s3cret@h:8000@tcp://h:1,h:2", "http://u:s3cret@"):
+        with pytest.raises(RouterConfigError) as exc:
+            parse_backend(bad)
+        assert "s3cret" not in str(exc.value), exc.value
     with pytest.raises(RouterConfigError):
         RouterConfig(backends=(parse_backend("http://h:1"),), policy="random").validate()
     with pytest.raises(RouterConfigError):

@@ -39,6 +39,8 @@ def line(ts: float = 0, n_in: int = 1000, n_out: int = 10, ids: object = None) -
     (line(ids=[0, -1]), "hash_ids", "item 1"),
     (line(ids=[0, 1.5]), "hash_ids", "item 1"),
     (line(ids=[0, 1, 2]), "hash_ids", "3 ids for input_length 1000"),
+    ("[" * 5000 + "]" * 5000, None, "nested too deeply"),  # json recurses per level: RecursionError
+    ('{"hash_ids": ' + "[" * 5000 + "]" * 5000 + "}", None, "nested too deeply"),
 ])
 def test_a_malformed_line_names_the_line_and_the_field(tmp_path: Path, text: str, field: str | None,
                                                        what: str) -> None:

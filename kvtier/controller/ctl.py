@@ -12,6 +12,8 @@ from typing import Any, Callable, Optional
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.protocol.decoding import json_loads
+
 #: Exit codes: 0 done, 1 the operation failed, 2 usage error or controller unreachable/refusing.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -39,8 +41,8 @@ def parse_tokens(tokens: Optional[str], tokens_file: Optional[Path]) -> list[int
     text = text.strip()
     if text.startswith("["):
         try:
-            values = json.loads(text)
-        except json.JSONDecodeError as exc:
+            values = json_loads(text)
+        except ValueError as exc:  # not JSON, or nested too deeply
             raise CtlUsageError(f"tokens: not a JSON list: {exc}") from None
     else:
         values = [v for v in re.split(r"[,\s]+", text) if v]

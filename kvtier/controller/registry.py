@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from kvtier.protocol.fleet import (
     Register,
     TierInfo,
 )
+from kvtier.protocol.decoding import json_loads
 from kvtier.protocol.trust import Members
 from kvtier.storage.types import TIER_KINDS
 
@@ -86,8 +86,8 @@ def namespace_from_spec(spec: bytes) -> KeyNamespace:
         ValueError: not UTF-8 JSON, missing/extra fields, another key scheme, or invalid values.
     """
     try:
-        doc = json.loads(spec.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = json_loads(spec.decode())
+    except ValueError as exc:  # not UTF-8, not JSON, or nested too deeply (json_loads)
         raise ValueError(f"namespace spec is not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise ValueError("namespace spec is not a JSON object")

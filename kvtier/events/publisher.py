@@ -48,6 +48,11 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 ZAP_DOMAIN = "kvtier-events"
 #: Largest message a subscriber or replay client may send (bytes).
 MAX_REQUEST_BYTES = 64 << 10
+#: Replayed batches sent per second, all clients together (a token bucket; burst: one whole
+#: default buffer). An 8-byte request costs up to ``buffer_batches`` sends: without a budget, a
+#: client looping over requests kept the thread replaying and the live stream stalled (1,000
+#: requests: no fresh batch within 90 s). Requests beyond it wait in the socket for the budget.
+REPLAY_BATCHES_PER_S = 20_000
 
 
 def _owner_only(endpoint: str) -> None:
@@ -109,6 +114,8 @@ class EventPublisher:
         self._dropped = 0
         self._encode_errors = 0
         self._replays = 0
+        self._replay_tokens = float(max(buffer_batches, REPLAY_BATCHES_PER_S))
+        self._replay_refilled = time.monotonic()
         self._next_seq = 0
         self._closed = False
         self._drain_until = 0.0
@@ -297,14 +304,16 @@ class EventPublisher:
                 self._revoke_check()
             except Exception:  # noqa: BLE001 - never stop publishing over it
                 log.exception("kvtier event publisher: revocation check failed")
+            waiting = False
             if self._replay is not None:
-                try:
-                    while self._replay.poll(0):
-                        self._serve_replay(self._replay)
+                try:  # one request per turn, within the budget: live batches go out between replays
+                    if self._replay_budget() and self._replay.poll(0):
+                        self._replay_tokens -= self._serve_replay(self._replay)
+                        waiting = bool(self._replay.poll(0))
                 except zmq.ZMQError as exc:
                     log.warning("kvtier event replay failed: %s", exc)
             try:
-                batch = self._queue.get(timeout=0.02)
+                batch = self._queue.get_nowait() if waiting and self._replay_tokens > 0 else self._queue.get(timeout=0.02)
             except queue.Empty:
                 continue
             try:
@@ -337,16 +346,28 @@ class EventPublisher:
         with self._lock:
             self._published += 1
 
-    def _serve_replay(self, sock: zmq.Socket) -> None:
+    def _replay_budget(self) -> bool:
+        """Refill the replay token bucket; True while a request may be served."""
+        now = time.monotonic()
+        cap = float(max(self._buffer.maxlen or 0, REPLAY_BATCHES_PER_S))
+        self._replay_tokens = min(cap, self._replay_tokens + (now - self._replay_refilled) * REPLAY_BATCHES_PER_S)
+        self._replay_refilled = now
+        return self._replay_tokens > 0
+
+    def _serve_replay(self, sock: zmq.Socket) -> int:
+        """Answer one replay request; the messages it sent (1 for an ignored request)."""
         frames = sock.recv_multipart(flags=zmq.NOBLOCK)
         if len(frames) != 3:
             log.debug("kvtier event replay: ignored a request of %d frames", len(frames))
-            return
+            return 1
         client, _empty, start_bytes = frames
         start = int.from_bytes(start_bytes, "big")
+        sent = 1
         for seq, payload in list(self._buffer):
             if seq >= start:
                 sock.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+                sent += 1
         sock.send_multipart((client, b"", b"", END_SEQ, b""))
         with self._lock:
             self._replays += 1
+        return sent

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from kvtier.urls import mask_url
 
 log = logging.getLogger("kvtier.router")
 
@@ -52,33 +55,51 @@ class BackendSpec:
         """Display name: the instance id, else ``host:port``."""
         if self.instance_id:
             return self.instance_id
-        return urlsplit(self.url).netloc or self.url
+        netloc = urlsplit(self.url).netloc
+        return netloc.rpartition("@")[2] if netloc else mask_url(self.url)  # never a user:password@ (answer headers)
+
+
+#: Where a backend's events part starts: ``@`` followed by a ZMQ endpoint's scheme (a ``user:password@``
+#: in the backend URL is not it).
+_EVENTS_AT = re.compile(r"@(?=(?:tcp|ipc|inproc)://)")
 
 
 def parse_backend(text: str) -> BackendSpec:
-    """Parse ``URL[=INSTANCE_ID][@EVENTS_ENDPOINT[,REPLAY_ENDPOINT]]``.
+    """Parse ``URL[=INSTANCE_ID][@EVENTS_ENDPOINT[,REPLAY_ENDPOINT]]`` (the events part starts at the
+    first ``@`` followed by ``tcp://``, ``ipc://`` or ``inproc://``, so the URL may carry
+    ``user:password@``; errors show the text with its password masked).
 
     Raises:
-        RouterConfigError: no ``http(s)://host:port`` URL, or an empty instance id/endpoint.
+        RouterConfigError: no ``http(s)://host:port`` URL, an empty instance id, or an events part
+            that is empty or not ZMQ endpoints.
     """
     s = text.strip()
+    shown = mask_url(s)
     events = replay = None
-    if "@" in s:
-        s, ev = s.split("@", 1)
+    m = _EVENTS_AT.search(s)
+    if m is not None or s.endswith("@"):
+        s, ev = (s[:m.start()], s[m.end():]) if m is not None else (s[:-1], "")
         parts = [p.strip() for p in ev.split(",")]
-        if not parts[0] or len(parts) > 2 or (len(parts) == 2 and not parts[1]):
-            raise RouterConfigError(f"--backend {text!r}: events must be ENDPOINT or ENDPOINT,REPLAY_ENDPOINT")
+        if (not parts[0] or len(parts) > 2 or (len(parts) == 2 and not parts[1])
+                or not all(p.startswith(("tcp://", "ipc://", "inproc://")) for p in parts)):
+            raise RouterConfigError(f"--backend {shown!r}: events must be ENDPOINT or ENDPOINT,REPLAY_ENDPOINT "
+                                    "(tcp://, ipc:// or inproc://)")
         events = parts[0]
         replay = parts[1] if len(parts) == 2 else None
     instance = None
     if "=" in s:
         s, instance = s.split("=", 1)
         if not instance:
-            raise RouterConfigError(f"--backend {text!r}: empty instance id after '='")
+            raise RouterConfigError(f"--backend {shown!r}: empty instance id after '='")
     url = s.rstrip("/")
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise RouterConfigError(f"--backend {text!r}: expected an http(s)://host:port URL")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        raise RouterConfigError(f"--backend {shown!r}: expected an http(s)://host:port URL"
+                                " (an events endpoint needs its scheme: @tcp://HOST:PORT)")
     return BackendSpec(url=url, instance_id=instance, events=events, replay=replay)
 
 

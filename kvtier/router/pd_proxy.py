@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvtier.protocol.decoding import json_dumps, json_loads
+from kvtier.urls import mask_url
 from kvtier.router.admission import DEFAULT_MAX_BODY_BYTES, Admission, Refused
 from kvtier.router.app_server import AppServer
 from kvtier.router.passthrough import PassThrough, StreamCut
@@ -149,12 +150,12 @@ def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: fl
             finally:
                 await r.aclose()
             if r.status_code != 200:
-                log.warning("pd-proxy: prefiller %s answered %d; the decoder computes the prompt", url, r.status_code)
+                log.warning("pd-proxy: prefiller %s answered %d; the decoder computes the prompt", mask_url(url), r.status_code)
                 return url, None
             params = json_loads(raw).get("kv_transfer_params")
             return url, params if isinstance(params, dict) else None
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
-            log.warning("pd-proxy: prefiller %s failed (%s); the decoder computes the prompt", url, exc)
+            log.warning("pd-proxy: prefiller %s failed (%s); the decoder computes the prompt", mask_url(url), exc)
             return url, None
 
     async def handle(path: str, request: Request) -> Response:
@@ -181,14 +182,14 @@ def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: fl
         except Refused as exc:
             return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
         durl = next(decodes)
-        out_headers = {"x-kvtier-prefill": purl, "x-kvtier-decode": durl}
+        out_headers = {"x-kvtier-prefill": mask_url(purl), "x-kvtier-decode": mask_url(durl)}  # clients see these
         client = holder["c"]
         try:
             req = client.build_request("POST", durl + path, content=dleg, headers=headers)
             resp = await client.send(req, stream=True)
         except httpx.HTTPError as exc:
             stats.decode_failed += 1
-            return JSONResponse({"error": f"decoder {durl} unreachable: {exc}"}, status_code=502, headers=out_headers)
+            return JSONResponse({"error": f"decoder {mask_url(durl)} unreachable: {exc}"}, status_code=502, headers=out_headers)
         media = resp.headers.get("content-type", "application/json")
 
         async def body_iter() -> AsyncIterator[bytes]:
@@ -196,7 +197,7 @@ def create_pd_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: fl
                 async for chunk in resp.aiter_raw():
                     yield chunk
             except httpx.HTTPError as exc:  # surfaced to the client as a cut, never a clean finish
-                log.warning("pd-proxy: decoder %s stream cut: %s", durl, exc)
+                log.warning("pd-proxy: decoder %s stream cut: %s", mask_url(durl), exc)
                 raise StreamCut(f"the decoder's answer was cut: {type(exc).__name__}") from None
             finally:
                 await resp.aclose()

@@ -94,6 +94,8 @@ def parse_line(text: str, line: int, block_size: int, source: str = "trace", pre
         obj = json.loads(text)
     except ValueError as exc:
         raise err(None, f"not JSON ({exc})") from None
+    except RecursionError:  # json recurses per nesting level (a line of a few thousand "[")
+        raise err(None, "not JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise err(None, f"expected a JSON object, got {type(obj).__name__}")
     for name in FIELDS:

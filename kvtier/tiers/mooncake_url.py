@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from urllib.parse import parse_qsl, urlsplit
 
 from kvtier.serde.base import Codec, ValueSpec
+from kvtier.urls import mask_url
 
 __all__ = ["MooncakeTarget", "MooncakeTierOptions", "TIER_QUERY_OPTIONS", "parse_size", "parse_url"]
 
@@ -22,6 +23,8 @@ __all__ = ["MooncakeTarget", "MooncakeTierOptions", "TIER_QUERY_OPTIONS", "parse
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 #: Smallest segment Mooncake mounts (0.3.13.post1 refuses less with -600).
 MIN_SEGMENT_BYTES = 16 << 20
+#: Longest duration option accepted (seconds): a bound, never "wait forever".
+MAX_DURATION_S = 3600.0
 _SIZE = re.compile(r"^\s*(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1, "kb": 10**3, "kib": 1 << 10, "mb": 10**6, "mib": 1 << 20,
@@ -102,8 +105,14 @@ class MooncakeTierOptions:
     replicas: int = 1
 
     def __post_init__(self) -> None:
+        for name in sorted(_FLOAT):  # nan passes every comparison below; inf is no bound at all
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_DURATION_S:
+                raise ValueError(f"Mooncake tier option {name}={v!r}: a duration in seconds, 0..{MAX_DURATION_S:.0f}")
         if self.timeout_s <= 0 or self.setup_timeout_s <= 0 or self.transfer_grace_s < 0:
             raise ValueError("timeout_s and setup_timeout_s must be positive, transfer_grace_s >= 0")
+        if self.breaker_max_backoff_s < self.breaker_backoff_s:
+            raise ValueError("breaker_max_backoff_s must be >= breaker_backoff_s")
         if not isinstance(self.namespace, (bytes, bytearray)) or len(self.namespace) != 32:
             raise ValueError("namespace must be a 32-byte KeyNamespace digest")
         if self.protocol != "tcp":
@@ -147,22 +156,26 @@ def parse_url(url: str, options: dict[str, Any]) -> MooncakeTarget:
         ValueError: another scheme, no ``host:port``, an unknown option (the message lists
             the accepted ones) or a value of the wrong type (the message names the option).
     """
-    parts = urlsplit(url)
+    shown = mask_url(url)  # a metadata URL or a user:password@ may carry a secret
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # e.g. an unclosed "[" of an IPv6 host
+        raise ValueError(f"Mooncake URL {shown!r}: {exc}") from None
     if parts.scheme.lower() != "mooncake":
-        raise ValueError(f"MooncakeTier cannot open {url!r}: the scheme must be mooncake://")
+        raise ValueError(f"MooncakeTier cannot open {shown!r}: the scheme must be mooncake://")
     try:
         port = parts.port
     except ValueError:
-        raise ValueError(f"Mooncake URL {url!r}: the port is not a number in 1-65535") from None
+        raise ValueError(f"Mooncake URL {shown!r}: the port is not a number in 1-65535") from None
     if not parts.hostname or port is None or parts.path not in ("", "/"):
-        raise ValueError(f"Mooncake URL {url!r} must be mooncake://HOST:PORT (the master's RPC address)")
+        raise ValueError(f"Mooncake URL {shown!r} must be mooncake://HOST:PORT (the master's RPC address)")
     for k, v in parse_qsl(parts.query, keep_blank_values=True):
         if k in _FLOAT or k in _INT:
             kind = float if k in _FLOAT else int
             try:
                 options.setdefault(k, kind(v))
             except ValueError:
-                raise ValueError(f"Mooncake URL {url!r}: option {k}={v!r} is not a{'n' if kind is int else ''} "
+                raise ValueError(f"Mooncake URL {shown!r}: option {k}={v!r} is not a{'n' if kind is int else ''} "
                                  f"{kind.__name__}") from None
         elif k in _SIZES:
             options.setdefault(k, parse_size(v, k))
@@ -170,9 +183,9 @@ def parse_url(url: str, options: dict[str, Any]) -> MooncakeTarget:
             options.setdefault(k, v)
         else:
             raise ValueError(
-                f"Mooncake URL {url!r}: unknown option {k!r}; accepted: {', '.join(sorted(TIER_QUERY_OPTIONS))}"
+                f"Mooncake URL {shown!r}: unknown option {k!r}; accepted: {', '.join(sorted(TIER_QUERY_OPTIONS))}"
             )
     for k in _SIZES & options.keys():
         options[k] = parse_size(options[k], k)
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return MooncakeTarget(master=f"{host}:{port}", url=url.split("?", 1)[0])
+    return MooncakeTarget(master=f"{host}:{port}", url=mask_url(url.split("?", 1)[0]))

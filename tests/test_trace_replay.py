@@ -175,3 +175,13 @@ def test_a_long_trace_replays_in_bounded_memory(tmp_path: Path) -> None:
 
     small, big = rss(20_000), rss(200_000)
     assert big - small < 24 << 20, (small, big)
+
+
+def test_chunk_capacities_with_a_trace_file_are_a_usage_error(tmp_path: Path) -> None:
+    """--capacities (chunks, synthetic traces) beside --trace-file was silently ignored (the replay
+    showed its default token capacities); it is a usage error naming the option to use."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}) + "\n")
+    res = CliRunner().invoke(app, ["simulate", "--trace-file", str(trace), "--capacities", "0,-1"])
+    assert res.exit_code == 2, res.output
+    assert "--capacity-tokens" in res.output

@@ -117,7 +117,23 @@ def wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
             return  # no /proc (or gone): nothing more to wait for
         time.sleep(0.005)
 
-class MooncakeMasterProcess:
+
+class _Pausable:
+    """SIGSTOP / SIGCONT of a child process ``proc``: stopped, it keeps its sockets but answers nothing."""
+
+    proc: subprocess.Popen | None
+
+    def pause(self) -> None:
+        """Stop the process; returns once it is stopped."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        wait_stopped(self.proc.pid)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+class MooncakeMasterProcess(_Pausable):
     """One ``mooncake_master`` on 127.0.0.1, no metadata server, in memory only.
 
     Args:
@@ -182,16 +198,6 @@ class MooncakeMasterProcess:
             self.proc.wait(timeout=60)
         self.proc = None
 
-    def pause(self) -> None:
-        """SIGSTOP: the master keeps its sockets but answers nothing (returns once it is stopped)."""
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
-        wait_stopped(self.proc.pid)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
-
     def stop(self) -> None:
         """Kill the master and remove its directory."""
         self.kill()
@@ -206,7 +212,7 @@ class MooncakeMasterProcess:
         self.stop()
 
 
-class SegmentOwnerProcess:
+class SegmentOwnerProcess(_Pausable):
     """A ``mooncake_client`` that mounts ``segment_bytes`` of pool memory on ``master``.
 
     Raises:
@@ -243,15 +249,6 @@ class SegmentOwnerProcess:
             self.proc.kill()
             self.proc.wait(timeout=60)
         self.proc = None
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
-        wait_stopped(self.proc.pid)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         """SIGTERM (it unmounts its segment, so the master stops placing chunks there), SIGKILL

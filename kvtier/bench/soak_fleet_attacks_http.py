@@ -53,10 +53,10 @@ def _ports(h: Hostile) -> list[tuple[str, str]]:
     return out
 
 
-def _get(t: Tally, url: str, where: str, **kw: Any) -> httpx.Response | None:
+def _get(h: Hostile, t: Tally, url: str, where: str, **kw: Any) -> httpx.Response | None:
     t.act()
     try:
-        r = httpx.get(url, timeout=3.0, **kw)
+        r = httpx.get(url, timeout=3.0, verify=h.tls, **kw)
     except httpx.HTTPError as exc:
         t.saw(f"error_{type(exc).__name__}")
         return None
@@ -69,12 +69,12 @@ def dashboard_scrape(h: Hostile, t: Tally) -> None:
     for name, base in _ports(h):
         guarded = CONTROLLER_GUARDED if name == "controller" else SERVER_GUARDED
         for path in (*guarded, *OPEN_ROUTES):
-            r = _get(t, base + path, f"{name} GET {path}")
+            r = _get(h, t, base + path, f"{name} GET {path}")
             if r is not None and r.status_code == 200 and path in guarded:
                 t.success(f"{name} {path} answered 200 without a token ({len(r.content)} bytes)")
         t.act()
         try:
-            with httpx.stream("GET", base + "/dashboard/events", timeout=2.0) as r:
+            with httpx.stream("GET", base + "/dashboard/events", timeout=2.0, verify=h.tls) as r:
                 data = b""
                 end = time.monotonic() + 1.0
                 if r.status_code == 200:
@@ -120,11 +120,11 @@ def foreign_host(h: Hostile, t: Tally) -> None:
         t.act()
         try:
             if name == "controller":
-                r = httpx.post(base + "/clear", json={}, headers=evil, timeout=3.0)
+                r = httpx.post(base + "/clear", json={}, headers=evil, timeout=3.0, verify=h.tls)
                 t.saw(f"clear_http_{r.status_code}")
                 if 200 <= r.status_code < 300:
                     t.success(f"controller POST /clear with a foreign Host answered {r.status_code}")
-            r = httpx.get(base + "/dashboard/snapshot", headers=evil, timeout=3.0)
+            r = httpx.get(base + "/dashboard/snapshot", headers=evil, timeout=3.0, verify=h.tls)
             t.saw(f"snapshot_http_{r.status_code}")
             t.keep(f"{name} foreign-host snapshot", r.content)
             if 200 <= r.status_code < 300:
@@ -170,7 +170,7 @@ def pd_client_params(h: Hostile, t: Tally) -> None:
                  {**base, "kv_transfer_params": params, "stream": True}):
         t.act()
         try:
-            r = httpx.post(h.plan["pd_url"] + "/v1/completions", json=body, timeout=5.0)
+            r = httpx.post(h.plan["pd_url"] + "/v1/completions", json=body, timeout=5.0, verify=h.tls)
             t.saw(f"http_{r.status_code}")
         except httpx.HTTPError as exc:
             t.saw(f"error_{type(exc).__name__}")
@@ -193,7 +193,7 @@ def _post_big(h: Hostile, url: str, t: Tally, nbytes: int, chunked: bool) -> htt
     t.act()
     try:
         content: Any = body if not chunked else (body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20))
-        r = httpx.post(url, content=content, headers={"content-type": "application/json"}, timeout=30.0)
+        r = httpx.post(url, content=content, headers={"content-type": "application/json"}, timeout=30.0, verify=h.tls)
         t.saw(f"{'chunked_' if chunked else ''}http_{r.status_code}")
         return r
     except httpx.HTTPError as exc:
@@ -213,13 +213,17 @@ def router_huge_prompts(h: Hostile, t: Tally) -> None:
     url = h.plan["router_url"] + "/v1/completions"
     words = h.state.setdefault("words", " ".join(["patient", "record", "soak", "kvtier", "hostile"]
                                                  * (PROMPT_BYTES // 30))[:PROMPT_BYTES])
-    bodies = [{"model": "fake", "prompt": words, "max_tokens": 1} for _ in range(6)]
-    bodies += [{"model": "fake", "prompt": list(range(400_000)), "max_tokens": 1}]  # beyond the context
+    if "huge_prompt_bodies" not in h.state:  # encoded once: 3 MB of JSON per body is the hostile's CPU, not the router's
+        text = json.dumps({"model": "fake", "prompt": words, "max_tokens": 1}).encode()
+        ids = json.dumps({"model": "fake", "prompt": list(range(400_000)), "max_tokens": 1}).encode()  # beyond the context
+        h.state["huge_prompt_bodies"] = [("str", text)] * 6 + [("list", ids)]
+    bodies: list[tuple[str, bytes]] = h.state["huge_prompt_bodies"]
     codes: list[Any] = []
 
-    def send(body: dict[str, Any]) -> None:
+    def send(body: tuple[str, bytes]) -> None:
         try:
-            codes.append((body["prompt"].__class__.__name__, httpx.post(url, json=body, timeout=60.0).status_code))
+            r = httpx.post(url, content=body[1], headers={"content-type": "application/json"}, timeout=60.0, verify=h.tls)
+            codes.append((body[0], r.status_code))
         except httpx.HTTPError as exc:
             codes.append(("error", type(exc).__name__))
 
@@ -249,13 +253,13 @@ BAD_BODIES: tuple[bytes, ...] = (
 )
 
 
-def _bad_json(base: str, what: str, t: Tally) -> None:
+def _bad_json(h: Hostile, base: str, what: str, t: Tally) -> None:
     """Every body of :data:`BAD_BODIES` to both completion routes of ``base``: a 5xx or no answer is a success."""
     for path in ("/v1/completions", "/v1/chat/completions"):
         for body in BAD_BODIES:
             t.act()
             try:
-                r = httpx.post(base + path, content=body, headers={"content-type": "application/json"}, timeout=10.0)
+                r = httpx.post(base + path, content=body, headers={"content-type": "application/json"}, timeout=10.0, verify=h.tls)
                 t.saw(f"http_{r.status_code}")
                 if r.status_code >= 500:
                     t.success(f"{path}: {body[:24]!r}... made the {what} answer {r.status_code}")
@@ -265,17 +269,17 @@ def _bad_json(base: str, what: str, t: Tally) -> None:
 
 
 def pd_bad_json(h: Hostile, t: Tally) -> None:
-    _bad_json(h.plan["pd_url"], "PD proxy", t)
+    _bad_json(h, h.plan["pd_url"], "PD proxy", t)
 
 
 def router_bad_json(h: Hostile, t: Tally) -> None:
-    _bad_json(h.plan["router_url"], "router", t)
+    _bad_json(h, h.plan["router_url"], "router", t)
 
 
 def router_huge_answer(h: Hostile, t: Tally) -> None:
     t.act()
     try:
-        with httpx.stream("POST", h.plan["router_url"] + "/v1/completions", timeout=30.0,
+        with httpx.stream("POST", h.plan["router_url"] + "/v1/completions", timeout=30.0, verify=h.tls,
                           json={"model": "fake-huge", "prompt": [1, 2, 3], "max_tokens": 1}) as r:
             t.saw(f"http_{r.status_code}")
             got = 0
@@ -292,7 +296,7 @@ def router_cut_stream(h: Hostile, t: Tally) -> None:
     t.act()
     lines: list[str] = []
     try:
-        with httpx.stream("POST", h.plan["router_url"] + "/v1/completions", timeout=10.0,
+        with httpx.stream("POST", h.plan["router_url"] + "/v1/completions", timeout=10.0, verify=h.tls,
                           json={"model": "fake-cut", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}) as r:
             for line in r.iter_lines():
                 lines.append(line)

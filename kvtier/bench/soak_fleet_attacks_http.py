@@ -211,9 +211,8 @@ def pd_big_body(h: Hostile, t: Tally) -> None:
 
 def router_huge_prompts(h: Hostile, t: Tally) -> None:
     url = h.plan["router_url"] + "/v1/completions"
-    words = h.state.setdefault("words", " ".join(["patient", "record", "soak", "kvtier", "hostile"]
-                                                 * (PROMPT_BYTES // 30))[:PROMPT_BYTES])
     if "huge_prompt_bodies" not in h.state:  # encoded once: 3 MB of JSON per body is the hostile's CPU, not the router's
+        words = " ".join(["patient", "record", "soak", "kvtier", "hostile"] * (PROMPT_BYTES // 30))[:PROMPT_BYTES]
         text = json.dumps({"model": "fake", "prompt": words, "max_tokens": 1}).encode()
         ids = json.dumps({"model": "fake", "prompt": list(range(400_000)), "max_tokens": 1}).encode()  # beyond the context
         h.state["huge_prompt_bodies"] = [("str", text)] * 6 + [("list", ids)]

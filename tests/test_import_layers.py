@@ -31,7 +31,7 @@ PACKAGE = ROOT / "kvtier"
 
 #: Layer name -> the module prefixes in it, lowest layer first.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("kvtier.sizes", "kvtier.config_base", "kvtier.version", "kvtier.urls")),
+    ("base", ("kvtier.sizes", "kvtier.config_base", "kvtier.version", "kvtier.urls", "kvtier.ports", "kvtier.hosts")),
     ("index", ("kvtier.index",)),
     ("memory", ("kvtier.memory",)),
     ("serde", ("kvtier.serde",)),

@@ -36,7 +36,8 @@ def test_pd_output_matches_single_instance_and_decoder_computes_one_token(tmp_pa
 
     from kvtier.config import KVTierConfig
     from kvtier.demo.model import prepare_model
-    from kvtier.integrations.vllm.serve import ApiServer, ServerSpec, free_port, metric_sum
+    from kvtier.integrations.vllm.serve import ApiServer, ServerSpec, metric_sum
+    from kvtier.ports import free_port
     from kvtier.router.pd_proxy import PDProxyServer, prefill_body
     from kvtier.service.options import ServerOptions
     from kvtier.service.server import CacheServer

@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from typing import Any, Sequence
 from kvtier.bench.common import write_json
 from kvtier.bench.soak_options import MiB, SoakOptions
 from kvtier.bench.soak_report import build_report, pct
+from kvtier.ports import PortPicker
 
 #: Seconds allowed for the server to answer /health and for clients to connect.
 STARTUP_S = 90.0
@@ -53,12 +53,6 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
         pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _spawn(args: Sequence[str], log: Path) -> subprocess.Popen:
@@ -164,8 +158,9 @@ def _run(opts: SoakOptions, seconds: float) -> tuple[int, dict[str, Any]]:
     """Start everything, sample, stop everything; (exit code, report). No run: (1, the reason)."""
     tmp = Path(tempfile.mkdtemp(prefix="kvsoak-", dir="/tmp"))  # 0700; short: socket paths are <= 107 bytes
     sock = str(tmp / "s.sock")
-    metrics_port = _free_port()
-    tcp_port = _free_port() if opts.tcp else None
+    ports = PortPicker()
+    metrics_port = ports.pick()
+    tcp_port = ports.pick() if opts.tcp else None
     server: subprocess.Popen | None = None
     workers: list[subprocess.Popen] = []
     try:

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvtier.bench.soak import _die_with_parent, _free_port, _stop, _tail
+from kvtier.bench.soak import _die_with_parent, _stop, _tail
+from kvtier.ports import PortPicker
 from kvtier.testing.fleet_keys import FleetKeys, make_fleet
 
 #: Seconds every process gets to come up.
@@ -117,10 +118,11 @@ class SoakFleet:
     def __post_init__(self) -> None:
         self.token = os.urandom(24).hex()
         self.server_token = os.urandom(24).hex()
-        self.http_port, self.zmq_port = _free_port(), _free_port()
-        self.router_port, self.pd_port = _free_port(), _free_port()
-        self.prefill_port, self.decode_port = _free_port(), _free_port()
-        self.nodes = [Instance(f"inst-{i}", str(self.tmp / f"s{i}" / "s.sock"), *(_free_port() for _ in range(6)))
+        ports = PortPicker()  # one picker: no two of the fleet's ~24 ports the same
+        self.http_port, self.zmq_port = ports.pick(), ports.pick()
+        self.router_port, self.pd_port = ports.pick(), ports.pick()
+        self.prefill_port, self.decode_port = ports.pick(), ports.pick()
+        self.nodes = [Instance(f"inst-{i}", str(self.tmp / f"s{i}" / "s.sock"), *(ports.pick() for _ in range(6)))
                       for i in range(self.instances)]
         options = {n.name: f"ids={n.name}" for n in self.nodes}
         options.update({AUDITOR: "roles=peer,events", ROUTER: "roles=events",

@@ -119,7 +119,7 @@ def _start_cache_server(sock: Path, log_path: Path, timeout_s: float = 60.0) -> 
     Raises:
         RuntimeError: it exited or did not answer ``/health`` within ``timeout_s``.
     """
-    from kvtier.integrations.vllm.serve import free_port
+    from kvtier.ports import free_port
 
     port = free_port()
     with open(log_path, "ab") as log:
@@ -159,7 +159,8 @@ def _metrics_after(server: Any, before: dict[str, float], prompt_tokens: int, wa
 def run_pd_leg(model: str, prompts: list[Prompt], warm: Prompt, work: Path, client: httpx.Client,
                log: Callable[[str], None]) -> list[PDRow]:
     """The PD leg (module docstring); one row per prompt."""
-    from kvtier.integrations.vllm.serve import ApiServer, free_port
+    from kvtier.integrations.vllm.serve import ApiServer
+    from kvtier.ports import free_port
     from kvtier.router.pd_proxy import prefill_body
 
     sock = work / "kvtier.sock"
@@ -230,7 +231,8 @@ def _reset_prefix_cache(client: httpx.Client, url: str, tries: int = 20) -> None
 def run_p2p_leg(model: str, prompts: list[Prompt], warm: Prompt, work: Path, client: httpx.Client,
                 log: Callable[[str], None], channel: str = "shm") -> list[P2PRow]:
     """The P2P leg (module docstring); one row per prompt. ``channel``: "shm" or "tcp" (A's ``peer_listen``)."""
-    from kvtier.integrations.vllm.serve import ApiServer, free_port
+    from kvtier.integrations.vllm.serve import ApiServer
+    from kvtier.ports import free_port
 
     base = {"cpu_capacity": "512MiB", "chunk_size": CHUNK, "peer_timeout_s": 10.0}
     peer_url = f"shm://{work / 'peer-a.sock'}" if channel == "shm" else f"tcp://127.0.0.1:{free_port()}"

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,15 +34,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvtier.ports import free_port
+
 MAX_TOKENS = 24
 NUM_BLOCKS = 40
 BLOCK_SIZE = 128
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_server(sock: str, disk: str, metrics_port: int) -> subprocess.Popen:
@@ -126,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvtier-two-engines-"))
     prompts_path = work / "prompts.json"
     prompts_path.write_text(json.dumps(prompts))
-    sock, disk, port = str(work / "kvtier.sock"), str(work / "disk"), _free_port()
+    sock, disk, port = str(work / "kvtier.sock"), str(work / "disk"), free_port()
 
     rows: list[dict[str, Any]] = []
     server = _start_server(sock, disk, port)

@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvtier.testing.redis_server import free_port
+from kvtier.ports import PortPicker, free_port
 
 __all__ = [
     "MooncakeMasterProcess", "SegmentOwnerProcess", "SilentServer", "listening_addresses",
@@ -150,8 +150,9 @@ class MooncakeMasterProcess(_Pausable):
         if binary is None:
             raise FileNotFoundError("mooncake_master is not installed (pip install mooncake-transfer-engine-non-cuda)")
         self.binary = binary
-        self.port = port or free_port()
-        self.metrics_port = free_port()
+        ports = PortPicker()
+        self.port = port or ports.pick()
+        self.metrics_port = ports.pick()
         self.extra_args = tuple(extra_args)
         self.dir = tempfile.mkdtemp(prefix="kvtier-mooncake-test-")
         self.proc: subprocess.Popen | None = None

@@ -15,17 +15,12 @@ import subprocess
 import tempfile
 import time
 
+from kvtier.ports import free_port
+
 
 def redis_server_binary() -> str | None:
     """Path of ``redis-server`` or None if it is not installed."""
     return shutil.which("redis-server")
-
-
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:

@@ -136,9 +136,11 @@ def lmcache_server(venv: LMCacheVenv, l1_bytes: int, workdir: Path, tag: str,
 
     Raises BenchUsageError when it exits or does not answer ``/healthcheck`` in ``timeout_s``.
     """
-    from kvtier.integrations.vllm.serve import die_with_parent, free_port
+    from kvtier.integrations.vllm.serve import die_with_parent
+    from kvtier.ports import PortPicker
 
-    port, http_port = free_port(), free_port()
+    ports = PortPicker()
+    port, http_port = ports.pick(), ports.pick()
     log_path = workdir / f"{tag}-lmcache.log"
     shm_name = f"kvtier_bench_{os.getpid()}_{tag.replace('-', '_')}"
     env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "PYTHONPATH": ""}

@@ -70,7 +70,8 @@ def start_config(
     Raises BenchUsageError when a server or the router does not come up (the message
     names the log file), or ``lmcache-mp`` without ``lmcache``.
     """
-    from kvtier.integrations.vllm.serve import ApiServer, ServerSpec, free_port
+    from kvtier.integrations.vllm.serve import ApiServer, ServerSpec
+    from kvtier.ports import PortPicker
 
     servers: list[Any] = []
     router: subprocess.Popen | None = None
@@ -89,6 +90,7 @@ def start_config(
             extra = ["--kv-transfer-config", json.dumps(connector_config(lmc.port))]
             python, env = str(lmcache.python), {"PYTHONPATH": "", "LMCACHE_DISABLE_BANNER": "1"}
         specs = []
+        ports = PortPicker()  # the event and router ports: never the same one twice
         for i in range(cfg.instances):
             kv: dict[str, Any] | None = None
             if cfg.kvtier:
@@ -103,7 +105,7 @@ def start_config(
             inst_cores = cores if cfg.instances == 1 else str(i % 2)
             # vLLM binds its KV-event publisher only for a wildcard endpoint (tcp://*:PORT); with
             # tcp://HOST:PORT it connects, and the router (which connects too) would get nothing.
-            port = free_port() if cfg.instances > 1 else None
+            port = ports.pick() if cfg.instances > 1 else None
             events = f"tcp://127.0.0.1:{port}" if port else None
             specs.append((ServerSpec(model=model_path, kvtier=kv, cpu_cores=inst_cores, num_gpu_blocks_override=engine_blocks,
                                      max_model_len=max_model_len, extra_args=list(extra), env=dict(env), python=python,
@@ -118,7 +120,7 @@ def start_config(
             raise BenchUsageError(f"{tag}: a vLLM server did not start: {str([e for e in errs if e][0])[-1500:]}")
         url = servers[0].url
         if cfg.instances > 1:
-            port = free_port()
+            port = ports.pick()
             backends = []
             for i, (srv, (_, ev)) in enumerate(zip(servers, specs)):
                 backends += ["--backend", f"{srv.url}=i{i}" + (f"@{ev}" if ev else "")]

@@ -25,7 +25,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 from types import TracebackType
 
 from kvtier.integrations.vllm_engine import CONNECTOR, engine_env
+from kvtier.ports import free_port
 
 #: Module the server runs as (``python -m``).
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -88,13 +88,6 @@ class ServerSpec:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     python: str | None = None
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (another process may take it before use)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -311,4 +304,4 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
-__all__ = ["ApiServer", "ServerSpec", "ServerStartError", "free_port", "metric_sum", "parse_metrics"]
+__all__ = ["ApiServer", "ServerSpec", "ServerStartError", "metric_sum", "parse_metrics"]

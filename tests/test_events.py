@@ -409,6 +409,42 @@ def test_gap_without_replay_is_counted_not_waited_for() -> None:
         pub.close()
 
 
+@pytest.mark.parametrize("old_batches", [1, 3])
+def test_a_publisher_restarted_on_the_same_endpoint_is_a_restart_whatever_seq_arrives_first(
+        tmp_path: Path, old_batches: int) -> None:
+    """The restarted publisher's first batches are lost while the SUB relinks, so the first seq that
+    arrives may be exactly ``last + 1``: the stream must still count as started over (stale routes
+    otherwise). Both publishers drop their first ``old_batches`` seqs so the collision is forced."""
+    from kvtier.events import EventPublisher, EventSubscriber
+
+    endpoint = f"ipc://{tmp_path}/ev.sock"
+    pub = EventPublisher(endpoint, topic="", plain=True)
+    sub = EventSubscriber(endpoint, topic="")
+    try:
+        connect_pair(pub, sub)
+        for i in range(old_batches - pub.published):
+            pub.publish([BlockRemoved(block_hashes=[i], medium="CPU")])
+        while sub.poll(0.5) is not None:
+            pass
+        last = sub.last_seq
+        assert last is not None and sub.restarts == 0
+        pub.close()
+        # The new process's seqs 0..last are lost (late join): its first delivered seq is last + 1.
+        pub = EventPublisher(endpoint, topic="", plain=True, drop_filter=lambda s: s <= last)
+        got = None
+        for i in range(200):
+            pub.publish([BlockRemoved(block_hashes=[100 + i], medium="CPU")])
+            got = sub.poll(0.05)
+            if got is not None:
+                break
+        assert got is not None and got[0] >= last + 1
+        assert sub.restarts == 1 and sub.disconnects >= 1  # seen as a new stream, not a continuation
+        assert sub.gaps == 0 and sub.missed == 0  # and nothing "missed" from the old one is asked for
+    finally:
+        sub.close()
+        pub.close()
+
+
 def test_subscriber_skips_malformed_messages_and_other_topics() -> None:
     import zmq
 

@@ -58,9 +58,19 @@ class EventSubscriber:
 
     Counters: ``received`` (batches delivered), ``gaps`` (seq jumps seen), ``replayed``
     (batches delivered from replay), ``missed`` (seqs never obtained), ``decode_errors``
-    (malformed messages skipped), ``restarts`` (seq went backwards: publisher restarted),
-    ``disconnects`` (the link to the publisher dropped, e.g. a frame over
-    ``max_message_bytes``; the subscriber connects again).
+    (malformed messages skipped), ``restarts`` (the stream started over: its seq went backwards,
+    or the link dropped and came back), ``disconnects`` (the link to the publisher dropped, e.g. a
+    frame over ``max_message_bytes`` or a publisher that exited; the subscriber connects again).
+
+    Invariant kept by :meth:`_on_message`: a batch is delivered as the continuation of the last one
+    (``seq == last_seq + 1``, or a gap filled from replay) only if the link never dropped in between.
+    A publisher that restarts on the same endpoint starts its seq at 0 again, and its first batches
+    may be lost before the link is back (a SUB joins late); when the old one had sent exactly as many
+    batches as were lost, the first seq that arrives is ``last_seq + 1`` and seq arithmetic alone
+    takes the new stream for the old one (stale routes: blocks of a process that is gone). So a
+    dropped link counts as a restart: ``last_seq`` is forgotten and consumers drop what they built
+    from the stream. A link that dropped while the same publisher lived costs a re-learnt index,
+    never a wrong one.
     """
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None,
@@ -174,13 +184,21 @@ class EventSubscriber:
 
     # --- internals -----------------------------------------------------------------------
 
+    def _drain_monitor(self) -> None:
+        """Read the link's monitor events: a disconnect marks the link dropped and the stream as
+        started over (see the class doc's invariant)."""
+        while self._monitor.poll(0):
+            if self._monitor.recv_multipart()[0][:2] == zmq.EVENT_DISCONNECTED.to_bytes(2, "little"):
+                self._dropped = True
+                if self._last_seq is not None:
+                    self.restarts += 1
+                    self._last_seq = None
+
     def _relink(self) -> None:
         """Connect again after the link dropped: ZeroMQ gives up on a link it cut for a protocol
         error (a frame over ``MAXMSGSIZE``), so without this one oversized frame would end the
         stream for good."""
-        while self._monitor.poll(0):
-            if self._monitor.recv_multipart()[0][:2] == zmq.EVENT_DISCONNECTED.to_bytes(2, "little"):
-                self._dropped = True
+        self._drain_monitor()
         if self._dropped and time.monotonic() >= self._relink_at:
             self._dropped = False
             self._relink_at = time.monotonic() + RELINK_EVERY_S  # a publisher refusing us is not hammered
@@ -192,6 +210,7 @@ class EventSubscriber:
             self._sub.connect(self._endpoint)
 
     def _on_message(self, frames: list[bytes]) -> None:
+        self._drain_monitor()  # a drop seen before this message makes it a new stream's
         if len(frames) != 3 or len(frames[1]) != 8:
             self.decode_errors += 1
             return

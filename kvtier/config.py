@@ -57,6 +57,7 @@ from pydantic import (
 )
 
 from kvtier.config_base import ConfigError, parse_address
+from kvtier.hosts import check_host
 from kvtier.sizes import SIZE_FORMS, parse_size
 from kvtier.urls import mask_url
 from kvtier.tiers.policies import POLICIES
@@ -340,6 +341,7 @@ class KVTierConfig(BaseModel):
         host, colon, port = rest.rpartition(":")
         if scheme != "tcp" or not sep or not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"controller address {v!r} must be tcp://HOST:PORT with a port in 1-65535")
+        _host_of("controller address", v, host, wildcard=False)
         return v
 
     @field_validator("instance_id")
@@ -361,6 +363,7 @@ class KVTierConfig(BaseModel):
             host, colon, port = rest.rpartition(":")
             if not colon or not host or not port.isdigit() or not 0 <= int(port) < 65536:
                 raise ValueError(f"{info.field_name} {v!r}: expected tcp://HOST:PORT with a port in 0-65535")
+            _host_of(str(info.field_name), v, host)
         return v
 
     @field_validator("peer_listen")
@@ -378,6 +381,7 @@ class KVTierConfig(BaseModel):
         if scheme not in ("http", "https") or not sep or not colon or not host or "/" in host or not port.isdigit() \
                 or not 0 < int(port) < 65536:
             raise ValueError(f"peer_discovery {v!r} must be the controller's HTTP API, http://HOST:PORT (port 1-65535)")
+        _host_of("peer_discovery", v, host, wildcard=False)
         return v
 
     @field_validator("peers", mode="before")
@@ -554,7 +558,16 @@ def _check_transfer_url(key: str, url: str, listen: bool) -> str:
     low = 0 if listen else 1
     if not colon or not host or "/" in host or not port.isdigit() or not low <= int(port) < 65536:
         raise ValueError(f"{key} {url!r}: expected {scheme}://HOST:PORT with a port in {low}-65535")
+    _host_of(key, url, host, wildcard=listen)
     return url
+
+
+def _host_of(key: str, url: str, host: str, wildcard: bool = True) -> None:
+    """:func:`kvtier.hosts.check_host` with the setting and its (masked) URL in the error."""
+    try:
+        check_host(host, wildcard=wildcard)
+    except ValueError as exc:
+        raise ValueError(f"{key} {mask_url(url)!r}: {exc}") from None
 
 
 def is_yaml(path: Path | str) -> bool:

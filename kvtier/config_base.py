@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Union
 
+from kvtier.hosts import check_host
+
 #: A parsed service address: ``("unix", path)`` or ``("tcp", (host, port))``.
 Address = tuple[str, Union[str, tuple[str, int]]]
 
@@ -34,5 +36,10 @@ def parse_address(address: str) -> Address:
         host, sep, port = address[len("tcp://") :].rpartition(":")
         if not sep or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"TCP address must be tcp://host:port (port 1-65535), got {address!r}")
+        if host:
+            try:
+                check_host(host)
+            except ValueError as exc:
+                raise ValueError(f"TCP address {address!r}: {exc}") from None
         return "tcp", (host.strip("[]") or "127.0.0.1", int(port))
     raise ValueError(f"server address must be unix:///path or tcp://host:port, got {address!r}")

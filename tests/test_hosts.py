@@ -1,0 +1,85 @@
+"""The HOST of every address setting is checked when the config is read (kvtier.hosts).
+
+The hostile trial of stop 32 found ``peer_listen = "tcp://[::1:0"`` accepted by the config and by
+``kvtier config-check`` (exit 0), failing only at start. The kind: a host never validated, only the
+port. Every address setting is tried with each bad host form, and good forms still pass.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import KVTierConfig
+from kvtier.config_base import parse_address
+from kvtier.hosts import check_host
+
+BAD_HOSTS = ["[::1", "::1", "a]", "[zz]", "[]", "ho st", "a/b", "h@x", "-", "x?y"]
+GOOD_HOSTS = ["127.0.0.1", "localhost", "node-1.example.com", "[::1]", "[fe80::1]", "eth0"]
+
+
+@pytest.mark.parametrize("host", BAD_HOSTS)
+def test_bad_hosts_are_refused_with_the_host_named(host: str) -> None:
+    with pytest.raises(ValueError, match="host"):
+        check_host(host)
+
+
+@pytest.mark.parametrize("host", GOOD_HOSTS)
+def test_good_hosts_pass(host: str) -> None:
+    assert check_host(host) == host
+
+
+def test_the_wildcard_only_where_a_listener_may_take_it() -> None:
+    assert check_host("*") == "*"
+    with pytest.raises(ValueError):
+        check_host("*", wildcard=False)
+
+
+def _setting(name: str, host: str) -> dict:
+    return {
+        "peers": {"peers": [f"tcp://{host}:5555"]},
+        "controller": {"controller": f"tcp://{host}:5555"},
+        "peer_discovery": {"peer_discovery": f"http://{host}:8080"},
+        "kv_events_endpoint": {"kv_events_endpoint": f"tcp://{host}:5557"},
+        "server": {"server": f"tcp://{host}:5555"},
+    }[name]
+
+
+SETTINGS = ["peers", "controller", "peer_discovery", "kv_events_endpoint", "server"]
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+@pytest.mark.parametrize("host", ["[::1", "::1", "ho st", "[zz]"])
+def test_every_address_setting_refuses_a_bad_host(name: str, host: str) -> None:
+    with pytest.raises(ValueError, match=f"{name if name != 'server' else 'TCP address'}.*host"):
+        KVTierConfig(**_setting(name, host))
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_every_address_setting_takes_a_good_host(name: str) -> None:
+    from kvtier.config import _check_transfer_url
+
+    for host in ("127.0.0.1", "[::1]", "localhost"):
+        if name == "peers":  # (TCP peers also need fleet keys: a cross-setting rule, not the host's)
+            assert _check_transfer_url("peers", f"tcp://{host}:5555", listen=False)
+        else:
+            KVTierConfig(**_setting(name, host), kv_events_plain=name == "kv_events_endpoint")
+
+
+def test_peer_listen_with_an_open_bracket_fails_config_check_not_the_start(tmp_path: Path) -> None:
+    cfg = tmp_path / "kvtier.toml"
+    cfg.write_text('peer_listen = "tcp://[::1:0"\n')
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "config-check", "--config", str(cfg)],
+                          capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "peer_listen" in proc.stdout + proc.stderr and "bracket" in proc.stdout + proc.stderr
+
+
+def test_parse_address_keeps_accepting_bracketed_ipv6_and_refuses_an_open_bracket() -> None:
+    assert parse_address("tcp://[::1]:5555") == ("tcp", ("::1", 5555))
+    with pytest.raises(ValueError, match="bracket"):
+        parse_address("tcp://[::1:5555")

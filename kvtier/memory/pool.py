@@ -243,8 +243,24 @@ class ChunkPool:
             (self._free if self._budget is None else self._spare).append(slot)
 
     def view(self, slot: int) -> np.ndarray:
-        """The slot's bytes: a writable ``uint8`` array of shape ``[slot_bytes]`` (no copy)."""
+        """The slot's bytes: a writable ``uint8`` array of shape ``[slot_bytes]`` (no copy).
+
+        Raises:
+            IndexError: the pool's buffer was released (:meth:`release_buffer`).
+        """
         return self._buf[slot]
+
+    def release_buffer(self) -> None:
+        """Drop this pool's reference to its buffer, for an owner about to free the memory under it.
+
+        A pool over a shared segment keeps a numpy view of the segment's mapping; while any view lives,
+        ``mmap.close()`` cannot unmap it and the mapping's duplicate of the memfd stays open. The pool
+        usually sits in a reference cycle (tier, manager, threads), so without this its view, and with it
+        the whole segment (the CPU tier's capacity, in bytes), lived until the next garbage collection
+        after the manager closed. Views handed out earlier stay valid; :meth:`view` raises IndexError
+        afterwards (an empty buffer). Idempotent.
+        """
+        self._buf = np.empty((0, self.slot_bytes), dtype=np.uint8)
 
     def slot_of(self, view: np.ndarray) -> int:
         """The slot index of a view returned by :meth:`view`.

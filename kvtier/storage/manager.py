@@ -577,6 +577,7 @@ class StorageManager:
             except Exception:  # pragma: no cover - defensive
                 log.exception("kvtier: closing %s failed", tier.name)
         if self.cpu_segment is not None:  # its fd; the mapping stays while a reader's view is alive
+            self.cpu.pool.release_buffer()  # else the pool's own view keeps it until a gc (a cycle holds it)
             self.cpu_segment.close()
 
 

@@ -34,6 +34,7 @@ def test_short_fleet_soak_runs_every_attack_and_nothing_gets_through(tmp_path: P
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["passed"] is (proc.returncode == 0)
+    assert "attacks" in rep, (rep.get("error", rep), proc.stdout[-2000:], proc.stderr[-3000:])  # the fleet came up
     assert set(rep["attacks"]) == set(attacks())
     for name, a in rep["attacks"].items():
         assert a["attempts"] > 0 and a["actions"] > 0, (name, a)

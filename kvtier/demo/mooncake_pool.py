@@ -35,7 +35,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvtier.demo.two_engines import _free_port, _run_engine
+from kvtier.demo.two_engines import _run_engine
+from kvtier.ports import PortPicker
 
 POOL_BYTES = 1 << 30
 
@@ -113,7 +114,8 @@ def run(json_path: Path | None = None) -> int:
     owner = SegmentOwnerProcess(master.address, POOL_BYTES)
     url = f"{master.url}?segment_bytes=0"
     socks = {n: str(work / f"server-{n}.sock") for n in "AB"}
-    ports = {n: _free_port() for n in "AB"}
+    picker = PortPicker()
+    ports = {n: picker.pick() for n in "AB"}
     servers: dict[str, subprocess.Popen] = {}
     try:
         for n in "AB":
@@ -126,8 +128,13 @@ def run(json_path: Path | None = None) -> int:
                               ("A", "engine-3", "engine 3 on A (A's tiers cleared)")]:
             _stop(servers[n])  # a restart empties the server's own tiers; the pool keeps its chunks
             servers[n] = _start_server(socks[n], ports[n], url)
+            # What "cleared" means, measured: the restarted server's own tiers hold nothing. (Its hits
+            # may still name ``cpu``: a chunk the engine loaded from the pool is promoted into the
+            # CPU tier, and a prompt sharing that prefix, scheduled after it, hits it there.)
+            own_chunks = _metric(ports[n], "kvtier_cpu_chunks") + _metric(ports[n], "kvtier_disk_chunks")
             (answers,), hits = _run_engine(model, socks[n], eid, prompts_path, work, eid)
             rows.append({"run": label, "hits": hits, "answers_identical": answers == reference,
+                         "own_chunks_at_start": own_chunks,
                          "equal_to_cold": sum(a == c for a, c in zip(answers, cold))})
     finally:
         for proc in servers.values():
@@ -138,7 +145,8 @@ def run(json_path: Path | None = None) -> int:
     for r in rows:
         extra = f"  (equal to cold: {r['equal_to_cold']}/{len(prompts)})" if "equal_to_cold" in r else ""
         print(f"{r['run']:<46} hit tokens {r['hits']}  identical answers: {r['answers_identical']}{extra}")
-    ok = all(r["answers_identical"] for r in rows) and all(r["hits"].get("remote", 0) > 0 for r in rows[1:])
+    ok = (all(r["answers_identical"] for r in rows) and all(r["hits"].get("remote", 0) > 0 for r in rows[1:])
+          and all(r["own_chunks_at_start"] == 0 for r in rows[1:]))
     if json_path:
         json_path.write_text(json.dumps({"runs": rows, "passed": ok}, indent=1))
     print("PASS" if ok else "FAIL")

@@ -62,16 +62,7 @@ ALLOWED_UPWARD: dict[str, str] = {
 }
 
 #: Import cycles that remain (the modules, sorted, joined by ``" <-> "``) -> why. Shrink only.
-ALLOWED_CYCLES: dict[str, str] = {
-    "kvtier.controller.api <-> kvtier.controller.server": (
-        "typing-only: the API names the Controller it serves, the Controller builds its app lazily; "
-        "needs a Protocol for what the API reads"),
-    "kvtier.service.fleet_link <-> kvtier.service.server": (
-        "typing-only: the link names the CacheServer it wires, the server starts its link lazily; "
-        "goes with the composition root (issue 25, item 1)"),
-    "kvtier.bench.peers_baseline <-> kvtier.bench.peers_side": (
-        "the baselines borrow the side's timing helpers; the side dispatches to them lazily"),
-}
+ALLOWED_CYCLES: dict[str, str] = {}
 
 
 def module_files() -> dict[str, Path]:

@@ -34,7 +34,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import xxhash
 
-from kvtier.bench.peers_side import _kv, _Shape, _timed, before_put
+from kvtier.bench.memory_state import before_put
+from kvtier.bench.peers_shape import Shape as _Shape
+from kvtier.bench.peers_shape import kv_pair as _kv
+from kvtier.bench.peers_shape import timed as _timed
 
 
 #: Bytes per ``pwrite`` / ``preadv`` of the stepped plain-file baseline (``file_steps``).

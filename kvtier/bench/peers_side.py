@@ -31,36 +31,16 @@ import argparse
 import json
 import os
 import shutil
-import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from kvtier.bench.memory_state import before_put, free_fresh_memory
+from kvtier.bench.peers_shape import Shape as _Shape
+from kvtier.bench.peers_shape import kv_pair as _kv
+from kvtier.bench.peers_shape import timed as _timed
 
 __all__ = ["before_put", "free_fresh_memory", "main"]
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-class _Shape:
-    def __init__(self, a: argparse.Namespace):
-        self.L, self.H, self.D, self.CH, self.T = a.layers, a.kv_heads, a.head_dim, a.chunk, a.tokens
-        self.HD = self.H * self.D
-        self.sizes = [min(self.CH, self.T - i) for i in range(0, self.T, self.CH)]
-        self.chunk_bytes = 2 * self.L * self.CH * self.HD * 2
-        self.nbytes = 2 * self.L * self.T * self.HD * 2
-
-
-def _kv(s: _Shape, seed: int = 1234) -> tuple[np.ndarray, np.ndarray]:
-    """(kv zeros, src random) as uint16 ``[2, L, T, H*D]`` (bf16 bit patterns)."""
-    rng = np.random.default_rng(seed)
-    src = rng.integers(0, 1 << 16, size=(2, s.L, s.T, s.HD), dtype=np.uint16)
-    return np.zeros_like(src), src
 
 
 def _namespace(s: _Shape) -> Any:

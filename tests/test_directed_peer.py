@@ -28,6 +28,7 @@ from kvtier.protocol import fleet as F
 from kvtier.service.server import CacheServer, ServerOptions
 from kvtier.storage.instance_ops import InstanceOps
 from kvtier.storage.manager import StorageManager
+from kvtier.transfer.assembly import open_manager
 from kvtier.testing.fleet_keys import FleetKeys, make_fleet
 from kvtier.transfer.directed_peer import DirectedPeerTier
 
@@ -57,7 +58,7 @@ class Fleet:
     def add(self, name: str, **cfg: Any) -> StorageManager:
         cfg.setdefault("controller_token", self.token or None)
         keyed = self.settings(name)
-        m = StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB, instance_id=name,
+        m = open_manager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB, instance_id=name,
                                         peer_timeout_s=TIMEOUT_S, peer_retry_s=0.2, **keyed, **cfg), NS)
         info = namespace_info(NS)
         self.agents[name] = FleetAgent(self.ctl.zmq_url, name, "embedded", {info.digest: (info, InstanceOps(m))},

@@ -35,6 +35,7 @@ from kvtier.protocol.curve import curve_client
 from kvtier.protocol.trust import FleetKey
 from kvtier.storage.instance_ops import InstanceOps
 from kvtier.storage.manager import StorageManager
+from kvtier.transfer.assembly import open_manager
 from conftest import wait_until
 from kvtier.testing.fleet_keys import FleetKeys, make_fleet
 
@@ -43,7 +44,7 @@ INFO = namespace_info(NS)
 
 
 def _manager(**kw: object) -> StorageManager:
-    return StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB, peer_timeout_s=0.5, **kw), NS)
+    return open_manager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB, peer_timeout_s=0.5, **kw), NS)
 
 
 def _agent(ctl: Controller, name: str, m: StorageManager, keys: FleetKeys | None = None) -> FleetAgent:

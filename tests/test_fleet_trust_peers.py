@@ -19,6 +19,7 @@ from transfer_helpers import CB, store_chain
 from kvtier.config import KVTierConfig
 from kvtier.protocol.trust import Credentials, FleetKey, Member, Members
 from kvtier.storage.manager import StorageManager
+from kvtier.transfer.assembly import open_manager
 from conftest import wait_until
 from kvtier.transfer.errors import PeerRefused, TransferError
 from kvtier.transfer.peer_auth import ClientAuth
@@ -28,7 +29,7 @@ from kvtier.transfer.tcp import TcpChannel
 
 
 def _manager(**kw: object) -> StorageManager:
-    return StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB, peer_timeout_s=2.0, **kw),
+    return open_manager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB, peer_timeout_s=2.0, **kw),
                           small_namespace())
 
 

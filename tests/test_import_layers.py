@@ -53,13 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 STRING_TARGET = re.compile(r"^(kvtier(?:\.\w+)+)(?::[\w.]+)?$")
 
 #: Upward imports that remain, ``"importer -> imported"`` -> why it is still there. Shrink only.
-ALLOWED_UPWARD: dict[str, str] = {
-    "kvtier.tiers.registry -> kvtier.transfer.peer_open": (
-        "PEER_TARGETS: the storage manager opens peer tiers and binds its peer server itself, reaching "
-        "transfer/ by name; goes with the composition root (issue 25, item 1)"),
-    "kvtier.tiers.registry -> kvtier.transfer.directed_peer": (
-        "PEER_TARGETS, as above (the directed peer tier); issue 25, item 1"),
-}
+ALLOWED_UPWARD: dict[str, str] = {}
 
 #: Import cycles that remain (the modules, sorted, joined by ``" <-> "``) -> why. Shrink only.
 ALLOWED_CYCLES: dict[str, str] = {}

@@ -13,6 +13,7 @@ from conftest import CHUNK, payload_for, small_namespace
 from kvtier.config import KVTierConfig
 from kvtier.storage.handles import CpuReadHandle
 from kvtier.storage.manager import StorageManager
+from kvtier.transfer.assembly import open_manager
 from kvtier.storage.types import ReadHandle, WriteSkip
 from kvtier.tiers.disk import HEADER_BYTES, SUFFIX
 
@@ -449,7 +450,7 @@ def test_close_frees_a_shared_cpu_tier_at_once_not_at_the_next_gc(tmp_path: Path
         before = _memfds()
         cfg = KVTierConfig(chunk_size=CHUNK, cpu_capacity=64 * small_namespace().chunk_bytes,
                            peer_listen=f"shm://{tmp_path}/peer.sock")
-        mgr = StorageManager(cfg, small_namespace())
+        mgr = open_manager(cfg, small_namespace())
         assert mgr.cpu_segment is not None and _memfds() > before
         store(mgr, prompt(1, 4 * CHUNK))
         mgr.close()

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import CHUNK, payload_for, small_namespace
 from kvtier.config import ConfigError, KVTierConfig, load_config
-from kvtier.storage.lower_tiers import chunk_spec, open_lower_tiers
+from kvtier.storage.lower_tiers import chunk_spec, open_storage_tiers
 from kvtier.storage.manager import StorageManager
 from kvtier.testing.memory_tier import MemoryStore, MemoryTier
 from kvtier.tiers.base import ChunkWrite, LowerTier
@@ -64,7 +64,7 @@ def managers():
             m = StorageManager(config, ns)
         else:  # a test tier in place of the configured remote (same wiring otherwise)
             local = config.model_copy(update={"remote_url": None})
-            m = StorageManager(config, ns, lower=lambda pinned: [*open_lower_tiers(local, ns, pinned), remote])
+            m = StorageManager(config, ns, lower=lambda pinned: [*open_storage_tiers(local, ns, pinned), remote])
         made.append(m)
         return m
 

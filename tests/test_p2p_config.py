@@ -6,7 +6,7 @@ import pytest
 
 from conftest import CHUNK, small_namespace
 from kvtier.config import ConfigError, KVTierConfig, load_config
-from kvtier.storage.lower_tiers import open_lower_tiers
+from kvtier.transfer.assembly import open_lower_tiers
 from kvtier.transfer.peer_open import UrlPeerTier
 
 

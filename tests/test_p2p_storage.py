@@ -11,7 +11,7 @@ import pytest
 from conftest import CHUNK, payload_for, small_namespace
 from transfer_helpers import CB, store_chain
 from kvtier.config import KVTierConfig
-from kvtier.storage.manager import StorageManager
+from kvtier.transfer.assembly import open_manager
 
 #: A hang guard, not a speed target: a dead peer must cost about one peer_timeout_s.
 HANG_S = 10.0
@@ -25,8 +25,8 @@ def _config(**kw) -> KVTierConfig:
 def pair(request, tmp_path, fleet):
     listen = "tcp://127.0.0.1:0" if request.param == "tcp" else f"shm://{tmp_path}/peer-a.sock"
     keys = (lambda name: fleet.config(name)) if request.param == "tcp" else (lambda name: {})
-    a = StorageManager(_config(peer_listen=listen, **keys("a")), small_namespace())
-    b = StorageManager(_config(peers=[a.peer_server.url], peer_retry_s=60.0, **keys("b")), small_namespace())
+    a = open_manager(_config(peer_listen=listen, **keys("a")), small_namespace())
+    b = open_manager(_config(peers=[a.peer_server.url], peer_retry_s=60.0, **keys("b")), small_namespace())
     request.node.peer_keys = keys("c")  # a third instance's settings, for the tests that start one
     yield a, b
     b.close()
@@ -61,7 +61,7 @@ def test_partial_prefix_and_other_namespace_miss(pair, request):
     tokens = list(range(6 * CHUNK + 1))
     keys = store_chain(a, tokens[: 3 * CHUNK])
     assert b.lookup(tokens).keys == keys  # B gets exactly what A holds, nothing past the gap
-    other = StorageManager(_config(peers=[a.peer_server.url], **request.node.peer_keys),
+    other = open_manager(_config(peers=[a.peer_server.url], **request.node.peer_keys),
                            small_namespace(model="test/other-model"))
     try:
         assert other.lookup(tokens).num_tokens == 0  # keys are per namespace: another model never hits
@@ -94,7 +94,7 @@ def test_dead_and_silent_peers_cost_one_timeout_then_are_skipped(fleet):
     try:
         cfg = _config(peers=[f"tcp://127.0.0.1:{dead_port}", f"tcp://127.0.0.1:{silent.getsockname()[1]}"],
                       peer_timeout_s=0.3, peer_retry_s=60.0, **fleet.config("b"))
-        b = StorageManager(cfg, small_namespace())
+        b = open_manager(cfg, small_namespace())
         try:
             tokens = list(range(3 * CHUNK + 1))
             t0 = time.monotonic()
@@ -112,12 +112,12 @@ def test_dead_and_silent_peers_cost_one_timeout_then_are_skipped(fleet):
 
 
 def test_listen_address_taken_is_an_error_and_close_frees_it(fleet):
-    a = StorageManager(_config(peer_listen="tcp://127.0.0.1:0", **fleet.config("a")), small_namespace())
+    a = open_manager(_config(peer_listen="tcp://127.0.0.1:0", **fleet.config("a")), small_namespace())
     url = a.peer_server.url
     with pytest.raises(OSError):
-        StorageManager(_config(peer_listen=url, **fleet.config("a")), small_namespace())
+        open_manager(_config(peer_listen=url, **fleet.config("a")), small_namespace())
     a.close()
-    a2 = StorageManager(_config(peer_listen=url, **fleet.config("a")), small_namespace())  # the port is free again after close
+    a2 = open_manager(_config(peer_listen=url, **fleet.config("a")), small_namespace())  # the port is free again after close
     try:
         assert a2.peer_server.url == url
     finally:

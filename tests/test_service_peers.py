@@ -22,12 +22,13 @@ from transfer_helpers import CB, store_chain, read_chain
 from kvtier.config import KVTierConfig
 from kvtier.service.server import CacheServer, ServerOptions
 from kvtier.storage.manager import StorageManager
+from kvtier.transfer.assembly import open_manager
 
 OTHER = small_namespace(model="test/other-model")
 
 
 def _embedded(**kw: object) -> StorageManager:
-    return StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB, peer_timeout_s=1.0, **kw), small_namespace())
+    return open_manager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB, peer_timeout_s=1.0, **kw), small_namespace())
 
 
 @pytest.fixture(params=["tcp", "shm"])
@@ -58,7 +59,7 @@ def test_one_listener_serves_every_hosted_namespace(serving) -> None:
         keys_by_ns[ns.model] = keys
     assert keys_by_ns["test/tiny-model"] != keys_by_ns["test/other-model"]
     for ns in (small_namespace(), OTHER):
-        b = StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB, peers=[srv.peer_server.url],
+        b = open_manager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=32 * CB, peers=[srv.peer_server.url],
                                         **srv.test_client_keys), ns)
         try:
             keys = keys_by_ns[ns.model]

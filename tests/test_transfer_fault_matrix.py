@@ -36,6 +36,7 @@ from test_pd_protocol import GEOM, cluster, decode, req, tokens_of, wait_sending
 from transfer_helpers import CB, PeerProcess, peer_keys, store_chain
 from kvtier.config import KVTierConfig
 from kvtier.storage.manager import StorageManager
+from kvtier.transfer.assembly import open_manager
 
 #: Hang guard (seconds) of one pull or clean-up (peer timeouts here are 10 s; a dead peer is seen at once).
 HANG_S = 30.0
@@ -63,13 +64,13 @@ def _puller(url: str, **kw: object) -> StorageManager:
     fields: dict[str, object] = dict(chunk_size=CHUNK, cpu_capacity=64 * CB, peers=[url], peer_timeout_s=10.0,
                                      peer_retry_s=0.2, **peer_keys(url, "c"))
     fields.update(kw)
-    return StorageManager(KVTierConfig(**fields), small_namespace())  # type: ignore[arg-type]
+    return open_manager(KVTierConfig(**fields), small_namespace())  # type: ignore[arg-type]
 
 
 def _server(url: str) -> StorageManager:
     cfg = KVTierConfig(chunk_size=CHUNK, cpu_capacity=64 * CB, peer_listen=url, peer_timeout_s=2.0,
                        **peer_keys(url, "a"))
-    return StorageManager(cfg, small_namespace())
+    return open_manager(cfg, small_namespace())
 
 
 def _pull(b: StorageManager, keys: list[bytes]) -> list[bool]:

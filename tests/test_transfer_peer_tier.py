@@ -11,6 +11,7 @@ from conftest import CHUNK, payload_for, small_namespace
 from transfer_helpers import CB, store_chain
 from kvtier.config import KVTierConfig
 from kvtier.storage.manager import StorageManager
+from kvtier.transfer.assembly import open_manager
 from kvtier.transfer.peer_tier import PeerServer, PeerTier
 from kvtier.transfer.shm import ShmChannel
 from kvtier.transfer.shm_listener import ShmListener
@@ -105,7 +106,7 @@ def test_over_shared_memory_peers_copy_straight_out_of_the_cpu_tier(tmp_path):
     from kvtier.transfer.peer_open import open_peer_tier
 
     url = f"shm://{tmp_path / 'a.sock'}"
-    a = StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=16 * CB, peer_listen=url), small_namespace())
+    a = open_manager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=16 * CB, peer_listen=url), small_namespace())
     tier = open_peer_tier(url, timeout_s=2.0, retry_s=0.2)
     b = StorageManager(_config(), small_namespace(), lower=[tier])
     try:
@@ -133,7 +134,7 @@ def test_over_shared_memory_peers_copy_straight_out_of_the_cpu_tier(tmp_path):
 def test_without_shared_memory_peering_the_cpu_tier_stays_private(tmp_path):
     fleet = make_fleet(tmp_path / "keys", ["a"])
     for extra in ({}, {"peer_listen": "tcp://127.0.0.1:0", **fleet.config("a")}):
-        m = StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=4 * CB, **extra), small_namespace())
+        m = open_manager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=4 * CB, **extra), small_namespace())
         try:
             assert m.cpu_segment is None
         finally:

@@ -60,7 +60,7 @@ PEER_CHILD = textwrap.dedent("""
     from conftest import CHUNK, payload_for, small_namespace
     from transfer_helpers import CB, store_chain
     from kvtier.config import KVTierConfig
-    from kvtier.storage.manager import StorageManager
+    from kvtier.transfer.assembly import open_manager
     from kvtier.transfer import channel as channel_mod, frames, stream
     role, url, nchunks, fault = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
     kind, _, arg = fault.partition(":")
@@ -107,14 +107,14 @@ PEER_CHILD = textwrap.dedent("""
     if not url.startswith("shm://"):  # TCP peers authenticate (issue 24): the test fleet's keys, a serves, b pulls
         cfg.update(json.loads(os.environ["TEST_PEER_KEYS"])["a" if role == "serve" else "b"])
     if role == "serve":
-        m = StorageManager(KVTierConfig(peer_listen=url, peer_timeout_s=5.0, **cfg), small_namespace())
+        m = open_manager(KVTierConfig(peer_listen=url, peer_timeout_s=5.0, **cfg), small_namespace())
         store_chain(m, tokens)
         if kind == "slow_send":
             real = m.open_read_many
             m.open_read_many = lambda items: (time.sleep(float(arg)), real(items))[1]
         print(json.dumps({"url": m.peer_server.url}), flush=True)
     else:
-        m = StorageManager(KVTierConfig(peers=[url], peer_timeout_s=float(sys.argv[6]), peer_retry_s=60.0, **cfg),
+        m = open_manager(KVTierConfig(peers=[url], peer_timeout_s=float(sys.argv[6]), peer_retry_s=60.0, **cfg),
                            small_namespace())
         keys = m.keys(tokens)
         t0 = time.monotonic()

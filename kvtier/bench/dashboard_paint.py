@@ -73,12 +73,12 @@ def _controller(chunks: int) -> tuple[str, Any, Any]:
     import tempfile
 
     from kvtier.storage.instance_ops import InstanceOps
-    from kvtier.storage.manager import StorageManager
+    from kvtier.transfer.assembly import open_manager
     from kvtier.testing.fleet_cluster import FleetCluster, FleetInstance, wait_until
 
     root = tempfile.mkdtemp(prefix="kvtier-paint-")
     fleet = FleetCluster("cpu", Path(root), n=0, cpu_chunks=chunks + 64).start()
-    m = StorageManager(fleet.config(0), fleet.ns)
+    m = open_manager(fleet.config(0), fleet.ns)
     _fill(m, chunks)
     inst = FleetInstance("inst-0", m, InstanceOps(m), None)
     fleet.instances.append(inst)

@@ -66,7 +66,7 @@ def poison_server(h: Hostile) -> Any:
     if got is not None:
         return got
     from kvtier.config import KVTierConfig
-    from kvtier.storage.manager import StorageManager
+    from kvtier.transfer.assembly import open_manager
 
     d = Path(tempfile.mkdtemp(prefix="kvsoak-hostile-"))
     members = d / "members"
@@ -74,7 +74,7 @@ def poison_server(h: Hostile) -> Any:
     os.chmod(members, 0o644)
     h.rogue.save(d / "rogue.key")
     keys = public_chain_keys(h)
-    m = StorageManager(KVTierConfig(chunk_size=h.ns.chunk_size, cpu_capacity=(len(keys) + 8) * h.ns.chunk_bytes,
+    m = open_manager(KVTierConfig(chunk_size=h.ns.chunk_size, cpu_capacity=(len(keys) + 8) * h.ns.chunk_bytes,
                                     peer_listen="tcp://127.0.0.1:0", fleet_key=d / "rogue.key", fleet_members=members), h.ns)
     for k in keys:
         buf = m.open_write(k, None)

@@ -15,7 +15,7 @@ from kvtier.memory.pool import ChunkPool
 from kvtier.service.integrity import ChunkSums, verify_writes
 from kvtier.service.ratelog import RateLimitedLog
 from kvtier.memory.shared_segment import SharedSegment
-from kvtier.storage.lower_tiers import open_lower_tiers
+from kvtier.transfer.assembly import open_lower_tiers
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.types import ReadHandle
 
@@ -94,12 +94,9 @@ class NamespaceHost:
         self.quota_refusals = 0  # reserve/load calls refused by a client id's quota
         self.stray_page_trims = 0  # times free slots' pages were backed without a charge and released
         self._warn = RateLimitedLog(log, 60.0)
-        lower = None
-        if cfg.disk_path is not None or cfg.remote_url is not None or cfg.peers:
-
-            def lower(is_pinned: Callable[[bytes], bool]) -> list[Any]:
-                tiers = open_lower_tiers(cfg, namespace, is_pinned)
-                return [verify_writes(t, self.sums) for t in tiers]
+        def lower(is_pinned: Callable[[bytes], bool]) -> list[Any]:  # storage tiers and peers (peer_listen: the server's)
+            tiers = open_lower_tiers(cfg, namespace, is_pinned)
+            return [verify_writes(t, self.sums) for t in tiers]
 
         try:
             self.manager = StorageManager(cfg, namespace, pool=self.pool, lower=lower)

@@ -1,7 +1,7 @@
 """A ``kvtier server`` serving its chunks to peers: one peer listener for every hosted namespace.
 
 An embedded connector's storage manager serves its own chunks on ``peer_listen``
-(:func:`kvtier.tiers.registry.start_peer_server`). A server hosts one storage manager per
+(:func:`kvtier.transfer.peer_open.start_peer_server`). A server hosts one storage manager per
 key namespace, and one listener each would bind ``peer_listen`` once per hosted model, so
 the server runs one peer server over :class:`HostedChunks`, a read-only view of all of
 them with the two calls a peer server makes (``where``, ``open_read_many``). Chunk keys

@@ -51,7 +51,7 @@ from kvtier.service.options import HANDSHAKE_FRAME_BYTES, ServerOptions  # noqa:
 from kvtier.service.pinning import SegmentPins
 from kvtier.service.session import Session, SessionTable
 from kvtier.tiers.disk.fileops import FileOps
-from kvtier.tiers.registry import start_peer_server
+from kvtier.transfer.peer_open import start_peer_server
 from kvtier.tiers.disk.scan import DiskTierLocked, take_ownership
 
 log = logging.getLogger(__name__)

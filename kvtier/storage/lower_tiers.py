@@ -20,7 +20,7 @@ from kvtier.index.keys import KeyNamespace
 from kvtier.serde.base import DTYPE_ITEMSIZE, ValueSpec
 from kvtier.tiers.base import LowerTier
 from kvtier.tiers.policies import make_policy
-from kvtier.tiers.registry import load_tier_class, open_directed_peer_tier, open_peer_tier
+from kvtier.tiers.registry import load_tier_class
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +63,13 @@ def _accepts(cls: type, name: str) -> bool:
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def open_lower_tiers(
+def open_storage_tiers(
     config: KVTierConfig, namespace: KeyNamespace, is_pinned: Callable[[bytes], bool]
 ) -> list[LowerTier]:
-    """The lower tiers ``config`` names, fastest first: disk (if ``disk_path``), remote, one per ``peers``
-    entry, then the controller-directed peer tier (if ``peer_discovery``).
+    """The storage layer's lower tiers ``config`` names, fastest first: disk (if ``disk_path``), then remote.
+
+    Peer tiers (``peers``, ``peer_discovery``) are opened one layer up, after these
+    (:func:`kvtier.transfer.assembly.open_lower_tiers`).
 
     ``is_pinned`` tells the disk tier which keys leases hold (never evicted).
 
@@ -83,10 +85,6 @@ def open_lower_tiers(
         remote = open_remote_tier(config, namespace)
         if remote is not None:
             tiers.append(remote)
-        for url in config.peers:  # one read-only tier per peer instance, slowest: last
-            tiers.append(open_peer_tier(url, config.peer_timeout_s, config.peer_retry_s, config))
-        if config.peer_discovery is not None:  # the peer the controller names, after the static ones
-            tiers.append(open_directed_peer_tier(config, namespace.digest()))
     except BaseException:
         for t in tiers:
             t.close()

@@ -40,7 +40,7 @@ from kvtier.memory.shared_segment import SharedSegment, shared_chunk_pool
 from kvtier.storage.handles import CpuReadHandle
 from kvtier.storage.leases import LeaseTable
 from kvtier.storage.lookup import contains_many_safe, held_prefix
-from kvtier.storage.lower_tiers import open_lower_tiers
+from kvtier.storage.lower_tiers import open_storage_tiers
 from kvtier.storage.promotion import Promoter
 from kvtier.storage.stale_remote import StaleRemoteReporter
 from kvtier.storage.stats import Counters, tier_prefixes, tier_stats
@@ -50,7 +50,6 @@ from kvtier.storage.write_behind import WriteBehind
 from kvtier.tiers.base import ChunkWrite, LowerTier
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.policies import make_policy
-from kvtier.tiers.registry import start_peer_server
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +114,11 @@ class StorageManager:
             self.chunk_bytes, int(config.cpu_capacity), make_policy(config.cpu_eviction), self.leases.is_pinned, pool=pool
         )
         if lower is None:
-            self.lower: list[LowerTier] = open_lower_tiers(config, namespace, self.leases.is_pinned)
+            peer_settings = [k for k in ("peers", "peer_discovery", "peer_listen") if getattr(config, k)]
+            if peer_settings:
+                raise ValueError(f"{', '.join(peer_settings)}: peer sharing is opened one layer up; build this "
+                                 "manager with kvtier.transfer.assembly.open_manager (or pass lower=)")
+            self.lower: list[LowerTier] = open_storage_tiers(config, namespace, self.leases.is_pinned)
         elif callable(lower):
             self.lower = list(lower(self.leases.is_pinned))
         else:
@@ -132,13 +135,9 @@ class StorageManager:
         self._hooks_lock = threading.Lock()  # orders hook (un)installation of concurrent (un)subscribes
         #: Per lower tier: True if it reports its own changes (set while someone listens).
         self._self_reporting = [False] * len(self.lower)
-        #: Serves local chunks to peers on ``config.peer_listen`` (None when unset); stopped by close.
+        #: Serves local chunks to peers on ``config.peer_listen`` (None when unset; set by
+        #: :meth:`attach_peer_server`); stopped by close.
         self.peer_server: Any = None
-        try:
-            self.peer_server = start_peer_server(config, self)
-        except BaseException:
-            self.close()
-            raise
         log.info(
             "kvtier storage: chunk_bytes=%d lower tiers=[%s] %s",
             self.chunk_bytes,
@@ -556,6 +555,23 @@ class StorageManager:
         """
         self.cpu.check_invariants()
         self.leases.check_invariants()
+
+    def attach_peer_server(self, server: Any) -> None:
+        """Take ``server`` (``stop()``; None: nothing to attach) as the one serving this manager's chunks to
+        peers; :meth:`close` stops it. Called by :func:`kvtier.transfer.assembly.open_manager`.
+
+        Raises:
+            RuntimeError: the manager is closed (``server`` is stopped first) or already has one.
+        """
+        if server is None:
+            return
+        with self._lock:
+            refused = "closed" if self._closed else "already serving peers" if self.peer_server is not None else ""
+            if not refused:
+                self.peer_server = server
+                return
+        server.stop()
+        raise RuntimeError(f"StorageManager.attach_peer_server: the manager is {refused}")
 
     def close(self) -> None:
         """Drop queued prefetches, flush write-behind, close every lower tier.

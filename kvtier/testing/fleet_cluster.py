@@ -33,6 +33,7 @@ from kvtier.index.keys import KeyNamespace, LayoutSignature
 from kvtier.storage.instance_ops import InstanceOps
 from kvtier.storage.leases import PIN_PREFIX
 from kvtier.storage.manager import StorageManager
+from kvtier.transfer.assembly import open_manager
 
 #: Tokens per chunk of the tiny namespace (one 16-token engine block).
 CHUNK = 16
@@ -245,7 +246,7 @@ class FleetCluster:
 
     def add_instance(self, name: str, remote_url: str | None = None) -> FleetInstance:
         """Open one more instance (not added to :attr:`instances`) and start its agent."""
-        m = StorageManager(self.config(len(self.instances), remote_url), self.ns)
+        m = open_manager(self.config(len(self.instances), remote_url), self.ns)
         ops = InstanceOps(m)
         inst = FleetInstance(name, m, ops, None, self.redis_prefix.encode() if self.kind == "redis" else None,
                              {"redis_url": remote_url or self.redis_url})

@@ -14,8 +14,7 @@ installed, also found through the fallback table below. An installed entry
 point of the same name takes precedence over the fallback.
 
 Peer sharing (``peers`` / ``peer_listen`` / ``peer_discovery`` settings) lives above the storage
-layer, in :mod:`kvtier.transfer.peer_open` and :mod:`kvtier.transfer.directed_peer`;
-:func:`open_peer_tier`, :func:`open_directed_peer_tier` and :func:`start_peer_server` reach it by name (:data:`PEER_TARGETS`), like a plug-in, so no lower layer imports it.
+layer and is joined to a manager there (:mod:`kvtier.transfer.assembly`), not found here.
 """
 
 from __future__ import annotations
@@ -41,66 +40,6 @@ BUILTIN_TIERS: Mapping[str, str] = MappingProxyType(
         "mooncake": "kvtier.tiers.mooncake_tier:MooncakeTier",
     }
 )
-
-
-#: Peer sharing entry points (name -> "module:attribute"), resolved at run time.
-PEER_TARGETS: Mapping[str, str] = MappingProxyType(
-    {
-        "tier": "kvtier.transfer.peer_open:open_peer_tier",
-        "server": "kvtier.transfer.peer_open:start_peer_server",
-        "directed": "kvtier.transfer.directed_peer:open_directed_peer_tier",
-    }
-)
-
-
-def _load_target(target: str) -> Any:
-    module, _, attr = target.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def open_peer_tier(url: str, timeout_s: float, retry_s: float, config: Any = None) -> LowerTier:
-    """A read-only lower tier for the peer instance listening on ``url`` (one ``peers`` entry).
-
-    Contacts nothing here (the tier dials on first use; each call bounded by
-    ``timeout_s`` seconds; a failed peer is a miss, not dialled for ``retry_s`` seconds).
-    ``config`` (``fleet_key`` / ``fleet_members``) gives the credentials a ``tcp://`` or ``nixl://``
-    peer needs.
-
-    Raises:
-        ValueError: a malformed URL, or a TCP/NIXL peer without credentials.
-    """
-    tier = _load_target(PEER_TARGETS["tier"])(url, timeout_s, retry_s, config)
-    if not isinstance(tier, LowerTier):  # pragma: no cover - a broken build
-        raise ValueError(f"{PEER_TARGETS['tier']} returned {type(tier).__name__}, not a LowerTier")
-    return tier
-
-
-def open_directed_peer_tier(config: Any, namespace: bytes) -> LowerTier:
-    """The controller-directed peer tier for ``config.peer_discovery`` (the controller's HTTP URL):
-    a local miss asks the controller which live peer holds the prefix and pulls it from that peer
-    (:mod:`kvtier.transfer.directed_peer`). ``namespace`` is the 32-byte namespace digest. Contacts nothing here.
-
-    Raises:
-        ValueError: a malformed URL or digest.
-    """
-    tier = _load_target(PEER_TARGETS["directed"])(config, namespace)
-    if not isinstance(tier, LowerTier):  # pragma: no cover - a broken build
-        raise ValueError(f"{PEER_TARGETS['directed']} returned {type(tier).__name__}, not a LowerTier")
-    return tier
-
-
-def start_peer_server(config: Any, manager: Any) -> Any:
-    """Serve ``manager``'s CPU/disk chunks on ``config.peer_listen``; the server (``stop()``, ``url``) or None.
-
-    Raises:
-        ValueError: a malformed URL. OSError: the address is taken.
-    """
-    if not getattr(config, "peer_listen", None):
-        return None
-    return _load_target(PEER_TARGETS["server"])(config, manager)
 
 
 def available_tiers() -> dict[str, str]:

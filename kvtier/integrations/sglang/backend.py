@@ -112,9 +112,9 @@ class KVTierHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
             return ServiceClient(config.server, ns, timeout_s=config.server_timeout_s, token=config.server_token,
                                  wait_connected_s=min(5.0, 10 * config.server_timeout_s))
-        from kvtier.storage.manager import StorageManager
+        from kvtier.transfer.assembly import open_manager
 
-        return StorageManager(config, ns)
+        return open_manager(config, ns)
 
     def _ready(self) -> bool:
         if self.store is None or self._keys is None:

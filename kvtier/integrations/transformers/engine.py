@@ -50,9 +50,9 @@ def open_store(config: KVTierConfig, namespace: KeyNamespace) -> KVStore:
 
         return ServiceClient(config.server, namespace, timeout_s=config.server_timeout_s,
                              token=config.server_token, wait_connected_s=min(5.0, 10 * config.server_timeout_s))
-    from kvtier.storage.manager import StorageManager
+    from kvtier.transfer.assembly import open_manager
 
-    return StorageManager(config, namespace)
+    return open_manager(config, namespace)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from kvtier.service.lookup_endpoint import LookupClient, LookupServer, socket_pa
 from kvtier.storage import registry
 from kvtier.storage.backend import KVStore
 from kvtier.storage.manager import StorageManager
+from kvtier.transfer.assembly import open_manager
 from kvtier.storage.types import LookupResult
 
 
@@ -81,7 +82,7 @@ def open_worker_store(config: KVTierConfig, namespace: KeyNamespace, engine_id: 
     if config.server:
         return service_client(config, namespace, engine_id), None
     key = engine_id if instance is None else instance
-    manager = registry.acquire(key, lambda: StorageManager(config, namespace))
+    manager = registry.acquire(key, lambda: open_manager(config, namespace))
     try:
         return manager, LookupServer(manager, socket_path(key))
     except BaseException:

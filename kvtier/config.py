@@ -56,7 +56,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvtier.config_base import ConfigError, parse_address
+from kvtier.config_base import ConfigError, parse_address, read_config_text
 from kvtier.hosts import check_host
 from kvtier.sizes import SIZE_FORMS, parse_size
 from kvtier.urls import mask_url
@@ -339,7 +339,7 @@ class KVTierConfig(BaseModel):
             return v
         scheme, sep, rest = v.partition("://")
         host, colon, port = rest.rpartition(":")
-        if scheme != "tcp" or not sep or not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if scheme != "tcp" or not sep or not colon or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise ValueError(f"controller address {v!r} must be tcp://HOST:PORT with a port in 1-65535")
         _host_of("controller address", v, host, wildcard=False)
         return v
@@ -361,7 +361,7 @@ class KVTierConfig(BaseModel):
             raise ValueError(f"{info.field_name} {v!r} must be a ZMQ endpoint: tcp://HOST:PORT, ipc://PATH or inproc://NAME")
         if scheme == "tcp":
             host, colon, port = rest.rpartition(":")
-            if not colon or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            if not colon or not host or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
                 raise ValueError(f"{info.field_name} {v!r}: expected tcp://HOST:PORT with a port in 0-65535")
             _host_of(str(info.field_name), v, host)
         return v
@@ -378,7 +378,7 @@ class KVTierConfig(BaseModel):
             return v
         scheme, sep, rest = v.partition("://")
         host, colon, port = rest.rstrip("/").rpartition(":")
-        if scheme not in ("http", "https") or not sep or not colon or not host or "/" in host or not port.isdigit() \
+        if scheme not in ("http", "https") or not sep or not colon or not host or "/" in host or not (port.isascii() and port.isdigit()) \
                 or not 0 < int(port) < 65536:
             raise ValueError(f"peer_discovery {v!r} must be the controller's HTTP API, http://HOST:PORT (port 1-65535)")
         _host_of("peer_discovery", v, host, wildcard=False)
@@ -516,7 +516,7 @@ def _check_ports(url: str, rest: str) -> None:
     netloc = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0].rpartition("@")[2]
     for part in filter(None, netloc.split(",")):
         host, sep, port = part.rpartition(":") if not part.endswith("]") else ("", "", "")
-        if sep and (not port.isdigit() or not 0 < int(port) < 65536):
+        if sep and (not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536):
             raise ValueError(f"remote_url {mask_url(url)!r}: port {port!r} is not a number in 1-65535")
 
 
@@ -556,7 +556,7 @@ def _check_transfer_url(key: str, url: str, listen: bool) -> str:
         return url
     host, colon, port = rest.rstrip("/").rpartition(":")
     low = 0 if listen else 1
-    if not colon or not host or "/" in host or not port.isdigit() or not low <= int(port) < 65536:
+    if not colon or not host or "/" in host or not (port.isascii() and port.isdigit()) or not low <= int(port) < 65536:
         raise ValueError(f"{key} {url!r}: expected {scheme}://HOST:PORT with a port in {low}-65535")
     _host_of(key, url, host, wildcard=listen)
     return url
@@ -576,10 +576,7 @@ def is_yaml(path: Path | str) -> bool:
 
 
 def _read_file(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read kvtier config file {path}: {exc.strerror or exc}") from None
+    text = read_config_text(path)
     kind = "JSON" if path.suffix.lower() == ".json" else "TOML"
     try:
         data = json.loads(text) if kind == "JSON" else tomllib.loads(text)

@@ -507,16 +507,13 @@ def read_lmcache_file(path: Path) -> tuple[dict[str, Any], LmcacheTranslation]:
         ConfigError: unreadable file, invalid YAML, not a mapping, or any refused key
             (the message names the file, each key and why).
     """
-    from kvtier.config_base import ConfigError
+    from kvtier.config_base import ConfigError, read_config_text
 
     try:
         import yaml
     except ModuleNotFoundError:  # pragma: no cover - pyyaml is a core dependency
         raise ConfigError(f"reading the LMCache config {path} needs PyYAML: pip install pyyaml") from None
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read LMCache config file {path}: {exc.strerror or exc}") from None
+    text = read_config_text(path, "LMCache config file")
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import ENV_PREFIX, KVTierConfig, is_yaml, load_config
-from kvtier.config_base import ConfigError
+from kvtier.config_base import ConfigError, read_config_text
 from kvtier.urls import mask_url
 from kvtier.config_lmcache import LMCACHE_ENV, LmcacheTranslation, translate_lmcache
 
@@ -44,7 +44,7 @@ def _translation(path: Path | None) -> tuple[LmcacheTranslation | None, str | No
     try:
         import yaml
 
-        doc = yaml.safe_load(path.read_text()) or {}
+        doc = yaml.safe_load(read_config_text(path, "LMCache config file")) or {}
         return translate_lmcache(doc), None
     except (OSError, ValueError, yaml.YAMLError) as exc:  # ConfigError is a ValueError
         return None, str(exc)

@@ -14,31 +14,46 @@ from __future__ import annotations
 import ipaddress
 import re
 
-#: A DNS name or an IPv4 address (a dotted-quad out of range is left to the resolver) or an interface name
-#: (ZeroMQ binds ``tcp://eth0:PORT``): letters, digits, ``.``, ``-``, ``_``; 1-253 characters.
-_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9._-]{0,251}[A-Za-z0-9_])?")
+#: One label of a DNS name (or an interface name: ZeroMQ binds ``tcp://eth0:PORT``): letters, digits,
+#: ``-`` and ``_``, 1-63 characters (RFC 1035 2.3.4), not starting or ending with ``-``.
+_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+#: An IPv6 zone id (``[fe80::1%eth0]``): an interface name or number, nothing a URL reader splits on.
+_ZONE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def check_host(host: str, wildcard: bool = True) -> str:
     """``host`` unchanged if it is a host name, an IPv4 address, ``[IPv6]`` or (``wildcard``) ``*``.
 
+    A DNS name may end in ``.`` (absolute: ``ctl.ns.svc.cluster.local.``); its labels are 1-63
+    characters, the whole at most 253 (an empty label, ``a..b``, fails later inside the IDNA codec
+    instead). A zone id after ``%`` in ``[IPv6]`` is an interface name or number only: ``ipaddress``
+    takes any text there, ``]``, ``@`` and ``#`` included, which let ``[::1%x]@0.0.0.0:PORT#]`` pass as
+    loopback and be read by the URL parser as ``0.0.0.0`` (the hostile trial of this change).
+
     Raises:
-        ValueError: why not (a bracket without its pair, IPv6 without brackets, a character no
-            host name has); the message names the host, never anything else of the URL.
+        ValueError: why not (a bracket without its pair, IPv6 without brackets, a ``user:password@``
+            part, a character no host name has). The message quotes the host, except when it holds
+            an ``@`` (whatever precedes it may be a password).
     """
+    if "@" in host:
+        raise ValueError("a user[:password]@ part is not allowed in this address (host names hold no '@')")
     if host.startswith("[") or host.endswith("]"):
         if not (host.startswith("[") and host.endswith("]")) or len(host) < 3:
             raise ValueError(f"host {host!r}: an IPv6 address needs both brackets, e.g. [::1]")
+        addr, pct, zone = host[1:-1].partition("%")
+        if pct and not _ZONE.fullmatch(zone):
+            raise ValueError(f"host {host!r}: a zone id is an interface name or number, e.g. [fe80::1%eth0]")
         try:
-            ipaddress.IPv6Address(host[1:-1])
+            ipaddress.IPv6Address(addr)
         except ValueError:
-            raise ValueError(f"host {host!r}: {host[1:-1]!r} is not an IPv6 address") from None
+            raise ValueError(f"host {host!r}: {addr!r} is not an IPv6 address") from None
         return host
     if wildcard and host == "*":
         return host
     if ":" in host:
-        raise ValueError(f"host {host!r}: an IPv6 address goes in brackets, e.g. tcp://[{host}]:PORT")
-    if not _NAME.fullmatch(host):
+        raise ValueError(f"host {host!r}: an IPv6 address goes in brackets, e.g. [{host}]")
+    name = host[:-1] if host.endswith(".") else host
+    if not name or len(name) > 253 or not all(_LABEL.fullmatch(label) for label in name.split(".")):
         raise ValueError(f"host {host!r} is not a host name, an IPv4 address or a bracketed IPv6 address")
     return host
 

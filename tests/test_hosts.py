@@ -83,3 +83,60 @@ def test_parse_address_keeps_accepting_bracketed_ipv6_and_refuses_an_open_bracke
     assert parse_address("tcp://[::1]:5555") == ("tcp", ("::1", 5555))
     with pytest.raises(ValueError, match="bracket"):
         parse_address("tcp://[::1:5555")
+
+
+@pytest.mark.parametrize("host", [
+    "[::1%x]@0.0.0.0:27011#]",  # zone id text that a URL reader splits: passed as loopback, bound 0.0.0.0
+    "[fe80::1%]]", "[::1%\n]", "a..b", "a" * 64, ".", "user:pw@ctl",
+])
+def test_hostile_trial_hosts_are_refused(host: str) -> None:
+    with pytest.raises(ValueError) as err:
+        check_host(host)
+    assert "pw" not in str(err.value)  # a password before '@' is never echoed
+
+
+@pytest.mark.parametrize("host", ["localhost.", "kvtier-ctl.kvtier.svc.cluster.local.", "[fe80::1%eth0]", "_svc",
+                                  "[::ffff:127.0.0.1]"])
+def test_absolute_names_zone_ids_and_underscores_pass(host: str) -> None:
+    assert check_host(host) == host
+
+
+def test_a_password_in_peer_discovery_is_not_echoed() -> None:
+    from kvtier.config import load_config
+
+    with pytest.raises(ValueError) as err:  # (what users see: load_config's ConfigError, not pydantic's repr)
+        load_config({"peer_discovery": "http://user:s3cret@ctl:8080"}, environ={})
+    assert "s3cret" not in str(err.value) and "user[:password]@" in str(err.value)
+
+
+@pytest.mark.parametrize("port", ["５５５５", "²", "+1", "0x10"])
+def test_ports_are_ascii_digits(port: str) -> None:
+    with pytest.raises(ValueError, match="port"):
+        KVTierConfig(controller=f"tcp://127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("content", [b"\xef\xbb\xbfcpu_capacity = \"64MiB\"\n"])
+def test_a_utf8_bom_is_read(tmp_path: Path, content: bytes) -> None:
+    from kvtier.config import load_config
+
+    f = tmp_path / "c.toml"
+    f.write_bytes(content)
+    assert int(load_config({"config_file": str(f)}, environ={}).cpu_capacity) == 64 << 20
+
+
+def test_config_files_that_would_hang_or_eat_memory_are_refused(tmp_path: Path) -> None:
+    import os
+
+    from kvtier.config import load_config
+    from kvtier.config_base import ConfigError
+
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes(b'cpu_capacity = "\xff"\n')
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * ((1 << 20) + 1))
+    for path, why in ((fifo, "not a regular file"), (Path("/dev/zero"), "not a regular file"),
+                      (bad, "not UTF-8"), (big, "larger than"), (tmp_path, "not a regular file")):
+        with pytest.raises(ConfigError, match=why):
+            load_config({"config_file": str(path)}, environ={})

@@ -31,7 +31,7 @@ def parse_controller(url: str) -> str:
     """
     scheme, sep, rest = url.partition("://")
     host, colon, port = rest.rpartition(":")
-    if scheme != "tcp" or not sep or not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if scheme != "tcp" or not sep or not colon or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ValueError(f"controller address {url!r} must be tcp://HOST:PORT (port 1-65535)")
     return url
 

@@ -141,7 +141,7 @@ class ServerOptions:
         if self.controller is not None:
             scheme, sep, rest = self.controller.partition("://")
             host, colon, port = rest.rpartition(":")
-            if scheme != "tcp" or not sep or not host or not colon or not port.isdigit() or not 0 < int(port) < 65536:
+            if scheme != "tcp" or not sep or not host or not colon or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
                 raise ValueError(f"server option controller must be tcp://HOST:PORT, got {self.controller!r}")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("server option kv_events_replay_endpoint needs kv_events_endpoint")

@@ -180,7 +180,7 @@ def parse_target(url: str, opts: RedisTierOptions, schemes: tuple[str, ...]) -> 
         seeds.append((parts.hostname, parts.port or 6379))
         for s in opts.seeds:
             host, _, port = s.rpartition(":")
-            if not host or not port.isdigit():
+            if not host or not (port.isascii() and port.isdigit()):
                 raise ValueError(f"cluster seed {s!r} is not host:port")
             seeds.append((host, int(port)))
     return RedisTarget(cluster, proto.connection_class, conn_kwargs, seeds, masked(url))

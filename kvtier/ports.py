@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
 from pathlib import Path
 
 #: Where the kernel says its ephemeral range is.
@@ -60,27 +61,36 @@ class PortPicker:
         self.low, self.high = low, high
         self._rng = rng or random.Random()
         self._given: set[int] = set()
+        self._lock = threading.Lock()  # check-and-record is one step: threads sharing a picker get distinct ports
 
     def pick(self, host: str = "127.0.0.1") -> int:
-        """A port in ``[low, high]`` that binds on ``host`` now and this picker never gave out before.
+        """A port in ``[low, high]`` that binds on ``host`` (an IPv4 or IPv6 address or a name) now and this
+        picker never gave out before. Thread-safe.
 
         Another process may still take it before the caller binds it (no pick can rule that out),
         but nothing on this machine takes local ports from this range unasked.
 
         Raises:
-            OSError: no free port found in :data:`MAX_TRIES` candidates.
+            OSError: ``host`` does not resolve (at once), every port of the range was given out, or no
+                free port was found in :data:`MAX_TRIES` candidates.
         """
-        for _ in range(MAX_TRIES):
-            port = self._rng.randint(self.low, self.high)
-            if port in self._given:
-                continue
-            with socket.socket() as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with self._lock:
+            if len(self._given) > self.high - self.low:
+                raise OSError(f"every port in [{self.low}, {self.high}] was given out by this picker")
+            for _ in range(MAX_TRIES):
+                port = self._rng.randint(self.low, self.high)
+                if port in self._given:
                     continue
-            self._given.add(port)
-            return port
+                with socket.socket(family) as s:
+                    try:
+                        s.bind((host, port))
+                    except socket.gaierror as exc:  # a name that does not resolve: no port will bind
+                        raise OSError(f"cannot pick a port on {host!r}: {exc.strerror or exc}") from None
+                    except OSError:
+                        continue
+                self._given.add(port)
+                return port
         raise OSError(f"no free TCP port on {host} in [{self.low}, {self.high}] after {MAX_TRIES} tries")
 
 

@@ -409,17 +409,21 @@ def test_gap_without_replay_is_counted_not_waited_for() -> None:
         pub.close()
 
 
+@pytest.mark.parametrize("replay", [False, True])
 @pytest.mark.parametrize("old_batches", [1, 3])
 def test_a_publisher_restarted_on_the_same_endpoint_is_a_restart_whatever_seq_arrives_first(
-        tmp_path: Path, old_batches: int) -> None:
+        tmp_path: Path, old_batches: int, replay: bool) -> None:
     """The restarted publisher's first batches are lost while the SUB relinks, so the first seq that
     arrives may be exactly ``last + 1``: the stream must still count as started over (stale routes
-    otherwise). Both publishers drop their first ``old_batches`` seqs so the collision is forced."""
+    otherwise), and the new stream's lost start is a gap: replayed when the publisher keeps a replay
+    buffer, else counted missed (never silently absent). The new publisher drops its first
+    ``last + 1`` seqs on the live socket so the collision is forced."""
     from kvtier.events import EventPublisher, EventSubscriber
 
     endpoint = f"ipc://{tmp_path}/ev.sock"
-    pub = EventPublisher(endpoint, topic="", plain=True)
-    sub = EventSubscriber(endpoint, topic="")
+    replay_at = f"ipc://{tmp_path}/replay.sock" if replay else None
+    pub = EventPublisher(endpoint, replay_endpoint=replay_at, topic="", plain=True)
+    sub = EventSubscriber(endpoint, replay_at, topic="")
     try:
         connect_pair(pub, sub)
         for i in range(old_batches - pub.published):
@@ -428,21 +432,37 @@ def test_a_publisher_restarted_on_the_same_endpoint_is_a_restart_whatever_seq_ar
             pass
         last = sub.last_seq
         assert last is not None and sub.restarts == 0
+        gaps, missed = sub.gaps, sub.missed
         pub.close()
-        # The new process's seqs 0..last are lost (late join): its first delivered seq is last + 1.
-        pub = EventPublisher(endpoint, topic="", plain=True, drop_filter=lambda s: s <= last)
+        # The new process's seqs 0..last are lost (late join): its first live seq is last + 1.
+        pub = EventPublisher(endpoint, replay_endpoint=replay_at, topic="", plain=True,
+                             drop_filter=lambda s: s <= last)
         got = None
         for i in range(200):
             pub.publish([BlockRemoved(block_hashes=[100 + i], medium="CPU")])
             got = sub.poll(0.05)
             if got is not None:
                 break
-        assert got is not None and got[0] >= last + 1
+        assert got is not None
         assert sub.restarts == 1 and sub.disconnects >= 1  # seen as a new stream, not a continuation
-        assert sub.gaps == 0 and sub.missed == 0  # and nothing "missed" from the old one is asked for
+        assert sub.gaps == gaps + 1
+        if replay:  # the new stream from its seq 0, in order
+            assert got[0] == 0 and sub.missed == missed
+            rest = [seq for seq, _ in sub.items(0.3)]
+            assert rest == list(range(1, len(rest) + 1)) and len(rest) >= last + 1
+        else:  # its lost start counted, from seq 0
+            assert got[0] >= last + 1 and sub.missed == missed + got[0]
     finally:
         sub.close()
         pub.close()
+
+
+def test_from_seq_must_be_a_seq() -> None:
+    from kvtier.events import EventSubscriber
+
+    for bad in (-5, 1 << 64):
+        with pytest.raises(ValueError, match="from_seq"):
+            EventSubscriber("ipc:///tmp/kvtier-no-such-publisher.sock", from_seq=bad)
 
 
 def test_subscriber_skips_malformed_messages_and_other_topics() -> None:

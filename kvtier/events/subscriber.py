@@ -69,8 +69,10 @@ class EventSubscriber:
     batches as were lost, the first seq that arrives is ``last_seq + 1`` and seq arithmetic alone
     takes the new stream for the old one (stale routes: blocks of a process that is gone). So a
     dropped link counts as a restart: ``last_seq`` is forgotten and consumers drop what they built
-    from the stream. A link that dropped while the same publisher lived costs a re-learnt index,
-    never a wrong one.
+    from the stream. The stream is then rebuilt from its start: the first batch after the drop, seq
+    ``s``, makes ``[0, s)`` a gap, asked of replay and otherwise counted ``missed`` (lost while the link
+    was down, or, for the same publisher, batches the dropped state held). A link that dropped while
+    the same publisher lived costs a re-learnt index, never a wrong one.
     """
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None,
@@ -80,6 +82,8 @@ class EventSubscriber:
                  recv_hwm: int = RECV_HWM) -> None:
         if max_message_bytes <= 0 or recv_hwm <= 0:
             raise ValueError(f"max_message_bytes and recv_hwm must be > 0, got {max_message_bytes}, {recv_hwm}")
+        if from_seq is not None and not 0 <= from_seq < 1 << 63:
+            raise ValueError(f"from_seq must be in [0, 2**63), got {from_seq}")
         self._topic = topic.encode("utf-8")
         self._max_message_bytes = max_message_bytes
         self._recv_hwm = recv_hwm
@@ -98,6 +102,7 @@ class EventSubscriber:
         self._endpoint = endpoint
         self._relink_at = 0.0  # monotonic time before which a dropped link is not re-dialled
         self._dropped = False
+        self._resync = False  # the link dropped after batches arrived: rebuild from seq 0 (class doc)
         self._closed = False
         self._curve = (credentials, server_key) if credentials is not None and server_key else None
         self._ctx = zmq.Context()
@@ -193,6 +198,7 @@ class EventSubscriber:
                 if self._last_seq is not None:
                     self.restarts += 1
                     self._last_seq = None
+                    self._resync = True
 
     def _relink(self) -> None:
         """Connect again after the link dropped: ZeroMQ gives up on a link it cut for a protocol
@@ -224,7 +230,12 @@ class EventSubscriber:
             self.decode_errors += 1
             batch = None
         last = self._last_seq
-        if last is not None and seq <= last:
+        if self._resync:
+            self._resync = False
+            if seq > 0:
+                self.gaps += 1
+                self._fill(0, seq)
+        elif last is not None and seq <= last:
             self.restarts += 1  # the publisher restarted (its seq starts at 0 again)
         elif last is not None and seq > last + 1:
             self.gaps += 1

@@ -453,9 +453,16 @@ def test_close_frees_a_shared_cpu_tier_at_once_not_at_the_next_gc(tmp_path: Path
         mgr = open_manager(cfg, small_namespace())
         assert mgr.cpu_segment is not None and _memfds() > before
         store(mgr, prompt(1, 4 * CHUNK))
+        keys = mgr.lookup(prompt(1, 4 * CHUNK)).keys
+        assert keys
         mgr.close()
         assert _memfds() == before
         with pytest.raises(IndexError):
             mgr.cpu.pool.view(0)  # nothing reads freed memory
+        # Every call after close is a miss, never an error from freed memory (the hostile trial's input).
+        assert mgr.lookup(prompt(1, 4 * CHUNK)).num_tokens == 0
+        assert mgr.open_read(keys[0]) is None and mgr.open_read_many([(k, None) for k in keys]) == [None] * len(keys)
+        assert mgr.open_write(b"k" * 32, None) is None
+        assert mgr.open_write_many([b"k" * 32], [None]) == [WriteSkip.NO_ROOM]
     finally:
         gc.enable()

@@ -323,8 +323,10 @@ class StorageManager:
 
         The caller has already left out the chunk holding the prompt's last token.
         Time: dictionary look-ups, plus one batched ``contains_many`` per non-local
-        tier when the faster tiers miss (bounded by that tier's timeout).
+        tier when the faster tiers miss (bounded by that tier's timeout). After :meth:`close`: a miss.
         """
+        if self._closed:  # a closed manager's CPU memory is given back: nothing is held any more
+            return LookupResult(0, [], [], repeated=0)
         self.leases.reap()
         before: tuple[bytes, ...] = ()
         if lease_owner is not None:
@@ -392,12 +394,16 @@ class StorageManager:
             uncommitted reservation: go on with the rest of the chain) or
             ``WriteSkip.NO_ROOM`` (no CPU slot can be freed: stop storing the chain).
 
+            After :meth:`close`: ``NO_ROOM`` for every key.
+
         Raises:
             ValueError: ``parents`` is not as long as ``keys``.
         """
         if parents is None or len(parents) != len(keys):
             raise ValueError(f"{'no' if parents is None else len(parents)} parents for {len(keys)} keys: "
                              "pass each chunk's parent (None for a prompt's first chunk)")
+        if self._closed:
+            return [WriteSkip.NO_ROOM] * len(keys)
         out: list[np.ndarray | WriteSkip] = []
         on_local = self._held_locally(keys)
         # A parent a local lower tier (disk) holds stays reachable if the CPU tier drops
@@ -462,8 +468,10 @@ class StorageManager:
     def open_read_many(self, items: Sequence[tuple[bytes, bytes | None]]) -> list[ReadHandle | None]:
         """:meth:`open_read` for many ``(key, parent)`` pairs: one batched read per lower tier.
 
-        Returns one handle or None per item, in order (close every handle).
+        Returns one handle or None per item, in order (close every handle); all None after :meth:`close`.
         """
+        if self._closed:
+            return [None] * len(items)
         handles: list[CpuReadHandle | None] = self.promoter.open_read_many(items)
         return list(handles)
 

@@ -558,7 +558,7 @@ def _check_transfer_url(key: str, url: str, listen: bool) -> str:
     low = 0 if listen else 1
     if not colon or not host or "/" in host or not (port.isascii() and port.isdigit()) or not low <= int(port) < 65536:
         raise ValueError(f"{key} {url!r}: expected {scheme}://HOST:PORT with a port in {low}-65535")
-    _host_of(key, url, host, wildcard=listen)
+    _host_of(key, url, host, wildcard=False)  # (a socket binds 0.0.0.0, not ZeroMQ's *)
     return url
 
 

@@ -73,7 +73,7 @@ def parse_address(address: str) -> Address:
             raise ValueError(f"TCP address must be tcp://host:port (port 1-65535), got {address!r}")
         if host:
             try:
-                check_host(host)
+                check_host(host, wildcard=False)
             except ValueError as exc:
                 raise ValueError(f"TCP address {address!r}: {exc}") from None
         return "tcp", (host.strip("[]") or "127.0.0.1", int(port))

@@ -140,3 +140,39 @@ def test_config_files_that_would_hang_or_eat_memory_are_refused(tmp_path: Path) 
                       (bad, "not UTF-8"), (big, "larger than"), (tmp_path, "not a regular file")):
         with pytest.raises(ConfigError, match=why):
             load_config({"config_file": str(path)}, environ={})
+
+
+def test_ipv6_listeners_bind_what_the_config_accepts() -> None:
+    """The config accepts [::1]: the peer listener and the KV event sockets must then bind it (they
+    used to fail at start: an AF_INET socket, a ZeroMQ socket without IPV6)."""
+    import socket
+
+    from kvtier.events import BlockRemoved, EventPublisher, EventSubscriber
+    from kvtier.transfer.tcp import TcpListener
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    listener = TcpListener("::1", 0)
+    try:
+        assert listener.address[0] == "::1" and listener.address[1] > 0
+    finally:
+        listener.close()
+    pub = EventPublisher("tcp://[::1]:0", replay_endpoint="tcp://[::1]:0", topic="", plain=True)
+    sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, topic="")
+    try:
+        got = None
+        for i in range(200):
+            pub.publish([BlockRemoved(block_hashes=[i], medium="CPU")])
+            got = sub.poll(0.05)
+            if got is not None:
+                break
+        assert got is not None
+    finally:
+        sub.close()
+        pub.close()
+
+
+@pytest.mark.parametrize("settings", [{"server": "tcp://*:5555"}])
+def test_the_zeromq_wildcard_is_refused_where_a_plain_socket_binds(settings: dict) -> None:
+    with pytest.raises(ValueError, match="host"):
+        KVTierConfig(**settings)

@@ -134,6 +134,7 @@ class EventPublisher:
             if credentials is not None:
                 self._gate = CurveGate(self._ctx, credentials.members).allow(ZAP_DOMAIN, "events").start()
                 curve_server(self._pub, credentials.key, ZAP_DOMAIN)
+            self._pub.setsockopt(zmq.IPV6, int("[" in endpoint))  # libzmq takes tcp://[::1]:P only with IPV6 set
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
             bound_messages(self._pub, MAX_REQUEST_BYTES)
@@ -148,6 +149,7 @@ class EventPublisher:
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.IPV6, int("[" in replay_endpoint))
                 bound_messages(self._replay, MAX_REQUEST_BYTES)
                 if credentials is not None:
                     curve_server(self._replay, credentials.key, ZAP_DOMAIN)

@@ -108,6 +108,7 @@ class EventSubscriber:
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.IPV6, int("[" in endpoint))  # libzmq dials tcp://[::1]:P only with IPV6 set
         self._secure(self._sub)
         self._bound(self._sub)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
@@ -293,6 +294,7 @@ class EventSubscriber:
             self._replay = self._ctx.socket(zmq.DEALER)
             self._secure(self._replay)
             self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.setsockopt(zmq.IPV6, int("[" in self._replay_endpoint))
             self._bound(self._replay)
             self._replay.connect(self._replay_endpoint)
         return self._replay

@@ -133,7 +133,8 @@ class TcpListener:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.timeout_s = timeout_s
-        self._sock = socket.create_server((host, port), reuse_port=False, backlog=128)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET  # ([::1] arrives here as ::1)
+        self._sock = socket.create_server((host, port), family=family, reuse_port=False, backlog=128)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
 
     @property

@@ -176,3 +176,13 @@ def test_ipv6_listeners_bind_what_the_config_accepts() -> None:
 def test_the_zeromq_wildcard_is_refused_where_a_plain_socket_binds(settings: dict) -> None:
     with pytest.raises(ValueError, match="host"):
         KVTierConfig(**settings)
+
+
+def test_a_name_the_idna_codec_refuses_is_a_transfer_error_so_the_peer_tier_backs_off() -> None:
+    """(Config refuses such names now; a peer URL given to the tier directly still must not raise
+    UnicodeError, which the peer tier does not take for a failed dial: no back-off, a traceback per call.)"""
+    from kvtier.transfer.errors import TransferError
+    from kvtier.transfer.tcp import dial_tcp
+
+    with pytest.raises(TransferError, match="cannot connect"):
+        dial_tcp("a..b", 5555, 1.0, "tcp")

@@ -44,7 +44,7 @@ def dial_tcp(host: str, port: int, timeout_s: float, kind: str) -> socket.socket
     """
     try:
         return socket.create_connection((host, port), timeout=timeout_s)
-    except OSError as exc:
+    except (OSError, UnicodeError) as exc:  # UnicodeError: a name the IDNA codec refuses (an empty or long label)
         raise TransferError(f"cannot connect to {kind} transfer peer {host}:{port}: {exc}") from None
 
 

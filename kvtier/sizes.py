@@ -44,13 +44,25 @@ SIZE_FORMS = (
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
 
+#: Largest size a setting may name, in bytes (1 EiB): past any machine's memory or disk, so a larger one is
+#: a typo, and one that reached numpy failed there with "Maximum allowed dimension exceeded".
+MAX_SIZE_BYTES = 1 << 60
+
+
 def parse_size(value: object) -> int:
-    """Bytes denoted by ``value`` (an int, or a string such as ``"4GiB"``).
+    """Bytes denoted by ``value`` (an int, or a string such as ``"4GiB"``), at most :data:`MAX_SIZE_BYTES`.
 
     Raises:
-        ValueError: not a size, a negative size, an unknown unit, or a fraction
-            of a byte; the message shows the value and :data:`SIZE_FORMS`.
+        ValueError: not a size, a negative size, an unknown unit, a fraction
+            of a byte, or above the bound; the message shows the value and :data:`SIZE_FORMS`.
     """
+    n = _parse_size(value)
+    if n > MAX_SIZE_BYTES:
+        raise ValueError(f"{str(value)[:40]!r} is more than {MAX_SIZE_BYTES} bytes (1 EiB); use {SIZE_FORMS}")
+    return n
+
+
+def _parse_size(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a byte size; use {SIZE_FORMS}")
     if isinstance(value, int):

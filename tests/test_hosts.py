@@ -186,3 +186,12 @@ def test_a_name_the_idna_codec_refuses_is_a_transfer_error_so_the_peer_tier_back
 
     with pytest.raises(TransferError, match="cannot connect"):
         dial_tcp("a..b", 5555, 1.0, "tcp")
+
+
+@pytest.mark.parametrize("value", [99999999999999999999999999999999999999, "2000000TiB", 1e30])
+def test_sizes_past_any_machine_are_refused_when_read(value: object) -> None:
+    from kvtier.config import load_config
+    from kvtier.config_base import ConfigError
+
+    with pytest.raises(ConfigError, match="cpu_capacity"):
+        load_config({"cpu_capacity": value}, environ={})

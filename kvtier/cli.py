@@ -342,10 +342,15 @@ def controller(
 
 
 def _ctl(kind: str, url: str, token: Optional[str], as_json: bool, call: Callable[..., dict]) -> NoReturn:
-    from kvtier.controller.client import ControllerClient
+    from kvtier.controller.client import ControllerClient, ControllerClientError
     from kvtier.controller.ctl import run
 
-    with ControllerClient(url, token) as client:
+    try:
+        client = ControllerClient(url, token)
+    except ControllerClientError as exc:  # a --url that is not a URL
+        typer.echo(f"kvtier ctl {kind}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    with client:
         raise typer.Exit(run(kind, lambda: call(client), as_json))
 
 

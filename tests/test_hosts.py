@@ -195,3 +195,13 @@ def test_sizes_past_any_machine_are_refused_when_read(value: object) -> None:
 
     with pytest.raises(ConfigError, match="cpu_capacity"):
         load_config({"cpu_capacity": value}, environ={})
+
+
+@pytest.mark.parametrize("args", [["ctl", "health", "--url", "http://[::1"],
+                                  ["ctl", "check-finish", "x" * 100_000, "--url", "http://127.0.0.1:9"]])
+def test_ctl_with_a_bad_url_or_a_huge_argument_says_so_without_a_traceback(args: list[str], tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and "╭" not in proc.stderr, proc.stderr[-2000:]
+    assert "not a URL" in proc.stderr or "too long" in proc.stderr, proc.stderr[-2000:]

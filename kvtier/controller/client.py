@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 import httpx
 
 from kvtier.controller.server import DEFAULT_HTTP_PORT, TOKEN_ENV
+from kvtier.urls import mask_url
 
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_HTTP_PORT}"
 
@@ -40,7 +41,10 @@ class ControllerClient:
     def __init__(self, url: str = DEFAULT_URL, token: Optional[str] = None, timeout_s: float = 30.0):
         token = os.environ.get(TOKEN_ENV, "") if token is None else token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
+        try:
+            self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
+        except httpx.InvalidURL as exc:  # not an httpx.HTTPError
+            raise ControllerClientError(f"controller URL {mask_url(url)!r} is not a URL: {exc}") from None
 
     def close(self) -> None:
         self._http.close()
@@ -55,6 +59,8 @@ class ControllerClient:
              params: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         try:
             r = self._http.request(method, path, json=body, params=params)
+        except httpx.InvalidURL as exc:  # e.g. an argument that makes the URL too long
+            raise ControllerClientError(f"cannot ask the controller {method} {path[:80]}: {exc}") from None
         except httpx.HTTPError as exc:
             raise ControllerClientError(f"controller at {self._http.base_url} not reachable: {exc}") from None
         if r.status_code >= 400:

@@ -64,16 +64,42 @@ def kv_transfer_config(extra: Mapping[str, Any], **fields: Any) -> dict[str, Any
     return {**CONNECTOR, **fields, "kv_connector_extra_config": dict(extra)}
 
 
+#: x86 CPU capabilities (``torch.backends.cpu.get_cpu_capability()``) without native bf16 kernels.
+SLOW_BF16_X86 = ("AVX2", "DEFAULT")
+
+
+def engine_dtype() -> str:
+    """The dtype kvtier runs vLLM's CPU backend in here: ``"bfloat16"`` where the CPU has native bf16
+    kernels (AVX-512 and up; vLLM's CPU docs list AVX-512 for BF16), ``"float32"`` elsewhere.
+
+    On an AVX2-only x86 CPU torch has no vectorised bf16 GEMM: a ``[512, 576] @ [576, 1536]`` matmul took
+    774 ms in bf16 and 17 ms in fp32 (45x, measured on this project's 2-core AMD EPYC machine,
+    2026-12-02), and the demo's cold phase ran past 20 minutes instead of about 2. The weights are
+    bf16 either way (vLLM casts them); the KV cache takes the dtype, so are kvtier's chunks and keys.
+    """
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "bfloat16"  # (ARM's BF16 path is vLLM's own; not measured here)
+    try:
+        import torch
+
+        capability = str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # noqa: BLE001 - no torch, or an old one: keep vLLM's CPU default
+        return "bfloat16"
+    return "float32" if capability in SLOW_BF16_X86 else "bfloat16"
+
+
 def build_llm(model: str, kvtier: Mapping[str, Any] | None = None, **overrides: Any) -> Any:
     """A ``vllm.LLM`` on the CPU backend, with kvtier's connector when ``kvtier`` is given.
 
-    Defaults: bf16, eager mode, ``gpu_memory_utilization=0.5`` (on the CPU backend it
+    Defaults: :func:`engine_dtype` (bf16 where the CPU has native bf16), eager mode, ``gpu_memory_utilization=0.5`` (on the CPU backend it
     is the share of the NUMA node's memory reserved; the default 0.92 refuses to
     start on a shared machine), seed 0. ``overrides`` are passed to ``LLM``.
     """
     from vllm import LLM
 
-    kwargs: dict[str, Any] = dict(dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.5, seed=0)
+    kwargs: dict[str, Any] = dict(dtype=engine_dtype(), enforce_eager=True, gpu_memory_utilization=0.5, seed=0)
     kwargs.update(overrides)
     if kvtier is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config(kvtier)

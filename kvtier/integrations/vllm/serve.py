@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from kvtier.integrations.vllm_engine import CONNECTOR, engine_env
+from kvtier.integrations.vllm_engine import CONNECTOR, engine_dtype, engine_env
 from kvtier.ports import free_port
 
 #: Module the server runs as (``python -m``).
@@ -168,7 +168,7 @@ class ApiServer:
                 "--max-model-len", str(s.max_model_len)]
         if not _has_flag(s.extra_args, "--served-model-name"):
             argv += ["--served-model-name", self.served_model_name]
-        defaults = {"--dtype": "bfloat16", "--seed": "0", "--gpu-memory-utilization": GPU_MEMORY_UTILIZATION,
+        defaults = {"--dtype": engine_dtype(), "--seed": "0", "--gpu-memory-utilization": GPU_MEMORY_UTILIZATION,
                     "--shutdown-timeout": str(SHUTDOWN_TIMEOUT_S)}
         for flag, value in defaults.items():
             if not _has_flag(s.extra_args, flag):

@@ -123,7 +123,7 @@ def print_summary(console: Console, records: list[RequestRecord], summary: dict[
         f"[dim]Not a correctness check, for reference: compared with a cold prefill of the whole prompt "
         f"(no cached prefix), vLLM's own prefix-cache hits gave the same answer in "
         f"{summary['engine_hit_answers_equal_to_cold_off']} of {summary['engine_hit_probes']} probes and "
-        f"kvtier hits in {summary['answers_equal_to_cold_off']} of {n_kv} requests: in bf16 the tokens "
+        f"kvtier hits in {summary['answers_equal_to_cold_off']} of {n_kv} requests: in bf16 or float32 the tokens "
         f"computed after any cached prefix can round differently from a cold prefill, which is why the "
         f"check above compares at the same cached prefix length.[/]"
     )

@@ -224,3 +224,16 @@ def test_phase_env_forces_in_process_engine_and_keeps_user_settings():
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert env["PATH"] == "/bin"
     assert Path(env["PYTHONPATH"].split(":")[0], "kvtier", "demo", "phase.py").is_file()
+
+
+def test_two_demos_of_one_user_get_their_own_log(tmp_path) -> None:
+    """The fresh-user trial ran the demo beside the suite's own demo test: both used demo.log (and one
+    demo-disk), and the failure printed the other run's log. The second run now writes demo-PID.log."""
+    import os
+
+    from kvtier.demo.run import _own_log
+
+    first = _own_log(tmp_path)
+    second = _own_log(tmp_path)  # another open file description: the flock is refused, as for another process
+    assert first == tmp_path / "demo.log"
+    assert second == tmp_path / f"demo-{os.getpid()}.log"

@@ -131,6 +131,24 @@ def _prepare(cache_dir: Path, console: Console) -> Path:
     return prepared.path
 
 
+
+def _own_log(cache_dir: Path) -> Path:
+    """``cache_dir/demo.log`` emptied for this run, or ``demo-PID.log`` while another demo holds ``demo.log``
+    (an advisory ``flock``, held until this process exits)."""
+    import fcntl
+
+    path = cache_dir / "demo.log"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        path = cache_dir / f"demo-{os.getpid()}.log"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    os.ftruncate(fd, 0)  # (the fd stays open: it holds the lock for the run)
+    return path
+
+
 def run_demo(json_path: Path | None, cache_dir: Path | None, quick: bool) -> int:
     """Run the three-phase demo and print per-request lines and the summary.
 
@@ -168,11 +186,13 @@ def run_demo(json_path: Path | None, cache_dir: Path | None, quick: bool) -> int
         f"(all documents: {sum(v.prompt_tokens for v in visits if v.first_visit)} tokens)"
     )
 
-    disk_dir = cache_dir / "demo-disk"
-    shutil.rmtree(disk_dir, ignore_errors=True)
-    log_path = cache_dir / "demo.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.write_text("")
+    # This run's own disk tier and log: two demos of one user (or a demo beside the test suite, which
+    # runs one) shared ~/.cache/kvtier/demo-disk and demo.log, so the second one's disk tier was refused
+    # (DiskTierLocked), each wiped the other's directory at start and end, and a failure printed the
+    # other run's log (the fresh-user trial of this session).
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    disk_dir = Path(tempfile.mkdtemp(prefix="demo-disk-", dir=cache_dir))
+    log_path = _own_log(cache_dir)
     kvtier_cfg = {**KVTIER_SETTINGS, "disk_path": str(disk_dir)}
     plan = [(PHASE_OFF, None, True), (PHASE_ON, kvtier_cfg, False), (PHASE_RESTART, kvtier_cfg, False)]
     records: list[RequestRecord] = []
@@ -205,6 +225,7 @@ def run_demo(json_path: Path | None, cache_dir: Path | None, quick: bool) -> int
             )
             result = _run_phase_process(spec, workdir, log_path, console, records)
             if result is None:
+                shutil.rmtree(disk_dir, ignore_errors=True)
                 return 1
             phase_info[phase] = {k: v for k, v in result.items() if k != "records"}
     shutil.rmtree(disk_dir, ignore_errors=True)

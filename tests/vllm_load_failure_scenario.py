@@ -103,16 +103,21 @@ def compare(failed: dict, clean: dict) -> dict:
     import numpy as np
     import torch
 
+    from kvtier.integrations.vllm_engine import engine_dtype
+
+    kv_dtype = getattr(torch, engine_dtype())  # the chunk's bytes are the engine's KV dtype (bf16 or fp32)
+
     def floats(raw: list[int] | None) -> np.ndarray | None:
         if raw is None:
             return None
-        return torch.tensor(raw, dtype=torch.uint8).view(torch.bfloat16).float().numpy()
+        return torch.tensor(raw, dtype=torch.uint8).view(kv_dtype).float().numpy()
 
-    f, c = floats(failed.pop("b1")), floats(clean.pop("b1"))
+    raw_f, raw_c = failed.pop("b1"), clean.pop("b1")
+    f, c = floats(raw_f), floats(raw_c)
     out = {"failed": failed, "clean": clean, "b1_stored": f is not None, "b1_equal": None, "b1_max_abs_diff": None}
     if f is not None and c is not None:
-        out["b1_equal"] = bool(np.array_equal(f, c))
-        out["b1_max_abs_diff"] = float(np.max(np.abs(f - c)))
+        out["b1_equal"] = raw_f == raw_c  # "stored right": the same bytes as the reference run's
+        out["b1_max_abs_diff"] = float(np.nanmax(np.abs(f - c))) if f.size else 0.0
     return out
 
 

@@ -394,8 +394,10 @@ class KVTierConfig(BaseModel):
     @field_validator("peers")
     @classmethod
     def _peer_urls(cls, v: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
-        for url in v:
-            _check_transfer_url("peers", url, listen=False)
+        # Each URL in its canonical form (no trailing '/', lowercased host, port without leading
+        # zeros), so one peer written two ways is caught as named twice, and this instance's own
+        # peer_listen is recognised however it is written.
+        v = tuple(_check_transfer_url("peers", url, listen=False) for url in v)
         if len(set(v)) != len(v):
             raise ValueError(f"peers {list(v)!r} names a peer twice")
         if info.data.get("peer_listen") in v:
@@ -545,7 +547,9 @@ PEER_SCHEMES = ("tcp", "shm", "nixl")
 def _check_transfer_url(key: str, url: str, listen: bool) -> str:
     """``url`` if it is ``tcp://HOST:PORT``, ``nixl://HOST:PORT`` or ``shm:///ABSOLUTE/PATH``, else ValueError.
 
-    Ports are 1-65535 (0 too when ``listen``: any free port).
+    Ports are 1-65535 (0 too when ``listen``: any free port). A TCP/NIXL URL is returned in its
+    canonical form, ``SCHEME://host:PORT`` (host lowercased but for an IPv6 zone id, no trailing
+    ``/``, the port in decimal without leading zeros); an ``shm://`` URL as given.
     """
     scheme, sep, rest = url.partition("://")
     if scheme not in PEER_SCHEMES or not sep:
@@ -559,7 +563,14 @@ def _check_transfer_url(key: str, url: str, listen: bool) -> str:
     if not colon or not host or "/" in host or not (port.isascii() and port.isdigit()) or not low <= int(port) < 65536:
         raise ValueError(f"{key} {url!r}: expected {scheme}://HOST:PORT with a port in {low}-65535")
     _host_of(key, url, host, wildcard=False)  # (a socket binds 0.0.0.0, not ZeroMQ's *)
-    return url
+    return f"{scheme}://{_canonical_host(host)}:{int(port)}"
+
+
+def _canonical_host(host: str) -> str:
+    """``host`` with its name or address lowercased (DNS names and hex digits are case-blind) and
+    an IPv6 zone id (``%eth0``: an interface name, case-sensitive) kept as written."""
+    addr, pct, zone = host.partition("%")
+    return addr.lower() + pct + zone
 
 
 def _host_of(key: str, url: str, host: str, wildcard: bool = True) -> None:
@@ -583,8 +594,15 @@ def _read_file(path: Path) -> dict[str, Any]:
     except RecursionError:  # json and tomllib recurse per nesting level and give up past the limit
         raise ConfigError(f"kvtier config file {path} is not valid {kind}: nested too deeply") from None
     except (ValueError, tomllib.TOMLDecodeError) as exc:
+        hint = ""
+        if kind == "JSON":
+            try:
+                tomllib.loads(text)
+                hint = "; it reads as TOML: name it .toml"
+            except (ValueError, RecursionError):
+                pass
         raise ConfigError(
-            f"kvtier config file {path} is not valid {kind} (kvtier reads TOML, or JSON for a .json file): {exc}"
+            f"kvtier config file {path} is not valid {kind} (kvtier reads TOML, or JSON for a .json file): {exc}{hint}"
         ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"kvtier config file {path} must hold a table/object of settings")

@@ -418,7 +418,14 @@ def test_keys_outside_the_kvtier_table_are_refused(tmp_path: Path) -> None:
 
 def test_json_parse_errors_name_json(tmp_path: Path) -> None:
     f = write(tmp_path / "k.json", "{nope")
-    with pytest.raises(ConfigError, match="not valid JSON"):
+    with pytest.raises(ConfigError, match="not valid JSON") as err:
+        load_config({"config_file": f}, environ={})
+    assert "reads as TOML" not in str(err.value)
+
+
+def test_a_toml_file_named_json_is_told_to_be_named_toml(tmp_path: Path) -> None:
+    f = write(tmp_path / "k.json", 'cpu_capacity = "2GiB"\n')
+    with pytest.raises(ConfigError, match=r"not valid JSON.*reads as TOML: name it \.toml"):
         load_config({"config_file": f}, environ={})
 
 

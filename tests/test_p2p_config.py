@@ -38,9 +38,15 @@ def test_env_comma_list_and_file_list(tmp_path, fleet):
         ({"peers": ["tcp://10.0.0.5:77x"]}, "port in 1-65535"),
         ({"peers": ["shm://relative.sock"]}, "absolute socket path"),
         ({"peers": ["tcp://a:1", "tcp://a:1"]}, "names a peer twice"),
+        # one peer written two ways (trailing '/', host case, leading zeros) is still one peer
+        ({"peers": ["tcp://a:1", "tcp://a:1/"]}, "names a peer twice"),
+        ({"peers": ["tcp://Peer.Example:7700", "tcp://peer.example:7700"]}, "names a peer twice"),
+        ({"peers": ["nixl://[::1]:7700", "nixl://[::1]:07700"]}, "names a peer twice"),
         ({"peer_listen": "udp://0.0.0.0:7700"}, "scheme must be one of"),
         ({"peer_listen": "tcp://0.0.0.0:65536"}, "port in 0-65535"),
         ({"peer_listen": "tcp://h:7700", "peers": ["tcp://h:7700"]}, "own peer_listen"),
+        ({"peer_listen": "tcp://h:7700", "peers": ["tcp://H:7700/"]}, "own peer_listen"),
+        ({"peer_listen": "tcp://h:7700/", "peers": ["tcp://h:7700"]}, "own peer_listen"),
         ({"peer_timeout_s": 0}, "greater than 0"),
         ({"peer_retry_s": -1}, "greater than 0"),
     ],
@@ -51,6 +57,13 @@ def test_bad_settings_are_refused_with_the_key_named(settings, words, fleet):
         load_config({**settings, **keys}, environ={})
     key = next(iter(settings)) if "own" not in words and "twice" not in words else "peers"
     assert words in str(err.value) and key in str(err.value)
+
+
+def test_peer_urls_are_kept_in_canonical_form(fleet):
+    c = load_config({"peer_listen": "tcp://LocalHost:07700/", "peers": ["tcp://[FE80::1%Eth0]:7701/"],
+                     **fleet.config("a")}, environ={})
+    assert c.peer_listen == "tcp://localhost:7700"
+    assert c.peers == ("tcp://[fe80::1%Eth0]:7701",)  # an interface name keeps its case
 
 
 def test_bad_env_value_names_the_variable():

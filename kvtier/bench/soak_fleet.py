@@ -11,7 +11,9 @@ front of fake OpenAI backends), then, each in its own process:
   requests timed; drop-offs, poisoned index entries, over-capacity claims, operator and peer
   lock-outs recorded; peer pulls and KV event reads as a member;
 - the hostile client (:mod:`.soak_fleet_hostile`) running every attack of issue 24 (kinds 1-6) in a
-  loop.
+  loop;
+- the floor probe (:mod:`.soak_fleet_floor`): the machine's own wake-up and one-hop IPC latency in
+  the same run, the floor under the lookup p99 (reported, not judged).
 
 Once a second it samples every fleet process's RSS (``/proc/PID/status`` ``VmRSS``). The verdict
 and its figures are :mod:`.soak_fleet_report`'s. Exit code: 0 every target met, 1 a target missed
@@ -163,6 +165,8 @@ def _run(opts: FleetSoakOptions) -> tuple[int, dict[str, Any]]:
                                    "--seconds", secs, "--go", str(go), "--out", str(tmp / f"{role}.json"),
                                    "--rate", str(opts.lookup_rate), "--router-rate", str(opts.router_rate)],
                                   tmp / f"{role}.log")
+        workers["floor"] = spawn(["kvtier.bench.soak_fleet_floor", "--seconds", secs, "--go", str(go),
+                                  "--out", str(tmp / "floor.json")], tmp / "floor.log")
         if opts.hostile:  # niced: on a machine this small its own CPU would starve the fleet (see HOSTILE_NICE)
             workers["hostile"] = spawn(["kvtier.bench.soak_fleet_hostile", "--plan", str(hplan), "--seconds", secs,
                                         "--go", str(go), "--out", str(tmp / "hostile.json")], tmp / "hostile.log",
@@ -206,7 +210,7 @@ def _run(opts: FleetSoakOptions) -> tuple[int, dict[str, Any]]:
             if not summary.get("tracebacks"):
                 summary.pop("tail", None)  # the tails of clean logs are noise in the JSON
         report = build_report(opts, opts.duration_s, clients, lookups, monitor, hostile, rss, seen_pd, dead,
-                              exits, logs, fleet.secrets(), p2p, ctl_counters)
+                              exits, logs, fleet.secrets(), p2p, ctl_counters, _read_json(tmp / "floor.json"))
     finally:
         _stop(list(workers.values()), 5.0)
         fleet.stop()

@@ -73,8 +73,13 @@ def build_report(opts: Any, seconds: float, clients: list[dict[str, Any]], looku
                  monitor: dict[str, Any], hostile: dict[str, Any], rss: dict[str, list[tuple[float, int]]],
                  seen_pd: dict[str, Any], dead: list[str], exits: dict[str, int | None], logs: dict[str, Any],
                  secrets: Sequence[str], p2p_metrics: dict[str, float],
-                 controller_counters: dict[str, float] | None = None) -> dict[str, Any]:
-    """The JSON report (and the printed tables) of one run; ``passed`` is the verdict."""
+                 controller_counters: dict[str, float] | None = None,
+                 floor: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON report (and the printed tables) of one run; ``passed`` is the verdict.
+
+    ``floor``: :mod:`.soak_fleet_floor`'s samples (the machine's wake-up and one-hop IPC latency in
+    the same run); reported beside the lookup figures, not judged.
+    """
     baseline = bool(hostile.get("baseline"))
     rss_out: dict[str, Any] = {}
     events = [*monitor.get("events", []), *lookups.get("events", [])]
@@ -135,6 +140,9 @@ def build_report(opts: Any, seconds: float, clients: list[dict[str, Any]], looku
               ", ".join(f"kind {k}: {v['successes']}/{v['attempts']}" for k, v in sorted(kinds.items()))),
         Check("attacks that never ran", len(never_ran), 0, False, "", ", ".join(never_ran)[:120]),
     ]
+    floor_ms = {k: [ms for _, ms in (floor or {}).get(k, [])] for k in ("wake_ms", "echo_ms")}
+    floor_note = (f"; machine floor p99: wake-up {pct(floor_ms['wake_ms'], 99):.2f} ms, one-hop IPC "
+                  f"{pct(floor_ms['echo_ms'], 99):.2f} ms" if floor_ms["echo_ms"] else "")
     checks += [
         Check("instance drop-offs", drop_offs + sum(1 for d in dead if d.startswith("inst-")), 0, False, "",
               f"dead processes: {', '.join(dead) or 'none'}"),
@@ -145,7 +153,8 @@ def build_report(opts: Any, seconds: float, clients: list[dict[str, Any]], looku
         Check("fleet failures the monitor saw", sum(failures.values()), 0, False, "",
               ", ".join(f"{k} {v}" for k, v in failures.items()) or "none"),
         Check("instance lookup p99", pct(lookup_ms, 99), P99_TARGET_MS, False, "ms",
-              f"p50 {pct(lookup_ms, 50):.2f} ms, {len(lookup_ms):,} lookups (a local miss asks the controller and a peer)"),
+              f"p50 {pct(lookup_ms, 50):.2f} ms, {len(lookup_ms):,} lookups (a local miss asks the controller and a peer)"
+              f"{floor_note}"),
         Check("controller /lookup p99", pct(ctl_ms, 99), P99_TARGET_MS, False, "ms",
               f"p50 {pct(ctl_ms, 50):.2f} ms, {len(ctl_ms):,} lookups"),
         Check("controller RSS max", ctl.get("max_bytes", 0) / MiB, ctl.get("bound_bytes", 0) / MiB, False, "MiB",
@@ -178,6 +187,8 @@ def build_report(opts: Any, seconds: float, clients: list[dict[str, Any]], looku
             "router_request": {"p50": pct(router_ms, 50), "p99": pct(router_ms, 99), "max": max(router_ms, default=0.0),
                                "count": len(router_ms)},
         },
+        "noise_floor_ms": {k.removesuffix("_ms"): {"p50": pct(v, 50), "p99": pct(v, 99), "max": max(v, default=0.0),
+                                                   "count": len(v)} for k, v in floor_ms.items()},
         "rss": rss_out, "exit_codes": exits, "dead": dead, "errors": errors, "logs": logs,
         "clients": [{k: v for k, v in c.items() if k not in ("lookup_ms",)} for c in clients],
         "monitor_counters": monitor.get("counters", {}), "pd_seen": seen_pd,

@@ -1,0 +1,101 @@
+"""The machine's own latency floor during a fleet soak: what no kvtier code path can go below.
+
+A lookup's p99 on a loaded machine is bounded below by the operating system: a process woken by
+a reply waits for a CPU, and every process hop a lookup makes (client -> server, and on a local
+miss server -> controller and server -> peer) can wait again. This probe measures that floor in
+the same run, beside the fleet, with no kvtier code in the path, so the soak's lookup p99 can be
+read against it (issue 24: "lookup p99 stays under 10 ms" on a 2-core machine running ~15 fleet
+processes).
+
+Every ``PERIOD_S`` it records two figures, each ``[monotonic seconds, milliseconds]``:
+
+- ``wake_ms``: how much later than asked a 1 ms ``time.sleep`` returned (scheduler wake-up
+  latency: the time a runnable process waits for a CPU);
+- ``echo_ms``: the round trip of one byte to a child process and back over a Unix socket pair
+  (one process hop each way, the smallest IPC a lookup makes).
+
+It runs at the clients' niceness, as one more well-behaved process of the soak. Usage (from
+:mod:`kvtier.bench.soak_fleet`): ``python -m kvtier.bench.soak_fleet_floor --seconds S --go PATH
+--out PATH``; it starts measuring once ``--go`` exists and writes its JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+#: Seconds between samples.
+PERIOD_S = 0.01
+#: The sleep whose overshoot is measured, seconds.
+NAP_S = 0.001
+#: Longest a round trip may take before the sample counts it as that long and the probe stops
+#: (the child died), seconds.
+ECHO_TIMEOUT_S = 5.0
+
+
+def _echo_child(sock: socket.socket) -> None:
+    """Answer every byte with the same byte until the other end closes (runs in the forked child)."""
+    try:
+        while (b := sock.recv(1)):
+            sock.sendall(b)
+    finally:
+        os._exit(0)
+
+
+def measure(seconds: float) -> dict[str, list[list[float]]]:
+    """Sample for ``seconds``; returns ``{"wake_ms": [[t, ms], ...], "echo_ms": [[t, ms], ...]}``.
+
+    Raises:
+        OSError: the socket pair or the fork failed.
+    """
+    parent, child = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        parent.close()
+        _echo_child(child)
+    child.close()
+    parent.settimeout(ECHO_TIMEOUT_S)
+    wake: list[list[float]] = []
+    echo: list[list[float]] = []
+    end = time.monotonic() + seconds
+    try:
+        while (now := time.monotonic()) < end:
+            t0 = time.perf_counter()
+            time.sleep(NAP_S)
+            wake.append([now, max(0.0, (time.perf_counter() - t0 - NAP_S) * 1e3)])
+            t0 = time.perf_counter()
+            try:
+                parent.sendall(b"x")
+                if parent.recv(1) != b"x":
+                    break
+            except OSError:  # the child died or stalled past the timeout: what was measured stands
+                echo.append([now, ECHO_TIMEOUT_S * 1e3])
+                break
+            echo.append([now, (time.perf_counter() - t0) * 1e3])
+            time.sleep(max(0.0, PERIOD_S - (time.monotonic() - now)))
+    finally:
+        parent.close()
+        os.waitpid(pid, 0)
+    return {"wake_ms": wake, "echo_ms": echo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvtier.bench.soak_fleet_floor")
+    ap.add_argument("--seconds", type=float, required=True)
+    ap.add_argument("--go", type=Path, required=True, help="start once this file exists")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    deadline = time.monotonic() + 300.0
+    while not a.go.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    result: dict[str, object] = dict(measure(a.seconds))
+    a.out.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -20,6 +20,7 @@ from conftest import CHUNK, payload_for, small_namespace
 from kvtier.config import ConfigError, KVTierConfig, load_config
 from kvtier.storage.lower_tiers import chunk_spec, open_storage_tiers
 from kvtier.storage.manager import StorageManager
+from kvtier.storage.types import WriteSkip
 from kvtier.testing.memory_tier import MemoryStore, MemoryTier
 from kvtier.tiers.base import ChunkWrite, LowerTier
 
@@ -426,3 +427,23 @@ def test_remote_ttl_keeps_hot_heads_alive(make_config, shared_redis_url) -> None
             if mgr is not None:
                 mgr.clear()
                 mgr.close()
+
+
+class _LocalMemoryTier(MemoryTier):
+    """A plug-in tier on this machine that is not the disk tier: ``local`` says so, not its kind."""
+
+    local = True
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_locality_follows_the_tiers_local_capability_not_its_kind(managers, make_config, fs_url, local) -> None:
+    mem = _LocalMemoryTier() if local else MemoryTier()
+    m = managers(remote_only(make_config, fs_url), remote=mem)
+    keys = m.keys(prompt(9, 2 * CHUNK + 1))
+    fill(mem, keys)
+    mem.calls.clear()
+    # where/contains ask local tiers only (no network round trip for a remote one)
+    assert m.where(keys[0]) == ("remote" if local else None)
+    assert ("contains_many" in mem.calls) is local
+    # a chunk a local tier holds is not stored again; a remote-only one is (an idempotent overwrite)
+    assert (m.open_write_many(keys[:1], [None])[0] is WriteSkip.PRESENT) is local

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from kvtier.storage.types import LOCAL_TIER_KINDS
 from kvtier.tiers.base import LowerTier
 from kvtier.tiers.cpu import CpuTier
 
@@ -83,7 +82,7 @@ def held_prefix(
             if cpu.contains(key):
                 labels[i] = "cpu"
     for tier in lower:
-        local = tier.kind in LOCAL_TIER_KINDS
+        local = tier.local
         if local_only and not local:
             continue
         start = _first_gap(labels)

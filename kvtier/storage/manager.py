@@ -45,7 +45,7 @@ from kvtier.storage.promotion import Promoter
 from kvtier.storage.stale_remote import StaleRemoteReporter
 from kvtier.storage.stats import Counters, tier_prefixes, tier_stats
 from kvtier.storage.tier_events import TierChange, TierEvents, TierListener
-from kvtier.storage.types import LOCAL_TIER_KINDS, LookupResult, ReadHandle, WriteSkip
+from kvtier.storage.types import LookupResult, ReadHandle, WriteSkip
 from kvtier.storage.write_behind import WriteBehind
 from kvtier.tiers.base import ChunkWrite, LowerTier
 from kvtier.tiers.cpu import CpuTier
@@ -125,10 +125,10 @@ class StorageManager:
             self.lower = list(lower)
         _register_cpu_memory(self.cpu, self.lower)
         self._prefixes = tier_prefixes(self.lower)
-        queues = [config.disk_write_queue if t.kind in LOCAL_TIER_KINDS else config.remote_write_queue for t in self.lower]
+        queues = [config.disk_write_queue if t.local else config.remote_write_queue for t in self.lower]
         self.write_behind = WriteBehind(self.cpu, self.lower, queues, self.WRITE_BATCH)
         self.promoter = Promoter(self.cpu, self.lower, self.write_behind, self.chunk_bytes, self.PREFETCH_QUEUE)
-        self._local = [t for t in self.lower if t.kind in LOCAL_TIER_KINDS]
+        self._local = [t for t in self.lower if t.local]
         self.events = TierEvents()
         #: Keys reported stored per non-local tier: an answered absence reports them removed.
         self._stale = StaleRemoteReporter(self.lower, self.events, self.counters)
@@ -488,7 +488,7 @@ class StorageManager:
         cs = self.namespace.chunk_size
         max_chunks = max(0, (len(tokens) - 1) // cs)
         keys = self.hasher.keys(tokens, cache_salt, max_chunks=max_chunks)[:max_chunks]
-        has_remote = any(t.kind not in LOCAL_TIER_KINDS for t in self.lower)
+        has_remote = any(not t.local for t in self.lower)
         on_local = self._held_locally(keys)
         job: list[tuple[bytes, bytes | None]] = []
         for i, key in enumerate(keys):

@@ -24,7 +24,7 @@ import numpy as np
 from kvtier.storage.batch_worker import BatchWorker
 from kvtier.storage.handles import CpuReadHandle, acquire_handle
 from kvtier.storage.lookup import contains_many_safe, held_prefix
-from kvtier.storage.types import LOCAL_TIER_KINDS, WriteSkip
+from kvtier.storage.types import WriteSkip
 from kvtier.storage.write_behind import WriteBehind
 from kvtier.tiers.base import LowerTier
 from kvtier.tiers.cpu import CpuTier
@@ -102,7 +102,7 @@ class Promoter:
             if not remaining:
                 break
             ask = remaining
-            if tier.kind in LOCAL_TIER_KINDS:  # a local index says which exist: read only those
+            if tier.local:  # a local index says which exist: read only those
                 ask = [i for i, ok in zip(ask, contains_many_safe(tier, [items[i][0] for i in ask])) if ok]
             if not ask:
                 continue

@@ -28,7 +28,6 @@ from collections.abc import Sequence
 
 from kvtier.storage.stats import Counters
 from kvtier.storage.tier_events import TierChange, TierEvents
-from kvtier.storage.types import LOCAL_TIER_KINDS
 from kvtier.tiers.base import ChangeHook, LowerTier
 
 log = logging.getLogger(__name__)
@@ -112,7 +111,7 @@ class StaleRemoteReporter:
         self.tracker = StaleRemoteTracker(len(self._lower), capacity)
 
     def _remote(self, i: int) -> bool:
-        return self._lower[i].kind not in LOCAL_TIER_KINDS
+        return not self._lower[i].local
 
     def hook(self, i: int) -> ChangeHook:
         """The change hook for lower tier ``i``: emits; for a non-local tier also tracks."""

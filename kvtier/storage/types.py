@@ -19,10 +19,6 @@ from kvtier.tiers.cpu import WriteSkip  # noqa: F401 (re-exported: the CPU tier'
 #: lower tier reports its ``kind`` (:class:`kvtier.tiers.base.LowerTier`).
 TIER_KINDS: tuple[str, ...] = ("cpu", "disk", "remote", "peer")
 
-#: Lower-tier kinds on this machine: asking them is a local call, never a network
-#: round trip (``contains``/``where`` and lookups ask them chunk by chunk).
-LOCAL_TIER_KINDS: tuple[str, ...] = ("disk",)
-
 
 @dataclass
 class LookupResult:

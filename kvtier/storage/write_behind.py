@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 from kvtier.storage.batch_worker import BatchWorker
-from kvtier.storage.types import LOCAL_TIER_KINDS
 from kvtier.tiers.base import ChangeHook, ChunkWrite, LowerTier
 from kvtier.tiers.cpu import CpuTier
 
@@ -116,7 +115,7 @@ class WriteBehind:
         for tier, worker, wants in zip(self.tiers, self._workers, self._touches):
             if not wants:
                 continue
-            if tier.kind in LOCAL_TIER_KINDS:
+            if tier.local:
                 try:
                     tier.touch_many(keys)
                 except Exception:  # defensive: a failing tier is a miss, never a crash

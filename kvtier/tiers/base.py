@@ -138,6 +138,11 @@ class LowerTier(ABC):
     #: Label lookups report for chunks served from this tier: ``"disk"`` (local,
     #: survives restarts), ``"remote"`` (shared by machines) or ``"peer"``.
     kind: ClassVar[str] = "remote"
+    #: True: the tier is on this machine (the local disk): asking it is a local call, never a network
+    #: round trip, so ``where``/``contains``, write refusals and promotion ask it chunk by chunk, its
+    #: write queue is ``disk_write_queue`` (else ``remote_write_queue``), and its absences are not
+    #: tracked as stale (:mod:`kvtier.storage.stale_remote`). A wrapper forwards its inner tier's.
+    local: ClassVar[bool] = False
     #: URL schemes this class opens (see :mod:`kvtier.tiers.registry`).
     schemes: ClassVar[tuple[str, ...]] = ()
 

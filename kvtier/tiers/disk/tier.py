@@ -102,6 +102,7 @@ class DiskTier(DiskReads, DiskWrites, LowerTier):
 
     name = "disk"
     kind = "disk"
+    local = True
 
     def __init__(
         self,

@@ -39,6 +39,7 @@ def test_store_then_load_through_shared_memory(short_dir: Path) -> None:
         assert a.open_write(KEYS[0], None) is None  # already stored
         st = a.stats()
         assert st["stored_chunks"] == 3 and st["referenced_chunks"] == 0 and st["server_holds"] == 0
+        assert st["load_failures"] == 1  # KEYS[4]: asked for, not served (kvtier_load_failures_total)
         a.close()
         wait_until(lambda: srv.num_sessions() == 0, what="session drop")
 

@@ -242,6 +242,7 @@ class DataHandlers:
         finally:
             _give_quota(h, n - len(taken))
         self.metrics.bytes_out.inc(host.pool.slot_bytes * len(taken))
+        host.load_failures += len(keys) - len(taken)  # asked for and not served: gone, a failing tier, quota
         return out
 
     def unload(self, h: Holds, reg: Registered, r: Unload) -> dict[str, Any]:

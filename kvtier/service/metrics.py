@@ -38,7 +38,7 @@ _COUNTER_STATS = {
     "stored_chunks": "Chunks committed",
     "store_skipped": "Stores skipped (no room)",
     "promoted_chunks": "Disk hits promoted into the CPU tier",
-    "load_failures": "Planned loads that could not be served",
+    "load_failures": "Chunks clients asked to load that could not be served (evicted, a failing tier, quota)",
     "disk_written_chunks": "Chunks written to the disk tier",
     "disk_dropped_writes": "Write-behind chunks dropped",
     "leases_expired": "Leases ended by their TTL",

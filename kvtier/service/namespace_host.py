@@ -92,6 +92,7 @@ class NamespaceHost:
         self.verify_loads = verify_loads
         self.expired_reservations = 0  # aborted by the reservation timeout
         self.quota_refusals = 0  # reserve/load calls refused by a client id's quota
+        self.load_failures = 0  # chunks clients asked to load that could not be served (``/metrics``)
         self.stray_page_trims = 0  # times free slots' pages were backed without a charge and released
         self._warn = RateLimitedLog(log, 60.0)
         def lower(is_pinned: Callable[[bytes], bool]) -> list[Any]:  # storage tiers and peers (peer_listen: the server's)
@@ -113,6 +114,7 @@ class NamespaceHost:
             corrupt_chunks=self.sums.corrupt,
             expired_reservations=self.expired_reservations,
             quota_refusals=self.quota_refusals,
+            load_failures=self.load_failures,
             stray_page_trims=self.stray_page_trims,
             cpu_charged_bytes=self.pool.charged_bytes,
             cpu_resident_bytes=self.segment.resident_bytes(),

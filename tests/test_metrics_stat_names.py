@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from kvtier.config import KVTierConfig
+from kvtier.dashboard.server_view import SERVER_COUNTERS, TIER_SERIES
 from kvtier.index.keys import KeyNamespace, LayoutSignature
 from kvtier.service import metrics
 from kvtier.service.namespace_host import NamespaceHost
@@ -29,8 +30,14 @@ def test_every_stat_metrics_reads_is_produced(tmp_path: Path, redis_url: str) ->
     host = NamespaceHost(cfg, ns, 16 * ns.chunk_bytes, 64 * ns.chunk_bytes)
     try:
         st = host.stats()
+        exposition = metrics.ServerMetrics(lambda: (1, [host.stats()]), cfg,
+                                           lambda: list(host.manager.lower)).exposition().decode()
     finally:
         host.close()
+    # ... and every series the server's dashboard shows is one /metrics renders
+    series = {line.split("{")[0].split(" ")[0] for line in exposition.splitlines() if line and line[0] != "#"}
+    shown = {*(name for _, name in SERVER_COUNTERS), *(n for cells in TIER_SERIES.values() for n in cells.values())}
+    assert not sorted(shown - series), f"the dashboard shows series /metrics lacks: {sorted(shown - series)}"
     read = {*metrics._COUNTER_STATS, *metrics._GAUGE_STATS, *(f"remote_{s}" for s in metrics._REMOTE_COUNTERS),
             "cpu_capacity_bytes", "disk_capacity_bytes"}
     missing = sorted(read - set(st))

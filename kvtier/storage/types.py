@@ -9,7 +9,7 @@ name a result.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Self
 
 import numpy as np
 
@@ -59,7 +59,14 @@ class ReadHandle(Protocol):
     """
 
     key: bytes
-    buffer: np.ndarray
     source: str
 
+    @property
+    def buffer(self) -> np.ndarray: ...
+
     def close(self) -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc: object) -> None:
+        """``close()``."""

@@ -79,7 +79,7 @@ class ChunkPool:
         self,
         slot_bytes: int,
         num_slots: int,
-        buffer: object | None = None,
+        buffer: np.ndarray | bytes | bytearray | memoryview | None = None,
         budget: "BudgetShare | None" = None,
         release_pages: Callable[[int], None] | None = None,
         pin_memory: bool | None = None,
@@ -136,7 +136,7 @@ class ChunkPool:
 
         with thread_policy(numa):  # cudaHostAlloc touches the pages as it allocates them
             self._pinned = _torch.empty(nbytes, dtype=_torch.uint8, pin_memory=True)
-        return self._pinned.numpy()  # type: ignore[attr-defined]
+        return self._pinned.numpy()
 
     def numa_stats(self) -> dict[str, int | float]:
         """``cpu_numa_*`` metrics of :attr:`numa` (empty when no placement was asked)."""

@@ -27,7 +27,7 @@ def get_int(obj: dict, name: str, lo: int = 0, hi: int = INT64_MAX) -> int:
 
 def get_float(obj: dict, name: str, lo: float, hi: float) -> float:
     v = obj.get(name)
-    if type(v) not in (int, float) or not math.isfinite(v) or not lo <= v <= hi:
+    if (type(v) is not int and type(v) is not float) or not math.isfinite(v) or not lo <= v <= hi:
         raise ProtocolError(_BAD, f"field {name!r} must be a number in [{lo}, {hi}]")
     return float(v)
 

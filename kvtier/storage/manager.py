@@ -411,7 +411,7 @@ class StorageManager:
         # staging a long prompt's chunks (write-behind) instead of refusing its tail.
         own = set(keys)
         asked = sorted({p for p in parents if p is not None and p not in own})
-        below = set()
+        below: set[bytes] = set()
         for tier in self._local if asked else ():
             below.update(p for p, ok in zip(asked, contains_many_safe(tier, asked)) if ok)
         skipped = 0

@@ -134,7 +134,7 @@ def encode_frame(msg: Message) -> bytes:
     return PREFIX.pack(MAGIC, len(body)) + body
 
 
-def decode_prefix(prefix: bytes | memoryview) -> int:
+def decode_prefix(prefix: bytes | bytearray | memoryview) -> int:
     """The header length announced by a frame prefix.
 
     Raises:
@@ -148,7 +148,7 @@ def decode_prefix(prefix: bytes | memoryview) -> int:
     return length
 
 
-def decode_header(body: bytes | memoryview) -> Message:
+def decode_header(body: bytes | bytearray | memoryview) -> Message:
     """Decode and range-check one frame header.
 
     Raises:

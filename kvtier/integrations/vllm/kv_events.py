@@ -236,8 +236,8 @@ class BlockEventTranslator:
                     continue
                 if op == "c":
                     gone = [c for c in self._map.values() if tier in c.tiers]
-                    for c in gone:
-                        c.tiers.discard(tier)
+                    for g in gone:
+                        g.tiers.discard(tier)
                     if gone:
                         self._removed([h for c in gone for h in c.hashes], where)
                     continue

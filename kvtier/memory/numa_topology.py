@@ -68,7 +68,7 @@ class Topology:
     root: Path = field(default=Path("/sys"))
 
     @classmethod
-    def read(cls, root: str | os.PathLike = "/sys") -> "Topology":
+    def read(cls, root: str | os.PathLike[str] = "/sys") -> "Topology":
         """The topology under ``root`` (a machine without NUMA sysfs: one node 0 with every CPU)."""
         base = Path(root) / "devices" / "system" / "node"
         cpus: dict[int, frozenset[int]] = {}

@@ -248,7 +248,8 @@ class ChunkPool:
         Raises:
             IndexError: the pool's buffer was released (:meth:`release_buffer`).
         """
-        return self._buf[slot]
+        out: np.ndarray = self._buf[slot]
+        return out
 
     def release_buffer(self) -> None:
         """Drop this pool's reference to its buffer, for an owner about to free the memory under it.
@@ -270,6 +271,7 @@ class ChunkPool:
         """
         base = self._buf.__array_interface__["data"][0]
         offset = view.__array_interface__["data"][0] - base
+        slot: int
         slot, rest = divmod(offset, self.slot_bytes)
         if rest or not 0 <= slot < self.num_slots:
             raise ValueError("view is not a slot of this pool")

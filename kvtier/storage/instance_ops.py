@@ -282,7 +282,7 @@ class InstanceOps:
         Raises:
             OpError: unknown op, unknown or missing argument, or the op's own checks.
         """
-        ops: dict[str, Callable[..., Any]] = {
+        ops: dict[str, Callable[..., dict[str, Any]]] = {
             "clear": self.clear, "delete": self.delete, "pin": self.pin, "unpin": self.unpin,
             "move_local": self.move_local, "export": self.export, "import": self.import_,
             "compress": self.compress, "decompress": self.decompress, "verify": self.verify,

@@ -275,7 +275,7 @@ class StorageManager:
                                                     if hasattr(t, "parent_of")]
         k: bytes | None = key
         for _ in range(max_steps):
-            parent = None
+            parent: bytes | None = None
             for fn in parent_of:
                 parent = fn(k)
                 if parent is not None:

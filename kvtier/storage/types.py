@@ -13,7 +13,7 @@ from typing import Protocol, Self
 
 import numpy as np
 
-from kvtier.tiers.cpu import WriteSkip  # noqa: F401 (re-exported: the CPU tier's reservation outcomes)
+from kvtier.tiers.cpu import WriteSkip as WriteSkip  # re-exported: the CPU tier's reservation outcomes
 
 #: Tier labels a lookup reports, fastest first. ``cpu`` is the CPU DRAM tier; every
 #: lower tier reports its ``kind`` (:class:`kvtier.tiers.base.LowerTier`).

@@ -102,7 +102,7 @@ class FsTier(LowerTier):
 
     def __init__(
         self,
-        root: str | os.PathLike,
+        root: str | os.PathLike[str],
         namespace: bytes = UNNAMED_NAMESPACE,
         codec: str | Codec = "raw",
         codec_options: Mapping[str, Any] | None = None,

@@ -140,6 +140,7 @@ def decode_prefix(prefix: bytes | bytearray | memoryview) -> int:
     Raises:
         ProtocolError: wrong magic or an out-of-range length.
     """
+    length: int
     magic, length = PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise ProtocolError(f"malformed frame: bad magic {bytes(magic)!r} (not a kvtier transfer peer?)")

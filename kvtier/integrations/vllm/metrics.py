@@ -90,7 +90,7 @@ class KVTierConnectorStats(KVConnectorStats):
 class KVTierPromMetrics(KVConnectorPromMetrics):
     """Registers the ``kvtier:*`` counters (module docstring) and adds each stats delta to them."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+    def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister(HIT_TOKENS, FAILED_TOKENS, LOAD_FAILURES)  # a second logger in one process

@@ -25,7 +25,7 @@ fi
 # The model package is installed --no-deps (below): find its GGUF file, never import it
 # (its __init__ imports the llm CLI, which is deliberately not installed).
 HAS_MODEL='from kvtier.demo.model import find_gguf; find_gguf()'
-if python -c "import kvtier, vllm, pytest, hypothesis, redis, prometheus_client; $HAS_MODEL" 2>/dev/null \
+if python -c "import kvtier, vllm, pytest, hypothesis, mypy, redis, prometheus_client; $HAS_MODEL" 2>/dev/null \
    && [ "$(python -c 'import torch; print(torch.__version__)' 2>/dev/null)" = "2.13.0+cpu" ] \
    && [ -f .venv/.kvtier-setup-ok ] && [ .venv/.kvtier-setup-ok -nt pyproject.toml ] && [ .venv/.kvtier-setup-ok -nt scripts/constraints.txt ]; then
   exit 0

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Quick start 2: set up, start the services the tests need (Redis, a Mooncake master), run the suite.
+# With no arguments (everything, as CI runs it) the type check runs first; any mypy error fails the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
+if [ $# -eq 0 ]; then
+  python -m mypy  # the whole kvtier package; configuration: [tool.mypy] in pyproject.toml
+fi
 if [ -x .ci/redis.sh ] || [ -f .ci/redis.sh ]; then
   # Stop the Redis servers at the end only if this run started them (a second test run on
   # the same machine reuses the first one's and leaves them to it).

@@ -50,7 +50,7 @@ class Timer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def __call__(self, fn: Callable[[], None]) -> float:
+    def __call__(self, fn: Callable[[], object]) -> float:
         if not self.cuda:
             t0 = time.perf_counter()
             fn()
@@ -64,7 +64,7 @@ class Timer:
         return start.elapsed_time(end) / 1e3
 
 
-def _gbps(nbytes: int, timer: Timer, fn: Callable[[], None], rounds: int) -> float:
+def _gbps(nbytes: int, timer: Timer, fn: Callable[[], object], rounds: int) -> float:
     fn()  # warm-up
     return nbytes / statistics.median(timer(fn) for _ in range(rounds)) / 1e9
 
@@ -87,7 +87,7 @@ def measure(device: str = "cuda", rounds: int = 10, batch_chunks: int = 20) -> d
     raw_dev = torch.empty_like(raw_host, device=dev)
     pageable = torch.from_numpy(np.ones(CHUNK_BYTES, dtype=np.uint8))
 
-    def pair(name: str, nbytes: int, ours: Callable[[], None], raw: Callable[[], None]) -> None:
+    def pair(name: str, nbytes: int, ours: Callable[[], object], raw: Callable[[], object]) -> None:
         a, b = _gbps(nbytes, timer, ours, rounds), _gbps(nbytes, timer, raw, rounds)
         out[f"{name}_gbps"], out[f"raw_{name}_gbps"], out[f"{name}_ratio"] = round(a, 2), round(b, 2), round(a / b, 3)
 

@@ -156,7 +156,7 @@ def _engine(a: argparse.Namespace, kv: Any) -> Any:
 
     shape = (a.layers, 2, a.chunk, a.kv_heads, a.head_dim)
 
-    class TensorCopies(MockGPUConnector):  # type: ignore[misc]
+    class TensorCopies(MockGPUConnector):
         """Copies between the chunk's memory objects and ``kv[:, :, start:end]``."""
 
         def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **_: Any) -> None:

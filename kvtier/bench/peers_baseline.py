@@ -35,6 +35,7 @@ import numpy as np
 import xxhash
 
 from kvtier.bench.memory_state import before_put
+from kvtier.serde.base import byte_view
 from kvtier.bench.peers_shape import Shape as _Shape
 from kvtier.bench.peers_shape import kv_pair as _kv
 from kvtier.bench.peers_shape import timed as _timed
@@ -171,7 +172,7 @@ def baselines(a: argparse.Namespace, s: _Shape) -> dict[str, Any]:
                     lambda: plain_files_get(paths, slots, threads, direct, executor=ex, step=rstep, verify=verify))
             if r is not None:
                 keys = [f"kvtier-peers-raw:{rep}:{i}" for i in range(len(slots))]
-                blobs = [memoryview(x) for x in slots]
+                blobs = [byte_view(x) for x in slots]
                 before_put(a.free_bytes)
 
                 def rput(verify: bool) -> Callable[[], None]:

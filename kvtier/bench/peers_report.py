@@ -20,7 +20,7 @@ BASELINE_OF = {"cpu": ("memcpy",), "disk": ("file", "file_steps"), "disk_direct"
 #: The same-work baseline of each figure group (the judged one, :data:`VS_SAME_WORK_TARGET`): the
 #: plain calls plus the xxh3-64 of every chunk that kvtier stores and verifies (disk and Redis
 #: records carry one; the CPU tier keeps none, so memcpy is its same work). See :mod:`.peers_baseline`.
-SAME_WORK_BASELINE_OF = {"cpu": ("memcpy",), "disk": ("file_xxh3",), "disk_direct": ("file_direct_xxh3",),
+SAME_WORK_BASELINE_OF: dict[str, tuple[str, ...]] = {"cpu": ("memcpy",), "disk": ("file_xxh3",), "disk_direct": ("file_direct_xxh3",),
                          "redis": ("redis_xxh3",)}
 #: What each side does per figure group (in the JSON and under the table).
 SIDES = {

@@ -14,6 +14,7 @@ import json
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import blake3
 
@@ -64,7 +65,7 @@ def run_bench_policies(chunks: int = 1_000_000, ops: int = 200_000, json_path: P
         t.add_row(name, f"{r['insert_us']:.2f}", f"{r['touch_us']:.2f}", f"{r['evict_insert_us_per_op']:.2f}",
                   f"{max(r.values()) / base:.2f}")
     Console().print(t)
-    out = {"chunks": chunks, "ops": ops, "target_us": TARGET_US, "policies": res,
+    out: dict[str, Any] = {"chunks": chunks, "ops": ops, "target_us": TARGET_US, "policies": res,
            "a2q_worst_us": max(res["a2q"].values()), "a2q_vs_lru": max(res["a2q"].values()) / base}
     if json_path is not None:
         json_path.write_text(json.dumps(out, indent=1))

@@ -39,9 +39,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvtier.serde.base import ValueSpec
+from kvtier.serde.base import ValueSpec, byte_view
 from kvtier.serde.envelope import encode_value, read_value_into
 from kvtier.serde.registry import make_codec
+from kvtier.tiers.base import ChunkWrite
 
 #: Codecs measured, in table order: (label, codec name, options). The cachegen
 #: variants trade ratio for fidelity through the shallow/middle/deep bit depths.
@@ -107,7 +108,7 @@ def codec_figures(chunks: Sequence[np.ndarray], spec: ValueSpec, codec_name: str
     for chunk in chunks:
         t0 = time.perf_counter()
         ev = encode_value(key, chunk, codec, spec)
-        blob = b"".join(bytes(memoryview(p).cast("B")) for p in ev.parts)
+        blob = b"".join(bytes(byte_view(p).cast("B")) for p in ev.parts)
         enc_s += time.perf_counter() - t0
         out = np.empty_like(chunk)
         view = memoryview(blob)
@@ -119,7 +120,7 @@ def codec_figures(chunks: Sequence[np.ndarray], spec: ValueSpec, codec_name: str
             pos += len(dst)
 
         t0 = time.perf_counter()
-        read_value_into(read_exact, len(blob), key, memoryview(out), decoders, scratch_view)
+        read_value_into(read_exact, len(blob), key, byte_view(out), decoders, scratch_view)
         dec_s += time.perf_counter() - t0
         payload += chunk.nbytes
         stored += len(blob)
@@ -242,7 +243,7 @@ def measure(questions: int = 1, max_tokens: int = 32, log: Any = print) -> dict[
             tier = load_tier_class("fs").from_url(
                 url, codec=make_codec(codec, **options), spec=spec, namespace=manager.namespace.digest()
             )
-            stored = tier.put_many(list(chunks.items()))
+            stored = tier.put_many([ChunkWrite(k, None, v) for k, v in chunks.items()])
             tier.close()
             if not all(stored):
                 raise RuntimeError(f"codec {label}: the remote tier refused some chunks")

@@ -38,20 +38,21 @@ from kvtier.bench.remote_payloads import CHUNK_BYTES, EXISTS_KEYS, payloads as _
 def count_round_trips() -> Iterator[list[int]]:
     """Count the Redis tier's pipeline sends (one per node per batched call) while active."""
     from kvtier.tiers import redis_nodes  # where the tier opens its wires
+    from kvtier.tiers.resp import Wire as original  # (redis_nodes' Wire)
 
     counter = [0]
-    original = redis_nodes.Wire
 
-    class CountingWire(original):  # type: ignore[misc, valid-type]
+    class CountingWire(original):
         def send(self, parts: Any) -> None:
             counter[0] += 1
             super().send(parts)
 
-    redis_nodes.Wire = CountingWire
+    # setattr: the module's class is replaced on purpose (mypy refuses assigning to a class name).
+    setattr(redis_nodes, "Wire", CountingWire)
     try:
         yield counter
     finally:
-        redis_nodes.Wire = original
+        setattr(redis_nodes, "Wire", original)
 
 
 #: Bound on reaching the store before measuring (seconds): connect, TLS handshake, PING.

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -171,7 +171,7 @@ def run_bench_server(
 
             def run() -> float:
                 with Stopwatch() as sw:
-                    handles = store.open_read_many([(k, None) for k in load_keys[name]])  # type: ignore[attr-defined]
+                    handles = store.open_read_many([(k, None) for k in load_keys[name]])
                     for handle, ids in zip(handles, chunk_blocks):
                         if handle is None:
                             raise RuntimeError("load missed during the benchmark")
@@ -214,7 +214,7 @@ def run_bench_server(
             proc.kill()
 
     nbytes = chunks * cb
-    res = {
+    res: dict[str, Any] = {
         "chunk_bytes": cb,
         "chunks_per_rep": chunks,
         "reps": reps,

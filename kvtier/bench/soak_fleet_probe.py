@@ -237,6 +237,7 @@ def run_monitor(plan: dict[str, Any], obs: Observations, stop: threading.Event, 
                     obs.event("operator_lockout", f"/lookup: {type(exc).__name__}")
                 if tick % 2 == 0:
                     t0 = time.monotonic()
+                    code: int | str
                     try:
                         code = c.get("/dashboard/snapshot").status_code
                     except httpx.HTTPError as exc:

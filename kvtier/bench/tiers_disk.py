@@ -21,6 +21,7 @@ from kvtier.bench.common import (
     smollm2_namespace,
 )
 from kvtier.memory.pool import ChunkPool
+from kvtier.serde.base import byte_view
 from kvtier.bench.peers_baseline import plain_files_get, plain_files_put
 from kvtier.tiers.base import ChunkWrite
 from kvtier.tiers.disk import DiskTier
@@ -83,7 +84,7 @@ def bench_disk(
     aligned = _AlignedSlots(n_chunks, cb) if direct else None
     if aligned is not None:
         aligned.arr[:] = src._buf
-    plain_src = (lambda i: memoryview(aligned.arr[i])) if aligned is not None else (lambda i: memoryview(src.view(i)))
+    plain_src = (lambda i: byte_view(aligned.arr[i])) if aligned is not None else (lambda i: byte_view(src.view(i)))
     plain_dst = plain_src  # reads land in the same (aligned) buffers
     paths = [str(plain_dir / f"c{i}.bin") for i in range(n_chunks)]
 

@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvtier.serde.base import byte_view
 from kvtier.bench.common import (
     BenchUsageError,
     CacheEvictor,
@@ -76,7 +77,7 @@ def _sender_main(cmds: Any, shm_path: str, tcp_addr: tuple[str, int], raw_addr: 
         pool.array[i * chunk_bytes : (i + 1) * chunk_bytes] = p
     keys = _keys(nchunks)
     # Pool chunks carry the checksum taken at commit, as ``kvtier server`` records it (integrity.py).
-    in_pool = [(k, v, xxhash.xxh3_64_intdigest(v))
+    in_pool = [(k, v, xxhash.xxh3_64_intdigest(byte_view(v)))
                for k, v in ((k, pool.array[i * chunk_bytes : (i + 1) * chunk_bytes]) for i, k in enumerate(keys))]
     in_private = list(zip(keys, private))
     shm = ShmChannel.connect(shm_path, timeout_s, staging_bytes=max(4 * chunk_bytes, 64 << 20))
@@ -103,7 +104,7 @@ def _sender_main(cmds: Any, shm_path: str, tcp_addr: tuple[str, int], raw_addr: 
             nixl.send(in_private)
         elif cmd == "raw":
             for p in private:
-                raw.sendall(p)
+                raw.sendall(p)  # type: ignore[arg-type]  # numpy's stubs: ndarray is a Buffer on 3.12+ only
     for c in (shm, tcp, nixl):
         if c is not None:
             c.close()
@@ -123,7 +124,7 @@ def _nixl_listener(timeout_s: float) -> tuple[Any, str | None]:
 
 def _recv_raw(sock: socket.socket, dests: list[np.ndarray]) -> None:
     for d in dests:
-        view, pos, n = memoryview(d), 0, d.nbytes
+        view, pos, n = byte_view(d), 0, d.nbytes
         while pos < n:
             got = sock.recv_into(view[pos:], n - pos)
             if not got:

@@ -50,6 +50,8 @@ class ServedController(Protocol):
     token: str
     state: FleetState
     ops: FleetOps
+    http_host: str
+    http_port: int
 
 #: Most tokens one request may carry (a 4M-token prompt).
 MAX_TOKENS = 1 << 22

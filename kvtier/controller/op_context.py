@@ -114,12 +114,11 @@ class OpContext:
             BadRequest: bad token ids.
         """
         out: dict[bytes, list[bytes]] = {}
-        if keys is None:
-            tokens = self.token_array(tokens if tokens is not None else [])
+        ids: Sequence[int] | np.ndarray = () if keys is not None else self.token_array(tokens if tokens is not None else [])
         for r in recs:
             for digest, entry in r.namespaces.items():
                 if digest not in out:
-                    out[digest] = list(keys) if keys is not None else self.keys(entry, tokens, cache_salt)
+                    out[digest] = list(keys) if keys is not None else self.keys(entry, ids, cache_salt)
         return out
 
     def submit(self, op: str, params: dict[str, Any], fn: Callable[[OpRecord], dict[str, Any]]) -> OpRecord:

@@ -7,7 +7,7 @@ import os
 import socket
 import threading
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 from urllib.parse import urlparse
 
 from kvtier.controller.endpoint import Endpoint
@@ -16,6 +16,9 @@ from kvtier.controller.state import FleetState
 from kvtier.protocol.addresses import is_loopback
 from kvtier.protocol.fleet import DEFAULT_EXPIRY_S, DEFAULT_HEARTBEAT_S
 from kvtier.protocol.trust import Credentials
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +84,7 @@ class Controller:
                                 max_keys_per_instance=max_keys_per_instance)
         self.endpoint = Endpoint(self.state, zmq_endpoint, key=credentials.key if credentials is not None else None)
         self.ops = FleetOps(self.state, self.endpoint, deadline_s=op_deadline_s)
-        self._server = None
+        self._server: uvicorn.Server | None = None
         self._http_thread: Optional[threading.Thread] = None
         self._sock: Optional[socket.socket] = None
 
@@ -126,12 +129,12 @@ class Controller:
             sock.close()
             raise
         config = uvicorn.Config(create_app(self), log_level="warning", lifespan="off", access_log=False)
-        self._server = uvicorn.Server(config)
-        self._http_thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+        server = self._server = uvicorn.Server(config)
+        self._http_thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                                              name="kvtier-controller-http", daemon=True)
         self._http_thread.start()
         end = time.monotonic() + timeout_s
-        while not self._server.started:
+        while not server.started:
             if not self._http_thread.is_alive() or time.monotonic() > end:
                 self.stop()
                 raise RuntimeError("controller HTTP server did not start")

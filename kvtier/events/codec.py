@@ -95,9 +95,8 @@ def decode_batch(payload: bytes | bytearray | memoryview, *,
         raise EventDecodeError(f"undecodable KV event payload: {exc!r}") from exc
     if normalize:
         for ev in batch.events:
-            medium = getattr(ev, "medium", None)
-            if medium is not None:
-                ev.medium = normalize_medium(medium, getattr(ev, "locality", None))
+            if isinstance(ev, (BlockStored, BlockRemoved)) and ev.medium is not None:  # (AllBlocksCleared has none)
+                ev.medium = normalize_medium(ev.medium, getattr(ev, "locality", None))
     return batch
 
 
@@ -180,7 +179,7 @@ def _check_hashes(fields: dict[str, Any], index: int, tag: Any) -> None:
                                    f"must be bytes or int, got {type(h).__name__}")
 
 
-def _event_class(tag: Any, index: int) -> type[KVCacheEvent]:
+def _event_class(tag: Any, index: int) -> type[KVEvent]:
     cls = EVENT_TYPES.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise EventDecodeError(f"event {index}: unknown event type {tag!r:.80} "

@@ -163,7 +163,7 @@ class KVEventBatch(EventBatch):
 
 
 #: Event classes by wire tag.
-EVENT_TYPES: dict[str, type[KVCacheEvent]] = {
+EVENT_TYPES: dict[str, type[KVEvent]] = {
     "BlockStored": BlockStored,
     "BlockRemoved": BlockRemoved,
     "AllBlocksCleared": AllBlocksCleared,

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from kvtier.protocol import fleet as F
 
@@ -27,7 +27,7 @@ _PARENT_ARGS = ("parents",)
 class OpsLike(Protocol):
     """What the agent needs of :class:`kvtier.storage.instance_ops.InstanceOps`."""
 
-    def snapshot(self) -> dict[str, Sequence[tuple[bytes, bytes | None]]]: ...
+    def snapshot(self) -> Mapping[str, Sequence[tuple[bytes, bytes | None]]]: ...
 
     def pinned_keys(self) -> Any: ...
 

@@ -29,7 +29,7 @@ def cpu_list() -> str:
         return "auto"
     ranges: list[str] = []
     start = prev = cpus[0]
-    for c in cpus[1:] + [None]:  # type: ignore[list-item]
+    for c in cpus[1:] + [None]:
         if c is not None and c == prev + 1:
             prev = c
             continue

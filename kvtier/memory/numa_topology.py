@@ -68,7 +68,7 @@ class Topology:
     root: Path = field(default=Path("/sys"))
 
     @classmethod
-    def read(cls, root: str | os.PathLike = "/sys") -> "Topology":
+    def read(cls, root: str | os.PathLike[str] = "/sys") -> "Topology":
         """The topology under ``root`` (a machine without NUMA sysfs: one node 0 with every CPU)."""
         base = Path(root) / "devices" / "system" / "node"
         cpus: dict[int, frozenset[int]] = {}
@@ -179,9 +179,9 @@ def choose(
     if s != "auto":
         raise NumaError(f"cpu_numa_node = {setting!r} is not {SETTING_FORMS}")
     mine = frozenset(cpus if cpus is not None else os.sched_getaffinity(0))
-    node = topo.node_of_cpus(mine)
-    if node is not None and node in topo.memory_nodes:
-        return Placement("preferred", (node,), f"auto: this process's CPUs {_cpu_span(mine)} are on node {node}")
+    cnode = topo.node_of_cpus(mine)
+    if cnode is not None and cnode in topo.memory_nodes:
+        return Placement("preferred", (cnode,), f"auto: this process's CPUs {_cpu_span(mine)} are on node {cnode}")
     bus = gpu_bus_id if gpu_bus_id is not None else gpu_pci_bus_id()
     gnode = topo.node_of_pci(bus) if bus else None
     if gnode is not None and gnode in topo.memory_nodes:

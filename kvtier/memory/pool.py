@@ -79,7 +79,7 @@ class ChunkPool:
         self,
         slot_bytes: int,
         num_slots: int,
-        buffer: object | None = None,
+        buffer: np.ndarray | bytes | bytearray | memoryview | None = None,
         budget: "BudgetShare | None" = None,
         release_pages: Callable[[int], None] | None = None,
         pin_memory: bool | None = None,
@@ -136,7 +136,7 @@ class ChunkPool:
 
         with thread_policy(numa):  # cudaHostAlloc touches the pages as it allocates them
             self._pinned = _torch.empty(nbytes, dtype=_torch.uint8, pin_memory=True)
-        return self._pinned.numpy()  # type: ignore[attr-defined]
+        return self._pinned.numpy()
 
     def numa_stats(self) -> dict[str, int | float]:
         """``cpu_numa_*`` metrics of :attr:`numa` (empty when no placement was asked)."""
@@ -248,7 +248,8 @@ class ChunkPool:
         Raises:
             IndexError: the pool's buffer was released (:meth:`release_buffer`).
         """
-        return self._buf[slot]
+        out: np.ndarray = self._buf[slot]
+        return out
 
     def release_buffer(self) -> None:
         """Drop this pool's reference to its buffer, for an owner about to free the memory under it.
@@ -270,6 +271,7 @@ class ChunkPool:
         """
         base = self._buf.__array_interface__["data"][0]
         offset = view.__array_interface__["data"][0] - base
+        slot: int
         slot, rest = divmod(offset, self.slot_bytes)
         if rest or not 0 <= slot < self.num_slots:
             raise ValueError("view is not a slot of this pool")

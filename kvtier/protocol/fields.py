@@ -18,43 +18,43 @@ INT64_MAX = (1 << 63) - 1
 _BAD = ErrorCode.BAD_MESSAGE
 
 
-def get_int(obj: dict, name: str, lo: int = 0, hi: int = INT64_MAX) -> int:
+def get_int(obj: dict[str, Any], name: str, lo: int = 0, hi: int = INT64_MAX) -> int:
     v = obj.get(name)
     if type(v) is not int or not lo <= v <= hi:
         raise ProtocolError(_BAD, f"field {name!r} must be an integer in [{lo}, {hi}]")
     return v
 
 
-def get_float(obj: dict, name: str, lo: float, hi: float) -> float:
+def get_float(obj: dict[str, Any], name: str, lo: float, hi: float) -> float:
     v = obj.get(name)
-    if type(v) not in (int, float) or not math.isfinite(v) or not lo <= v <= hi:
+    if (type(v) is not int and type(v) is not float) or not math.isfinite(v) or not lo <= v <= hi:
         raise ProtocolError(_BAD, f"field {name!r} must be a number in [{lo}, {hi}]")
     return float(v)
 
 
-def get_str(obj: dict, name: str, max_chars: int = MAX_NAME_CHARS) -> str:
+def get_str(obj: dict[str, Any], name: str, max_chars: int = MAX_NAME_CHARS) -> str:
     v = obj.get(name)
     if not isinstance(v, str) or not 0 < len(v) <= max_chars:
         raise ProtocolError(_BAD, f"field {name!r} must be a non-empty string of <= {max_chars} chars")
     return v
 
 
-def get_opt_str(obj: dict, name: str, max_chars: int = MAX_NAME_CHARS) -> str | None:
+def get_opt_str(obj: dict[str, Any], name: str, max_chars: int = MAX_NAME_CHARS) -> str | None:
     return None if obj.get(name) is None else get_str(obj, name, max_chars)
 
 
-def get_key(obj: dict, name: str) -> bytes:
+def get_key(obj: dict[str, Any], name: str) -> bytes:
     v = obj.get(name)
     if not isinstance(v, bytes) or len(v) != KEY_BYTES:
         raise ProtocolError(_BAD, f"field {name!r} must be a {KEY_BYTES}-byte binary key")
     return v
 
 
-def get_opt_key(obj: dict, name: str) -> bytes | None:
+def get_opt_key(obj: dict[str, Any], name: str) -> bytes | None:
     return None if obj.get(name) is None else get_key(obj, name)
 
 
-def get_keys(obj: dict, name: str) -> list[bytes]:
+def get_keys(obj: dict[str, Any], name: str) -> list[bytes]:
     """A key list (its wire form: one binary of ``n * 32`` bytes, ``n <= MAX_KEYS``)."""
     v = obj.get(name)
     if not isinstance(v, bytes) or len(v) % KEY_BYTES or len(v) > MAX_KEYS * KEY_BYTES:
@@ -62,7 +62,7 @@ def get_keys(obj: dict, name: str) -> list[bytes]:
     return [v[i : i + KEY_BYTES] for i in range(0, len(v), KEY_BYTES)]
 
 
-def get_key_and_parent(o: dict) -> tuple[bytes, bytes | None]:
+def get_key_and_parent(o: dict[str, Any]) -> tuple[bytes, bytes | None]:
     key, parent = get_key(o, "key"), get_opt_key(o, "parent")
     if parent == key:
         # Tiers refuse a chunk that is its own parent (a prefix chain has no cycles).

@@ -27,7 +27,7 @@ def pack(obj: dict[str, Any]) -> bytes:
     Raises:
         ProtocolError: ``TOO_LARGE`` if the body would exceed :data:`MAX_FRAME_BYTES`.
     """
-    body = msgpack.packb(obj, use_bin_type=True)
+    body: bytes = msgpack.packb(obj, use_bin_type=True)
     if len(body) > MAX_FRAME_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {len(body)} B exceeds {MAX_FRAME_BYTES} B")
     return HEADER.pack(len(body)) + body

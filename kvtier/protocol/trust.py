@@ -367,7 +367,7 @@ class Members:
 
     @staticmethod
     def _stamp_of(files: list[Path]) -> tuple[Any, ...]:
-        out = []
+        out: list[tuple[Any, ...]] = []
         for p in files:
             try:
                 st = os.stat(p)

@@ -92,12 +92,12 @@ def parse_backend(text: str) -> BackendSpec:
         if not instance:
             raise RouterConfigError(f"--backend {shown!r}: empty instance id after '='")
     url = s.rstrip("/")
-    parts = urlsplit(url)
+    split = urlsplit(url)
     try:
-        port = parts.port
+        port = split.port
     except ValueError:
         port = -1
-    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+    if split.scheme not in ("http", "https") or not split.hostname or port == -1:
         raise RouterConfigError(f"--backend {shown!r}: expected an http(s)://host:port URL"
                                 " (an events endpoint needs its scheme: @tcp://HOST:PORT)")
     return BackendSpec(url=url, instance_id=instance, events=events, replay=replay)

@@ -216,7 +216,8 @@ class Router:
         keys_by_bs: dict[int, list[bytes]] = {}
         out = []
         for b in healthy:
-            hit_tokens, hit_score, per_tier = 0, 0.0, {}
+            hit_tokens, hit_score = 0, 0.0
+            per_tier: dict[str, int] = {}
             if tokens and self.config.policy == "kv-aware":
                 row = rows.get(b.spec.instance_id or "") if b.spec.instance_id else None
                 hit_tokens, hit_score, per_tier = predicted_hit(self.index, b.name, tokens, keys_by_bs, w,

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvtier.router.config import Weights
     from kvtier.router.prefix_index import PrefixIndex
 
@@ -60,7 +62,7 @@ def weighted_hit(segments: Sequence[tuple[int, float]], prefixes: Sequence[tuple
 CONTROLLER_TIERS = ("CPU", "DISK", "REMOTE")
 
 
-def predicted_hit(index: PrefixIndex, backend: str, tokens: Sequence[int], keys_by_bs: dict[int, list[bytes]],
+def predicted_hit(index: PrefixIndex, backend: str, tokens: Sequence[int] | np.ndarray, keys_by_bs: dict[int, list[bytes]],
                   weights: Weights, row: Mapping[str, Any] | None = None,
                   extra_keys: Sequence[object | None] | None = None) -> tuple[int, float, dict[str, int]]:
     """What ``backend`` holds of a prompt: ``(hit tokens, tier-weighted score, tokens per tier)``.

@@ -17,6 +17,15 @@ import numpy as np
 #: Anything exposing the buffer protocol as contiguous bytes.
 Buffer = Union[bytes, bytearray, memoryview, np.ndarray]
 
+
+def byte_view(buf: Buffer) -> memoryview:
+    """``memoryview(buf)``, typed for any :data:`Buffer`.
+
+    numpy's stubs declare ``ndarray.__buffer__`` for Python >= 3.12 only (numpy#26783), so a
+    type checker targeting 3.11 rejects ``memoryview(ndarray)``, which works at runtime.
+    """
+    return memoryview(buf)  # type: ignore[arg-type]  # numpy's stubs: ndarray is a Buffer on 3.12+ only
+
 #: Element dtypes codecs understand, with their item sizes in bytes.
 DTYPE_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1, "int8": 1, "fp8": 1}
 

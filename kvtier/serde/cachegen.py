@@ -62,7 +62,7 @@ _MODE_LBHNC_KN = 2  # K token-major inside a block
 _ANCHOR_Q = 127
 
 
-def _layer_bits(num_layers: int, bits: tuple[int, int, int]) -> np.ndarray:
+def _layer_bits(num_layers: int, bits: tuple[int, ...]) -> np.ndarray:
     """Bit depth per layer: first third ``bits[0]``, middle ``bits[1]``, last ``bits[2]``."""
     idx = np.minimum(np.arange(num_layers) * 3 // max(num_layers, 1), 2)
     return np.asarray(bits, dtype=np.uint8)[idx]
@@ -95,16 +95,16 @@ class CacheGenCodec(Codec):
         level: int = 3,
         k_layout: str = "transposed",
     ):
-        bits = tuple(int(b) for b in bits)
-        if len(bits) != 3 or not all(2 <= b <= 8 for b in bits):
-            raise ValueError(f"cachegen bits must be three depths in 2..8, got {bits}")
+        depths = tuple(int(b) for b in bits)
+        if len(depths) != 3 or not all(2 <= b <= 8 for b in depths):
+            raise ValueError(f"cachegen bits must be three depths in 2..8, got {depths}")
         if not 1 <= group <= 65535:
             raise ValueError(f"cachegen group must be in 1..65535, got {group}")
         if not -7 <= level <= 22:
             raise ValueError(f"zstd level must be in [-7, 22], got {level}")
         if k_layout not in ("transposed", "token"):
             raise ValueError(f"k_layout must be 'transposed' or 'token', got {k_layout!r}")
-        self.bits = bits
+        self.bits = depths
         self.group = group
         self.level = level
         self.k_layout = k_layout
@@ -180,7 +180,8 @@ class CacheGenCodec(Codec):
         symbols = np.empty(S * C * (ngroups + T), dtype=np.int8)
         symbols[: S * C * ngroups] = qa.transpose(0, 2, 1).reshape(-1)
         symbols[S * C * ngroups :] = q.astype(np.int8).transpose(0, 2, 1).reshape(-1)
-        frame = zstandard.ZstdCompressor(level=self.level, write_content_size=True).compress(symbols)
+        # zstandard's stubs name ByteString; its C function takes any buffer (as here, an ndarray).
+        frame = zstandard.ZstdCompressor(level=self.level, write_content_size=True).compress(symbols)  # type: ignore[arg-type]
         meta = _META.pack(_DTYPES[spec.dtype], mode, g, L, KV, H, B, N, T, C)
         return [meta, layer_bits.tobytes(), ascale.tobytes(), width.tobytes(), frame]
 

@@ -28,7 +28,7 @@ from typing import Callable, Mapping
 
 import xxhash
 
-from kvtier.serde.base import Buffer, Codec, CodecError, ValueSpec
+from kvtier.serde.base import Buffer, Codec, CodecError, ValueSpec, byte_view
 
 MAGIC = b"KVRV"
 FORMAT_VERSION = 1
@@ -60,7 +60,7 @@ def as_bytes_view(buf: Buffer) -> memoryview:
     Raises:
         ValueError: ``buf`` is not C-contiguous.
     """
-    mv = memoryview(buf)
+    mv = byte_view(buf)
     if not mv.c_contiguous:
         raise ValueError("chunk buffers must be C-contiguous")
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
@@ -83,8 +83,8 @@ def encode_value(key: bytes, payload: Buffer, codec: Codec, spec: ValueSpec) -> 
     h = xxhash.xxh3_64()
     body_len = 0
     for part in body:
-        h.update(part)
-        body_len += memoryview(part).nbytes
+        h.update(part)  # type: ignore[arg-type]  # numpy's stubs: ndarray is a Buffer on 3.12+ only
+        body_len += byte_view(part).nbytes
     header_len = FIXED.size + len(key) + _SUM
     name = codec.name.encode("ascii")
     if len(name) > 16:

@@ -16,6 +16,8 @@ from typing import Any, Callable
 import numpy as np
 import xxhash
 
+from kvtier.serde.base import byte_view
+
 
 def _symbol() -> Callable[[int, int], int] | None:
     try:
@@ -30,7 +32,7 @@ def _symbol() -> Callable[[int, int], int] | None:
     buf = ctypes.create_string_buffer(probe, len(probe))
     if fn(ctypes.addressof(buf), len(probe)) != xxhash.xxh3_64_intdigest(probe):  # a different library: not ours
         return None
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _XXH3 = _symbol()
@@ -44,7 +46,7 @@ def xxh3_64_int(buf: Any) -> int:
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
     if _XXH3 is None:
-        return xxhash.xxh3_64_intdigest(memoryview(arr).cast("B"))
+        return xxhash.xxh3_64_intdigest(byte_view(arr).cast("B"))
     return int(_XXH3(arr.ctypes.data, arr.nbytes))
 
 

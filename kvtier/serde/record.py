@@ -46,7 +46,7 @@ from typing import Callable, Mapping
 import blake3
 import xxhash
 
-from kvtier.serde.base import Buffer, Codec, CodecError, ValueSpec
+from kvtier.serde.base import Buffer, Codec, CodecError, ValueSpec, byte_view
 
 MAGIC = b"KVTIERC\x00"
 #: Magic of the disk tier's previous format (files found at start are dropped).
@@ -148,7 +148,7 @@ def align_up(n: int) -> int:
 
 def checksum(data: Buffer) -> bytes:
     """xxh3-64 digest (8 bytes) of ``data``."""
-    return xxhash.xxh3_64_digest(data)
+    return xxhash.xxh3_64_digest(data)  # type: ignore[arg-type]  # numpy's stubs: ndarray is a Buffer on 3.12+ only
 
 
 def encode_header(
@@ -208,7 +208,7 @@ def encode_payload_header(
     key: bytes, namespace: bytes, payload: Buffer, parent: bytes | None = None, stored_len: int | None = None
 ) -> bytes:
     """The header of a ``raw`` record whose body is ``payload`` (checksummed here)."""
-    n = memoryview(payload).nbytes
+    n = byte_view(payload).nbytes
     return encode_header(
         key=key, namespace=namespace, parent=parent, payload_len=n, body_len=n,
         body_sum=checksum(payload), stored_len=stored_len,
@@ -229,7 +229,7 @@ def decode_header(buf: Buffer, *, full: bool = True) -> RecordHeader:
         BadVersion: another format version or header length.
         BadChecksum: header checksum mismatch or non-zero padding.
     """
-    mv = memoryview(buf).cast("B")
+    mv = byte_view(buf).cast("B")
     if len(mv) < FIXED.size:
         raise Truncated("truncated header")
     magic = bytes(mv[:8])
@@ -312,8 +312,8 @@ def encode_record(
     h = xxhash.xxh3_64()
     body_len = 0
     for part in body:
-        h.update(part)
-        body_len += memoryview(part).nbytes
+        h.update(part)  # type: ignore[arg-type]  # numpy's stubs: ndarray is a Buffer on 3.12+ only
+        body_len += byte_view(part).nbytes
     header = encode_header(
         key=key, namespace=namespace, parent=parent, payload_len=len(payload), body_len=body_len,
         body_sum=h.digest(), codec=codec.name, codec_version=codec.version,

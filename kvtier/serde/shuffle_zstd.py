@@ -40,7 +40,8 @@ class ShuffleZstdCodec(Codec):
         data = np.frombuffer(payload, dtype=np.uint8)
         shuffled = data.reshape(-1, k).T.copy() if k > 1 else data
         # ZstdCompressor objects are not safe to share between threads: one per call.
-        frame = zstandard.ZstdCompressor(level=self.level, write_content_size=True).compress(shuffled)
+        # zstandard's stubs name ByteString; its C function takes any buffer (as here, an ndarray).
+        frame = zstandard.ZstdCompressor(level=self.level, write_content_size=True).compress(shuffled)  # type: ignore[arg-type]
         return [bytes([k]), frame]
 
     def decode_into(self, body: memoryview, out: memoryview) -> None:

@@ -44,12 +44,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import xxhash
 
+from kvtier.serde.base import byte_view
 from kvtier.serde.nogil_hash import xxh3_64_int
 
 
 def chunk_sum(buf: np.ndarray) -> int:
     """xxh3-64 of a chunk's bytes."""
-    return xxhash.xxh3_64_intdigest(memoryview(buf).cast("B"))
+    return xxhash.xxh3_64_intdigest(byte_view(buf).cast("B"))
 
 
 def chunk_sum_nogil(buf: np.ndarray) -> int:

@@ -234,11 +234,12 @@ class KVOps:
         _check([b for ids in r.blocks for b in ids], kv.num_blocks)
         got = self.handlers._load(s.holds, reg, r.keys, r.parents)
         hits = next((i for i, g in enumerate(got) if g is None), len(got))
+        held = [g for g in got[:hits] if g is not None]  # all of them: the prefix of hits
         pool, dev = reg.host.pool, kv.buffers.device
 
         def work() -> None:
-            for i in range(hits):
-                src = torch.from_numpy(pool.view(got[i][1])).view(len(kv.layers), kv.bpc, kv.page_bytes)
+            for i, g in enumerate(held):
+                src = torch.from_numpy(pool.view(g[1])).view(len(kv.layers), kv.bpc, kv.page_bytes)
                 ids = torch.tensor(r.blocks[i], dtype=torch.int64, device=dev)
                 scatter(src[:, r.offsets[i] : r.offsets[i] + len(r.blocks[i])], kv.layers, None, ids)
 
@@ -250,7 +251,7 @@ class KVOps:
                     handle = s.holds.pop_read(g[0])
                     if handle is not None:
                         handle.close()
-        return {"sources": [g[2] for g in got[:hits]] + [None] * (len(got) - hits)}
+        return {"sources": [g[2] for g in held] + [None] * (len(got) - hits)}
 
 
 def _check(ids: list[int], num_blocks: int) -> None:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -86,7 +86,7 @@ class LoadVerifier:
         self.checked = 0
         self.mismatches = 0
 
-    def submit(self, handles: list[Checked]) -> None:
+    def submit(self, handles: Sequence[Checked]) -> None:
         """Queue ``handles`` (in the order the caller will read them)."""
         if not handles:
             return

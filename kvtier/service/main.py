@@ -40,7 +40,7 @@ def check_tcp_host(tcp_host: str | None, allow_remote: bool) -> str | None:
         infos = socket.getaddrinfo(tcp_host, None, proto=socket.IPPROTO_TCP)
     except (socket.gaierror, UnicodeError) as exc:
         return f"--tcp-host {tcp_host!r} does not resolve: {exc}"
-    if all(ipaddress.ip_address(info[4][0].split("%", 1)[0]).is_loopback for info in infos):
+    if all(ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]).is_loopback for info in infos):
         return None
     return (
         f"--tcp-host {tcp_host!r} is not a loopback address: other machines could connect; "

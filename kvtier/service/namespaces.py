@@ -56,6 +56,7 @@ from kvtier.service.namespace_host import NamespaceHost
 from kvtier.service.quotas import QuotaLimits, QuotaTable
 from kvtier.service.ratelog import RateLimitedLog
 from kvtier.service.session import Registered, Session
+from kvtier.tiers.disk.tier import DiskTier
 
 if TYPE_CHECKING:
     from kvtier.service.session import SessionTable
@@ -393,7 +394,7 @@ class NamespaceTable:
         """Bound every hosted namespace's disk tier by ``share`` bytes (shrinking evicts leaves)."""
         for e in self._entries.values():
             disk = e.host.manager.disk
-            if disk is not None and disk.capacity_bytes != share and hasattr(disk, "set_capacity"):
+            if isinstance(disk, DiskTier) and disk.capacity_bytes != share:  # (the only tier of kind disk)
                 disk.set_capacity(share)
 
     def _release_idle_locked(self, force: bool) -> None:

@@ -19,10 +19,13 @@ peer gets them; a mismatch is a miss.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvtier.service.namespaces import NamespaceTable
+    from kvtier.storage.types import ReadHandle
 
 
 @dataclass
@@ -35,8 +38,8 @@ class HeldRead:
         source: the tier it was read from (``"cpu"``, ``"disk"``, ...).
     """
 
-    handle: Any
-    release: Any
+    handle: ReadHandle
+    release: Callable[[], None]
     closed: bool = field(default=False)
 
     @property
@@ -44,7 +47,7 @@ class HeldRead:
         return self.handle.key
 
     @property
-    def buffer(self) -> Any:
+    def buffer(self) -> np.ndarray:
         return self.handle.buffer
 
     @property

@@ -116,8 +116,10 @@ class SegmentPins:
             self._unpin(pin)
 
     def _unpin(self, pin: _Pin) -> None:
+        cudart = self.cudart
+        assert cudart is not None, "a segment is pinned only once cudart is loaded"
         try:
-            err = int(self.cudart.cudaHostUnregister(pin.address))
+            err = int(cudart.cudaHostUnregister(pin.address))
             if err != 0:
                 log.warning("kvtier server: cudaHostUnregister failed (error %d)", err)
         finally:

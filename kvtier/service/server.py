@@ -47,7 +47,8 @@ from kvtier.service.metrics import ServerMetrics
 from kvtier.service.namespace_host import NamespaceHost
 from kvtier.service.namespaces import NamespaceTable, maintenance_loop
 from kvtier.service.peer_host import HostedChunks
-from kvtier.service.options import HANDSHAKE_FRAME_BYTES, ServerOptions  # noqa: F401 (ServerOptions re-exported)
+from kvtier.service.options import HANDSHAKE_FRAME_BYTES
+from kvtier.service.options import ServerOptions as ServerOptions  # re-exported
 from kvtier.service.pinning import SegmentPins
 from kvtier.service.session import Session, SessionTable
 from kvtier.tiers.disk.fileops import FileOps

@@ -19,31 +19,17 @@ from kvtier.storage.types import LookupResult, ReadHandle, WriteSkip
 
 
 class KVStore(Protocol):
-    chunk_bytes: int
-
-    def keys(self, tokens: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
-        """Chunk keys (32-byte digests) of every full chunk of ``tokens``."""
-
-    def lookup(
-        self,
-        tokens: Sequence[int],
-        cache_salt: str | None = None,
-        lease_owner: str | None = None,
-        keys: Sequence[bytes] | None = None,
-    ) -> LookupResult:
-        """Longest cached prefix of ``tokens`` (never the whole prompt); leased to ``lease_owner`` if given."""
+    """What engine connectors call on a store (both implementations satisfy it; mypy checks
+    wherever one is passed or returned as a ``KVStore``). Token-level calls (``keys``,
+    ``lookup``, ``prefetch``) are :class:`~kvtier.storage.manager.StorageManager`'s own: a
+    connector hashes tokens itself (:class:`~kvtier.index.keys.KeyNamespace`) and looks keys up.
+    """
 
     def lookup_keys(self, keys: Sequence[bytes], lease_owner: str | None = None) -> LookupResult:
         """Longest prefix of ``keys`` held by any tier; leased to ``lease_owner`` if given."""
 
     def release(self, lease_owner: str) -> None:
         """End ``lease_owner``'s lease."""
-
-    def contains(self, key: bytes) -> bool:
-        """True if the CPU or a local lower tier holds ``key`` (never a remote round trip)."""
-
-    def where(self, key: bytes) -> str | None:
-        """Fastest local tier kind holding ``key`` (``"cpu"``, ``"disk"``), or None."""
 
     def open_write(self, key: bytes, parent: bytes | None) -> np.ndarray | None:
         """A buffer to fill for ``key``, or None (already stored, being written, or no room)."""
@@ -70,13 +56,8 @@ class KVStore(Protocol):
     def open_read(self, key: bytes, parent: bytes | None = None) -> ReadHandle | None:
         """Hold ``key`` for reading (``.buffer``, ``.source``, ``.close()``), or None on a miss."""
 
-    def open_read_many(self, items: Sequence[tuple[bytes, bytes | None]]) -> list[ReadHandle | None]:
+    def open_read_many(self, items: Sequence[tuple[bytes, bytes | None]]) -> Sequence[ReadHandle | None]:
         """``open_read`` for many ``(key, parent)`` pairs, in order, in as few round trips as possible."""
-
-    def prefetch(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
-        """Queue promotion of a prompt's lower-tier chunks; returns chunks queued."""
-
-    def flush(self, timeout_s: float | None = None) -> bool: ...
 
     def clear(self) -> dict[str, int]:
         """Remove this namespace's chunks from every tier; chunks removed per tier."""

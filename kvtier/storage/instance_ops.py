@@ -29,7 +29,7 @@ Semantics worth knowing:
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvtier.storage import ops_codec, ops_move, ops_pins, ops_remove, ops_state
 from kvtier.storage.manager import StorageManager
@@ -282,12 +282,13 @@ class InstanceOps:
         Raises:
             OpError: unknown op, unknown or missing argument, or the op's own checks.
         """
-        fn = {
+        ops: dict[str, Callable[..., dict[str, Any]]] = {
             "clear": self.clear, "delete": self.delete, "pin": self.pin, "unpin": self.unpin,
             "move_local": self.move_local, "export": self.export, "import": self.import_,
             "compress": self.compress, "decompress": self.decompress, "verify": self.verify,
             "health": self.health, "stats": self.stats,
-        }.get(op)
+        }
+        fn = ops.get(op)
         if fn is None:
             raise OpError(f"op: unknown operation {op!r}")
         if not isinstance(args, dict):

@@ -57,7 +57,8 @@ def chunk_spec(namespace: KeyNamespace) -> ValueSpec:
 def _accepts(cls: type, name: str) -> bool:
     """True if ``cls(...)`` takes keyword ``name`` (explicitly or through ``**options``)."""
     try:
-        params = inspect.signature(cls.__init__).parameters.values()
+        # The class's own __init__, read off the class object (mypy's instance-access warning does not apply).
+        params = inspect.signature(cls.__init__).parameters.values()  # type: ignore[misc]
     except (TypeError, ValueError):  # pragma: no cover - builtins without signatures
         return False
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

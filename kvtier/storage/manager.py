@@ -275,7 +275,7 @@ class StorageManager:
                                                     if hasattr(t, "parent_of")]
         k: bytes | None = key
         for _ in range(max_steps):
-            parent = None
+            parent: bytes | None = None
             for fn in parent_of:
                 parent = fn(k)
                 if parent is not None:
@@ -411,7 +411,7 @@ class StorageManager:
         # staging a long prompt's chunks (write-behind) instead of refusing its tail.
         own = set(keys)
         asked = sorted({p for p in parents if p is not None and p not in own})
-        below = set()
+        below: set[bytes] = set()
         for tier in self._local if asked else ():
             below.update(p for p, ok in zip(asked, contains_many_safe(tier, asked)) if ok)
         skipped = 0

@@ -129,7 +129,7 @@ def check_ttl(ttl_s: object) -> float | None:
         isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or ttl_s <= 0
     ):
         raise OpError(f"ttl_s: must be a positive number of seconds or None, got {ttl_s!r}")
-    return ttl_s  # type: ignore[return-value]
+    return ttl_s
 
 
 def check_codec(codec: str) -> Codec:

@@ -10,6 +10,7 @@ exception. ``tier`` arguments are ``"cpu"`` or a :class:`~kvtier.tiers.base.Lowe
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Callable, Sequence
 
 import numpy as np
@@ -100,7 +101,7 @@ def stage_any(m: StorageManager, items: Sequence[tuple[bytes, bytes | None]], ex
     for key, parent in items:
         buf = cpu.acquire(key) if exclude != "cpu" else None
         if buf is not None:
-            out.append(Staged(key, parent, buf, lambda k=key: cpu.release(k)))
+            out.append(Staged(key, parent, buf, partial(cpu.release, key)))
         else:
             todo.append((key, parent))
     for tier in m.lower:
@@ -132,7 +133,7 @@ def stage_via_cpu(m: StorageManager, src: LowerTier, items: Sequence[tuple[bytes
             continue
         buf = cpu.acquire(key) if got is WriteSkip.PRESENT else None
         if buf is not None:
-            out.append(Staged(key, parent, buf, lambda k=key: cpu.release(k)))
+            out.append(Staged(key, parent, buf, partial(cpu.release, key)))
         else:
             reads.append((key, parent, np.empty(m.chunk_bytes, dtype=np.uint8), False))
     got_ok = read_lower(src, [r[0] for r in reads], [r[2] for r in reads])
@@ -147,7 +148,7 @@ def stage_via_cpu(m: StorageManager, src: LowerTier, items: Sequence[tuple[bytes
         cpu.commit(key, parent)
         view = cpu.acquire(key)
         if view is not None:
-            out.append(Staged(key, parent, view, lambda k=key: cpu.release(k), added_to_cpu=True))
+            out.append(Staged(key, parent, view, partial(cpu.release, key), added_to_cpu=True))
     return out
 
 

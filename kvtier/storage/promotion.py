@@ -87,10 +87,10 @@ class Promoter:
             if handle is not None:
                 out[i] = handle
             elif self.lower:
-                got = self.cpu.try_reserve(key, parent)
-                if isinstance(got, np.ndarray):
-                    dsts[i] = (got, True)
-                elif got is WriteSkip.PRESENT and (handle := acquire_handle(self.cpu, key)) is not None:
+                slot = self.cpu.try_reserve(key, parent)
+                if isinstance(slot, np.ndarray):
+                    dsts[i] = (slot, True)
+                elif slot is WriteSkip.PRESENT and (handle := acquire_handle(self.cpu, key)) is not None:
                     out[i] = handle  # committed by another thread since
                 else:  # IN_FLIGHT (another thread's reservation), NO_ROOM, or evicted meanwhile
                     dsts[i] = (np.empty(self.chunk_bytes, dtype=np.uint8), False)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from kvtier.storage.manager import StorageManager
 
 _lock = threading.Lock()
-_managers: dict[str, list] = {}  # engine id -> [manager, refcount]
+_managers: dict[str, list[Any]] = {}  # engine id -> [manager, refcount]
 
 
 def acquire(name: str, factory: Callable[[], StorageManager]) -> StorageManager:
@@ -27,7 +27,8 @@ def acquire(name: str, factory: Callable[[], StorageManager]) -> StorageManager:
         if slot is None:
             slot = _managers[name] = [factory(), 0]
         slot[1] += 1
-        return slot[0]
+        manager: StorageManager = slot[0]
+        return manager
 
 
 def get(name: str) -> StorageManager | None:

@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 #: Longest line :func:`iter_trace` reads (bytes); a longer one is an error, not a memory spike.
 MAX_LINE_BYTES = 8 << 20
@@ -62,7 +62,7 @@ class TraceRecord:
     hash_ids: tuple[int, ...]
 
 
-def _int_field(obj: dict, name: str, lo: int, hi: int, err: Callable[[str, str], TraceFormatError]) -> int:
+def _int_field(obj: dict[str, Any], name: str, lo: int, hi: int, err: Callable[[str, str], TraceFormatError]) -> int:
     v = obj[name]
     if isinstance(v, bool) or not isinstance(v, int):
         raise err(name, f"expected an integer, got {type(v).__name__} {str(v)[:40]!r}")

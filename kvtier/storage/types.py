@@ -9,11 +9,11 @@ name a result.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Self
 
 import numpy as np
 
-from kvtier.tiers.cpu import WriteSkip  # noqa: F401 (re-exported: the CPU tier's reservation outcomes)
+from kvtier.tiers.cpu import WriteSkip as WriteSkip  # re-exported: the CPU tier's reservation outcomes
 
 #: Tier labels a lookup reports, fastest first. ``cpu`` is the CPU DRAM tier; every
 #: lower tier reports its ``kind`` (:class:`kvtier.tiers.base.LowerTier`).
@@ -55,7 +55,14 @@ class ReadHandle(Protocol):
     """
 
     key: bytes
-    buffer: np.ndarray
     source: str
 
+    @property
+    def buffer(self) -> np.ndarray: ...
+
     def close(self) -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc: object) -> None:
+        """``close()``."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import Sequence, Union
 
 from kvtier.storage.batch_worker import BatchWorker
@@ -70,7 +71,7 @@ class WriteBehind:
         self._workers: list[BatchWorker[_Item]] = [
             BatchWorker(
                 f"kvtier-{tier.name or tier.kind}-write",
-                lambda batch, i=i: self._write_batch(i, batch),
+                partial(self._write_batch, i),
                 max(1, int(size)),
                 max_batch,
                 on_discard=self._discard,

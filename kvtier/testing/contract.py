@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from kvtier.serde.base import Buffer, Codec, CodecError, ValueSpec
+from kvtier.serde.base import Buffer, Codec, CodecError, ValueSpec, byte_view
 from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters
 
 _CHANNELS = 64
@@ -173,7 +173,7 @@ class TierContract:
     def test_accepts_bytes_and_memoryview(self, tier: LowerTier, harness: TierHarness) -> None:
         k1, k2 = _keys(2)
         (value,) = self._payloads(harness, 1, seed=3)
-        assert tier.put_many([ChunkWrite(k1, None, value.tobytes()), ChunkWrite(k2, None, memoryview(value))]) == [
+        assert tier.put_many([ChunkWrite(k1, None, value.tobytes()), ChunkWrite(k2, None, byte_view(value))]) == [
             True,
             True,
         ]

@@ -169,8 +169,8 @@ async def serve(listen: list[tuple[str, int]], ready: Path | None) -> None:
     servers = [uvicorn.Server(uvicorn.Config(make_app(role, port)[0], host="127.0.0.1", port=port,
                                              log_level="critical", lifespan="off", access_log=False))
                for role, port in listen]
-    for s in servers:
-        s.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    # (uvicorn's serve() takes SIGTERM/SIGINT in capture_signals and re-raises them as it returns,
+    # so the loop's handlers below still set ``stop``.)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Mapping, Sequence
 
-from kvtier.serde.base import Buffer, Codec, ValueSpec
+from kvtier.serde.base import Buffer, Codec, ValueSpec, byte_view
 from kvtier.serde.envelope import ValueMiss, encode_value, read_value_into
 from kvtier.serde.registry import decoders_with, make_codec
 from kvtier.tiers.base import ChunkWrite, LowerTier, TierCounters, check_key, writable_view
@@ -195,7 +195,7 @@ class MemoryTier(LowerTier):
             except ValueError:
                 out.append(False)
                 continue
-            value = b"".join(bytes(memoryview(p).cast("B")) for p in ev.parts)
+            value = b"".join(bytes(byte_view(p).cast("B")) for p in ev.parts)
             ok = self.store.put(self.namespace, item.key, item.parent, value)
             written += len(value) if ok else 0
             out.append(ok)

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from typing import Any, Callable, ClassVar, Iterator, Sequence
 
-from kvtier.serde.base import Buffer, Codec
+from kvtier.serde.base import Buffer, Codec, byte_view
 
 #: What a tier that reports its own changes calls: ``(op, keys, parents)`` with ``op``
 #: ``"s"`` (stored; ``parents`` as long as ``keys``), ``"r"`` (removed) or ``"c"``
@@ -297,7 +297,7 @@ def writable_view(out: Buffer) -> memoryview:
     Raises:
         ValueError: ``out`` is read-only or not C-contiguous.
     """
-    mv = memoryview(out)
+    mv = byte_view(out)
     if mv.readonly:
         raise ValueError("get destination buffer is read-only")
     if not mv.c_contiguous:

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from kvtier.serde.base import Buffer, Codec, CodecError, ValueSpec
+from kvtier.serde.base import Buffer, Codec, CodecError, ValueSpec, byte_view
 from kvtier.serde.envelope import as_bytes_view
 from kvtier.serde.record import (
     HEADER_BYTES,
@@ -102,7 +102,7 @@ class FsTier(LowerTier):
 
     def __init__(
         self,
-        root: str | os.PathLike,
+        root: str | os.PathLike[str],
         namespace: bytes = UNNAMED_NAMESPACE,
         codec: str | Codec = "raw",
         codec_options: Mapping[str, Any] | None = None,
@@ -518,7 +518,7 @@ class FsTier(LowerTier):
 
 
 def _writev_all(fd: int, parts: Sequence[Buffer]) -> None:
-    views = [memoryview(p).cast("B") if memoryview(p).format != "B" else memoryview(p) for p in parts]
+    views = [byte_view(p).cast("B") if byte_view(p).format != "B" else byte_view(p) for p in parts]
     while views:
         n = os.writev(fd, views[:512])
         while n > 0:

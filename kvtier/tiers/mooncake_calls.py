@@ -115,7 +115,7 @@ class MooncakeCalls:
         self.setups = 0  # successful setup() calls
         self.late_calls = 0  # calls that outlived their deadline
         self.overruns = 0  # jobs still running past their deadline plus grace
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"kvtier-mooncake-{i}", daemon=True) for i in range(opts.workers)
         ]
@@ -227,9 +227,9 @@ class MooncakeCalls:
         if self._store is not None and not self.breaker.allow():
             raise Unavailable("breaker open")
         store = self._client(deadline)
-        futs: list[Future] = []
+        futs: list[Future[Any]] = []
         for fn in fns:
-            fut: Future = Future()
+            fut: Future[Any] = Future()
             self._jobs.put((functools.partial(fn, store), fut))
             futs.append(fut)
         results: list[T | None] = []

@@ -437,7 +437,7 @@ class MooncakeTier(LowerTier):
         codes = self._call(lambda s: list(s.batch_remove([self.mooncake_key(k) for k in keys], True)))
         if codes is None:
             return 0
-        n = sum(c == 0 for c in codes)
+        n: int = sum(c == 0 for c in codes)
         self.counters.add(deletes=n)
         return n
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import Iterator
+from typing import Iterator, TypeVar
 
 from kvtier.tiers.policy_base import ChainAwarePolicy
 
@@ -157,7 +157,12 @@ class _Mini:
             self.ghost.popitem(last=False)
 
 
-def _victim_queue(mode: str | float, t1: OrderedDict, t2: OrderedDict, resident: int) -> OrderedDict:
+#: Key type of the queues (chunk keys in the policy, sampled fingerprints in its miniature simulations).
+_K = TypeVar("_K")
+
+
+def _victim_queue(mode: str | float, t1: OrderedDict[_K, int], t2: OrderedDict[_K, int],
+                  resident: int) -> OrderedDict[_K, int]:
     """The queue whose oldest key goes next under ``mode`` (both non-empty or one of them)."""
     if not t2:
         return t1

@@ -87,6 +87,12 @@ class NodePool:
             conn.disconnect()
 
 
+def _socket_of(conn: redis.connection.AbstractConnection) -> socket.socket:
+    """The socket of a connected redis-py connection (its ``__init__`` sets ``_sock = None``
+    untyped, which type checkers take as its only type)."""
+    return conn._sock  # type: ignore[return-value]  # redis-py: _sock is inferred as None
+
+
 class Batch:
     """Commands for one node in one call, with a reply handler per command."""
 
@@ -96,7 +102,7 @@ class Batch:
         self.addr = addr
         self.commands: list[list[Any]] = []
         self.handlers: list[Callable[[Wire], None]] = []
-        self.conn = None
+        self.conn: redis.connection.AbstractConnection | None = None
         self.wire: Wire | None = None
         self.failed = False
 
@@ -158,7 +164,7 @@ class RedisNodes:
             conn = None
             try:
                 conn = pool.acquire(deadline)
-                wire = Wire(conn._sock, deadline)
+                wire = Wire(_socket_of(conn), deadline)
                 wire.send(packed([[b"CLUSTER", b"SLOTS"]]))
                 reply = wire.read_reply()
             except TRANSPORT_ERRORS as exc:
@@ -208,7 +214,7 @@ class RedisNodes:
         A node whose breaker is open, or that fails, leaves its handlers unrun
         (their results keep the default miss); transport failures feed its breaker.
         """
-        live: list[Batch] = []
+        live: list[tuple[Batch, redis.connection.AbstractConnection, Wire]] = []
         for b in batches:
             pool = self.pool(b.addr)
             if not pool.breaker.allow():
@@ -216,22 +222,22 @@ class RedisNodes:
                 self.counters.add(skipped_calls=1)
                 continue
             try:
-                b.conn = pool.acquire(deadline)
-                b.wire = Wire(b.conn._sock, deadline)
-                b.wire.send(packed(b.commands))
+                conn = b.conn = pool.acquire(deadline)
+                wire = b.wire = Wire(_socket_of(conn), deadline)
+                wire.send(packed(b.commands))
             except Exception as exc:  # transport errors, and any bug: never raise to the engine
                 self._node_failed(b, pool, exc)
                 continue
-            live.append(b)
-        for b in live:
+            live.append((b, conn, wire))
+        for b, conn, wire in live:
             pool = self.pool(b.addr)
             try:
                 for handler in b.handlers:
-                    handler(b.wire)
+                    handler(wire)
             except Exception as exc:  # the stream position is unknown: drop the connection
                 self._node_failed(b, pool, exc)
                 continue
-            pool.release(b.conn, healthy=True)
+            pool.release(conn, healthy=True)
             pool.breaker.success()
 
     def _node_failed(self, b: Batch, pool: NodePool, exc: BaseException) -> None:

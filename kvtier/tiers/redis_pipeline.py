@@ -11,6 +11,7 @@ leaves the caller's default (a miss). A handler whose node fails never runs.
 
 from __future__ import annotations
 
+import builtins
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -120,7 +121,7 @@ class GetTally:
     absent: int = 0
     corrupt: int = 0
     bytes: int = 0
-    corrupt_rkeys: list[bytes] = field(default_factory=list)
+    corrupt_rkeys: list[builtins.bytes] = field(default_factory=list)  # (the field above shadows bytes)
 
 
 def value_into(

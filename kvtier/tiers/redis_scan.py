@@ -8,12 +8,18 @@ walk (what it gave so far stands), the other primaries go on.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any, Iterator, Sequence
 
 from kvtier.tiers.redis_nodes import Addr, Batch, RedisNodes, glob_escape
 from kvtier.tiers.redis_pipeline import count_into
+from kvtier.tiers.resp import Wire
 
 __all__ = ["scan_pages", "unlink_on"]
+
+
+def _append_reply(out: list[Any], wire: Wire) -> None:
+    out.append(wire.read_reply())
 
 
 def scan_pages(nodes: RedisNodes, prefix: bytes, timeout_s: float) -> Iterator[tuple[Addr, list[bytes]]]:
@@ -27,7 +33,7 @@ def scan_pages(nodes: RedisNodes, prefix: bytes, timeout_s: float) -> Iterator[t
             reply: list[Any] = []
             b = Batch(addr)
             b.commands.append([b"SCAN", cursor, b"MATCH", pattern, b"COUNT", b"1000"])
-            b.handlers.append(lambda wire, r=reply: r.append(wire.read_reply()))
+            b.handlers.append(partial(_append_reply, reply))
             nodes.run([b], time.monotonic() + timeout_s)
             if b.failed or not reply or not isinstance(reply[0], list):
                 break

@@ -22,7 +22,7 @@ import ssl
 import time
 from typing import Sequence
 
-from kvtier.serde.base import Buffer
+from kvtier.serde.base import Buffer, byte_view
 
 #: Buffers at least this large are sent as their own iovec instead of being copied.
 _BIG = 16 * 1024
@@ -51,7 +51,7 @@ class ProtocolError(ConnectionError):
 
 
 def _view(buf: Buffer) -> memoryview:
-    mv = memoryview(buf)
+    mv = byte_view(buf)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 

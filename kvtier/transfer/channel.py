@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Sequence, Union
 import numpy as np
 import xxhash
 
-from kvtier.serde.base import Buffer
+from kvtier.serde.base import Buffer, byte_view
 from kvtier.tiers.base import AtomicCounters, check_key, writable_view
 from kvtier.transfer.errors import TransferTimeout
 
@@ -107,7 +107,7 @@ def check_out_chunks(chunks: Sequence[OutChunk]) -> list[tuple[bytes, memoryview
         key, payload = item[0], item[1]
         check_key(key)
         try:
-            mv = memoryview(payload)
+            mv = byte_view(payload)
         except TypeError as exc:
             raise TypeError(f"payload must be a buffer, got {type(payload).__name__}") from exc
         if not mv.c_contiguous:

@@ -134,12 +134,13 @@ def encode_frame(msg: Message) -> bytes:
     return PREFIX.pack(MAGIC, len(body)) + body
 
 
-def decode_prefix(prefix: bytes | memoryview) -> int:
+def decode_prefix(prefix: bytes | bytearray | memoryview) -> int:
     """The header length announced by a frame prefix.
 
     Raises:
         ProtocolError: wrong magic or an out-of-range length.
     """
+    length: int
     magic, length = PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise ProtocolError(f"malformed frame: bad magic {bytes(magic)!r} (not a kvtier transfer peer?)")
@@ -148,7 +149,7 @@ def decode_prefix(prefix: bytes | memoryview) -> int:
     return length
 
 
-def decode_header(body: bytes | memoryview) -> Message:
+def decode_header(body: bytes | bytearray | memoryview) -> Message:
     """Decode and range-check one frame header.
 
     Raises:

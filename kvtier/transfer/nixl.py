@@ -249,7 +249,7 @@ class NixlChannel(StreamChannel):
 
     def _state(self, handle: Any) -> str:
         try:
-            state = self._agent.check_xfer_state(handle)
+            state: str = self._agent.check_xfer_state(handle)
         except Exception as exc:
             raise PeerGone(f"nixl transfer failed: {exc}") from None
         if state == "ERR":

@@ -29,16 +29,21 @@ import hashlib
 import hmac
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.protocol.trust import Credentials, Member, key_text
 from kvtier.transfer.errors import PeerRefused
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 _LABEL = b"kvtier-peer-auth/v1"
 KEY_BYTES = 32
 MAC_BYTES = 32
 
 
-def _x25519():  # imported on first use: only authenticated links need cryptography
+def _x25519() -> tuple[type[X25519PrivateKey], type[X25519PublicKey]]:
+    # imported on first use: only authenticated links need cryptography
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
     return X25519PrivateKey, X25519PublicKey

@@ -317,7 +317,8 @@ class PeerServer:
                        and ln.member.public == member.public)
             full = len(self._links) >= self.max_connections
             if full or (member is not None and mine >= self.max_per_member):
-                why = "too many peer connections" if full else f"member {member.name!r} has {mine} connections already"
+                why = ("too many peer connections" if full or member is None
+                       else f"member {member.name!r} has {mine} connections already")
             else:
                 why = ""
                 link = _Link(p.sock, member)
@@ -435,11 +436,11 @@ class PeerServer:
         chan = link.chan
         member = link.member
         if member is not None and self.credentials is not None:
-            member = self.credentials.members.get(member.public)
-            if member is None or not member.may("peer"):
-                log.info("kvtier peer server: closing the link of revoked member %r", link.member.name)
+            current = self.credentials.members.get(member.public)
+            if current is None or not current.may("peer"):
+                log.info("kvtier peer server: closing the link of revoked member %r", member.name)
                 return False
-            link.member = member
+            link.member = member = current
         body = chan.recv_control(timeout_s=self.timeout_s)
         try:
             req = decode(_REQUEST_DECODER, body)

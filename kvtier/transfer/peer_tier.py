@@ -51,6 +51,8 @@ class ReadOnlyTier(LowerTier):
     Subclasses set ``self.counters`` (:class:`TierCounters`); stores are counted as failed.
     """
 
+    counters: TierCounters  # (declared here, set by each subclass)
+
     @property
     def writable(self) -> bool:
         return False

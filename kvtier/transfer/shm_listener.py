@@ -12,6 +12,9 @@ from kvtier.transfer.channel import DEFAULT_TIMEOUT_S
 from kvtier.transfer.shm import DEFAULT_STAGING_BYTES, ShmChannel
 from kvtier.transfer.stream import accept_socket
 
+#: ``socket.socket``, for annotations in the class whose ``socket`` property shadows the module.
+_Socket = socket.socket
+
 
 class ShmListener:
     """Accepts :class:`ShmChannel` peers on a Unix socket (created 0600: only this user may connect;
@@ -45,7 +48,7 @@ class ShmListener:
         """The listening socket (a :class:`~kvtier.transfer.peer_server.PeerServer` accepts on it itself)."""
         return self._sock
 
-    def channel(self, sock: socket.socket) -> ShmChannel:
+    def channel(self, sock: _Socket) -> ShmChannel:
         """The channel of an accepted connection whose handshake is done (blocking mode)."""
         sock.setblocking(True)
         return ShmChannel(sock, self.timeout_s, self.staging_bytes)

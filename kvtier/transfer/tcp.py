@@ -20,6 +20,7 @@ from typing import Sequence
 
 from kvtier.transfer.channel import (
     DEFAULT_TIMEOUT_S,
+    Deadline,
     InSlot,
     OutChunk,
     check_in_slots,
@@ -29,6 +30,9 @@ from kvtier.transfer.channel import (
 from kvtier.transfer.errors import TransferError
 from kvtier.transfer.frames import Batch, BatchAck, Chunk, encode_frame
 from kvtier.transfer.stream import StreamChannel, accept_socket
+
+#: ``socket.socket``, for annotations in classes whose ``socket`` property shadows the module.
+_Socket = socket.socket
 
 
 def tune_tcp(sock: socket.socket) -> None:
@@ -108,7 +112,7 @@ class TcpChannel(StreamChannel):
         return result
 
     def _take(self, chunk: Chunk, views: list[memoryview], index: dict[bytes, int], result: list[bool],
-              deadline) -> bool:
+              deadline: Deadline) -> bool:
         """Read one chunk's payload into its destination (or drop it); True if received intact."""
         i = self._slot_for(chunk.key, chunk.nbytes, views, index)
         if i is not None:
@@ -142,7 +146,7 @@ class TcpListener:
         """The listening socket (a :class:`~kvtier.transfer.peer_server.PeerServer` accepts on it itself)."""
         return self._sock
 
-    def channel(self, sock: socket.socket) -> TcpChannel:
+    def channel(self, sock: _Socket) -> TcpChannel:
         """The channel of an accepted connection whose handshake is done (blocking mode)."""
         sock.setblocking(True)
         return TcpChannel(sock, self.timeout_s)
@@ -156,7 +160,7 @@ class TcpListener:
         sock = accept_socket(self._sock, self.timeout_s if timeout_s is None else timeout_s, "tcp")
         return self._wrap(sock, timeout_s)
 
-    def _wrap(self, sock: socket.socket, timeout_s: float | None) -> TcpChannel:
+    def _wrap(self, sock: _Socket, timeout_s: float | None) -> TcpChannel:
         """The channel of an accepted connection, hellos exchanged."""
         chan = TcpChannel(sock, self.timeout_s)
         chan.handshake(timeout_s)

@@ -42,7 +42,7 @@ def copy_and_hash(src: np.ndarray, dst: np.ndarray) -> bytes:
     for pos in range(0, len(src), PIECE_BYTES):
         piece = dst[pos : pos + PIECE_BYTES]
         np.copyto(piece, src[pos : pos + PIECE_BYTES])
-        h.update(piece)
+        h.update(piece)  # type: ignore[arg-type]  # numpy's stubs: ndarray is a Buffer on 3.12+ only
     return h.digest()
 
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtier.bench.common import BLOCK_SIZE, Check
@@ -46,7 +46,7 @@ def side_by_side(s: dict[str, Any], check_runs: dict[str, Sequence[RequestRecord
 
 def summarize(phases: dict[str, Phase], opts: ServeBenchOptions, ws: Any, engine_blocks: int,
               fits_blocks: int, max_model_len: int,
-              check_runs: dict[str, Sequence[RequestRecord]] | None = None) -> dict[str, Any]:
+              check_runs: Mapping[str, Sequence[RequestRecord]] | None = None) -> dict[str, Any]:
     """The JSON document: the issue's top-level figures, then every phase in detail.
 
     ``check_runs``: the answer check's records per configuration (:mod:`.answer_check`)."""

@@ -152,7 +152,7 @@ def client_ratios(results: Mapping[str, Mapping[str, Any]], kv: str = "kvtier-cp
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
 
-    out: dict[str, dict[str, float | None]] = {}
+    out: dict[str, dict[str, Any]] = {}
     workloads = {w for per in results.values() for w in per}
     for w in sorted(workloads):
         out[w] = {
@@ -164,6 +164,10 @@ def client_ratios(results: Mapping[str, Mapping[str, Any]], kv: str = "kvtier-cp
                                               _get(results, "vllm", w, "request_throughput")),
         }
         if own is not None:
-            out[w]["same_ordering"] = {k: (v > 1) == (own[k] > 1) for k, v in list(out[w].items())
-                                       if isinstance(v, float) and isinstance(own.get(k), (int, float))}
+            same: dict[str, bool] = {}
+            for k, v in list(out[w].items()):
+                theirs = own.get(k)
+                if isinstance(v, float) and isinstance(theirs, (int, float)):
+                    same[k] = (v > 1) == (theirs > 1)
+            out[w]["same_ordering"] = same
     return out

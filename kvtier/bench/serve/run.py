@@ -74,7 +74,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -123,7 +123,8 @@ __all__ = [
 def _load_tokenizer(model_path: str) -> Tokenizer:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_path)
+    # transformers types decode() as ``str | list[str]`` (ids in one flat list decode to a str).
+    return cast(Tokenizer, AutoTokenizer.from_pretrained(model_path))
 
 
 def run_bench_serve(
@@ -171,7 +172,7 @@ def run_bench_serve(
             usable ``lmcache_venv``.
     """
     opts = options or ServeBenchOptions.preset(workload, quick)
-    over = {k: v for k, v in dict(users=users, rounds=rounds, concurrency=concurrency, qps=qps,
+    over: dict[str, Any] = {k: v for k, v in dict(users=users, rounds=rounds, concurrency=concurrency, qps=qps,
                                   no_reuse_requests=no_reuse_requests).items() if v is not None}
     if vllm_bench is not None:
         over["vllm_bench"] = vllm_bench

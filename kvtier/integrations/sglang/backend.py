@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ from kvtier.integrations.sglang.compat import SGLANG_BASE, as_tensor, page_bytes
 from kvtier.integrations.sglang.compat import HiCacheStorageBase as _Base
 from kvtier.integrations.sglang.namespace import PageKeys, namespace_for_pool
 from kvtier.storage.backend import KVStore
-from kvtier.storage.types import WriteSkip
+from kvtier.storage.types import ReadHandle, WriteSkip
 
 log = logging.getLogger("kvtier.sglang")
 
@@ -50,7 +50,7 @@ LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name"})
 OWN_KEYS = frozenset({"kvtier", "model_id"})
 
 
-class KVTierHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
+class KVTierHiCacheStorage(_Base):
     """SGLang ``HiCacheStorage`` on kvtier's tiers (see the module docstring).
 
     Args:
@@ -145,7 +145,7 @@ class KVTierHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             return 0
 
     # -- reads ---------------------------------------------------------------------------------
-    def _open_reads(self, keys: list[str]) -> list[Any]:
+    def _open_reads(self, keys: list[str]) -> Sequence[ReadHandle | None]:
         mapped = self._keys.keys(list(keys))  # type: ignore[union-attr]
         try:
             return self.store.open_read_many([(k, None) for k in mapped])  # type: ignore[union-attr]

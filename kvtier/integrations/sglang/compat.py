@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 try:  # the real base class where SGLang is installed (its factory checks issubclass)
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as HiCacheStorageBase  # type: ignore[import-not-found]
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as HiCacheStorageBase
 
     SGLANG_BASE = True
 except Exception:  # SGLang absent (CPU CI): same method names, no dependency

@@ -186,9 +186,9 @@ class KVTierHF:
                         break
                     load_chunk(chunk_view(h.buffer, self.namespace, self.dtype), keys_t, vals_t, b, pads[b] + j * C, n)
         finally:
-            for handles in per_row:
-                for h in handles:
-                    h.close()
+            for row in per_row:
+                for held in row:
+                    held.close()
         cache = self._new_cache([(k.to(device, non_blocking=True), v.to(device, non_blocking=True))
                                  for k, v in zip(keys_t, vals_t)])
         return PrefixLoad(cache, P, hit, pads)

@@ -45,11 +45,11 @@ from kvtier.integrations.transformers.reference import cold_generate_split
 
 #: SmolLM2-135M-Instruct's architecture (its config.json); ``max_position_embeddings`` raised
 #: from 8,192 so the 8k-token TTFT prefix plus its question fits.
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+SMOLLM2: dict[str, Any] = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=16384,
                rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 #: The ``--small`` model (CPU smoke run): same family, 2 layers.
-SMALL = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+SMALL: dict[str, Any] = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
              rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 MODEL_ID = "smollm2-135m-shaped-seed0"
@@ -63,7 +63,9 @@ def build_model(small: bool, device: str, dtype: torch.dtype, seed: int = 0) -> 
     cfg = LlamaConfig(**(SMALL if small else SMOLLM2))
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).to(dtype=dtype).to(device).eval()
+    # transformers declares PreTrainedModel.to through functools.wraps(torch.nn.Module.to), which
+    # its stubs turn into an unbound call (mypy: missing self).
+    return LlamaForCausalLM(cfg).to(dtype=dtype).to(device).eval()  # type: ignore[call-arg]
 
 
 def prompt(model: Any, ntokens: int, seed: int) -> torch.Tensor:
@@ -90,7 +92,7 @@ def check_identical(model: Any, ids: torch.Tensor, disk: Path) -> dict[str, Any]
     split = (T - 1) // CHUNK * CHUNK
     gen = _gen(model)
     out: dict[str, Any] = {"prompt_tokens": T, "split": split}
-    scores = dict(output_scores=True, return_dict_in_generate=True)
+    scores: dict[str, Any] = dict(output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():
         ref = cold_generate_split(model, ids, None, split, **gen, **scores)
         reference = ref.sequences
@@ -157,7 +159,7 @@ def check_ttft(model: Any, prefix: int, rounds: int) -> dict[str, Any]:
     """Check 4: TTFT (ms) of a ``prefix`` + 64-token prompt, cold vs a CPU-tier hit."""
     device = str(model.device)
     ids = prompt(model, prefix + 64, seed=11)
-    one = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
+    one: dict[str, Any] = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
 
     def timed(fn: Any) -> float:
         _sync(device)

@@ -38,9 +38,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.integrations.vllm.connector import KVTierConnector
-    from kvtier.integrations.vllm.inspection import flush_all, request_hits, stats_all
-    from kvtier.integrations.vllm.types import ChunkCopy, KVTierMetadata, RequestHits, TransferSpec
+    from kvtier.integrations.vllm.connector import KVTierConnector as KVTierConnector
+    from kvtier.integrations.vllm.inspection import flush_all as flush_all
+    from kvtier.integrations.vllm.inspection import request_hits as request_hits
+    from kvtier.integrations.vllm.inspection import stats_all as stats_all
+    from kvtier.integrations.vllm.types import ChunkCopy as ChunkCopy
+    from kvtier.integrations.vllm.types import KVTierMetadata as KVTierMetadata
+    from kvtier.integrations.vllm.types import RequestHits as RequestHits
+    from kvtier.integrations.vllm.types import TransferSpec as TransferSpec
 
 #: public name -> defining module. Imported on first access (PEP 562), so that
 #: ``kvtier.integrations.vllm.gpu`` (the paged-KV copy path, which needs only torch) imports on a

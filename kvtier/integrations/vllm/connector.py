@@ -34,6 +34,7 @@ from kvtier.integrations.vllm_layout import namespace_from_vllm
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -189,7 +190,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """True while kvtier holds blocks of requests finished (aborted) mid-load (see the scheduler side)."""
         return self.scheduler is not None and self.scheduler.has_pending_block_frees()
 
-    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
         assert self.scheduler is not None
         return self.scheduler.get_external_cache_hit_sources(request, num_external_tokens)
 
@@ -212,7 +213,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return KVTierConnectorStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
         """The ``kvtier:*`` series of vLLM's ``/metrics`` (see :mod:`kvtier.integrations.vllm.metrics`)."""
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -140,7 +140,7 @@ class WorkerTierFeed:
 class _Chunk:
     hashes: tuple[Any, ...]  # engine block hashes (ExternalBlockHash: bytes, or int with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
     parent: Any  # hash of the engine block before the chunk, None for a prompt's first chunk
-    tokens: array
+    tokens: array[int]
     lora_id: int | None
     lora_name: str | None
     extra_keys: list[Any] | None
@@ -236,8 +236,8 @@ class BlockEventTranslator:
                     continue
                 if op == "c":
                     gone = [c for c in self._map.values() if tier in c.tiers]
-                    for c in gone:
-                        c.tiers.discard(tier)
+                    for g in gone:
+                        g.tiers.discard(tier)
                     if gone:
                         self._removed([h for c in gone for h in c.hashes], where)
                     continue

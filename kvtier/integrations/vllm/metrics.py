@@ -22,9 +22,12 @@ Each series carries vLLM's labels (``model_name``, ``engine``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
 
 #: Prometheus names (prometheus_client appends ``_total`` to counters).
 HIT_TOKENS = "kvtier:external_hit_tokens"
@@ -87,21 +90,23 @@ class KVTierConnectorStats(KVConnectorStats):
 class KVTierPromMetrics(KVConnectorPromMetrics):
     """Registers the ``kvtier:*`` counters (module docstring) and adds each stats delta to them."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+    def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister(HIT_TOKENS, FAILED_TOKENS, LOAD_FAILURES)  # a second logger in one process
-        self._hits = self._counter_cls(
+        # vLLM types each value of metric_types as any metric class; the one under Counter is a Counter.
+        counter_cls = cast("type[Counter]", self._counter_cls)
+        self._hits = counter_cls(
             name=HIT_TOKENS,
             documentation="Prompt tokens kvtier reported to vLLM as external prefix-cache hits (planned loads), by tier.",
             labelnames=labelnames + ["tier"],
         )
-        self._failed = self._counter_cls(
+        self._failed = counter_cls(
             name=FAILED_TOKENS,
             documentation="Tokens of planned kvtier loads reported unfilled (recomputed by vLLM), by tier.",
             labelnames=labelnames + ["tier"],
         )
-        failures = self._counter_cls(
+        failures = counter_cls(
             name=LOAD_FAILURES, documentation="kvtier loads that reported failed blocks.", labelnames=labelnames
         )
         self._failures = {i: failures.labels(*lv) for i, lv in per_engine_labelvalues.items()}
@@ -129,7 +134,7 @@ def _unregister(*names: str) -> None:
     from prometheus_client import REGISTRY
 
     for collector in list(getattr(REGISTRY, "_collector_to_names", {})):
-        got = REGISTRY._collector_to_names.get(collector, ())  # type: ignore[attr-defined]
+        got = REGISTRY._collector_to_names.get(collector, ())
         if any(n == name or n.startswith(name + "_") for name in names for n in got):
             try:
                 REGISTRY.unregister(collector)

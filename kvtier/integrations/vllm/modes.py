@@ -30,7 +30,7 @@ from kvtier.storage.types import LookupResult
 class LookupIndex(Protocol):
     """What the scheduler side needs of the tiers: lookup with a lease, and release."""
 
-    def lookup_keys(self, keys: Sequence[bytes], lease_owner: str | None = None) -> LookupResult: ...
+    def lookup_keys(self, keys: Sequence[bytes], lease_owner: str | None) -> LookupResult: ...
 
     def release(self, lease_owner: str) -> None: ...
 
@@ -60,6 +60,8 @@ def service_client(config: KVTierConfig, namespace: KeyNamespace, engine_id: str
     """A client of the shared kvtier server, under this engine's id."""
     from kvtier.service.client import ServiceClient
 
+    if not config.server:
+        raise ValueError("service_client: config.server is not set")
     return ServiceClient(
         config.server,
         namespace,

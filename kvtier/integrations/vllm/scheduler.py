@@ -56,6 +56,7 @@ from kvtier.storage.types import LookupResult
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
@@ -516,7 +517,7 @@ class KVTierScheduler:
         count (they wait on another engine, up to ``pd`` timeouts)."""
         return bool(self._held_mid_load)
 
-    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
         tr = self._trackers.get(request.request_id)

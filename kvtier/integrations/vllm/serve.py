@@ -34,6 +34,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from kvtier.integrations.vllm_engine import CONNECTOR, engine_dtype, engine_env
 from kvtier.ports import free_port
@@ -80,7 +81,7 @@ class ServerSpec:
 
     model: str
     port: int = 0
-    kvtier: dict | None = None
+    kvtier: dict[str, Any] | None = None
     cpu_cores: str | None = None
     num_gpu_blocks_override: int | None = None
     max_model_len: int = 4096
@@ -234,7 +235,8 @@ class ApiServer:
     def _healthy(self) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                return r.status == 200
+                status: int = r.status
+                return status == 200
         except (urllib.error.URLError, OSError, ValueError):
             return False
 

@@ -109,6 +109,10 @@ def _key(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
 
+#: A planned step's heap entry: the instance, its prefill chunks, its number of identical steps.
+_Step = tuple[Instance, list[tuple[Request, int]], int]
+
+
 class FleetSim:
     """Event-driven replay of ``records`` on a fleet (see the module doc)."""
 
@@ -145,7 +149,7 @@ class FleetSim:
         if kind == "stored":
             # Token ids as one numpy array (the struct is applied, never encoded, here).
             toks = blocks_tokens(ids, self.cfg.block_size).ravel()
-            ev = BlockStored(block_hashes=list(ids), parent_block_hash=parent, token_ids=toks,  # type: ignore[arg-type]
+            ev: BlockStored | BlockRemoved = BlockStored(block_hashes=list(ids), parent_block_hash=parent, token_ids=toks,  # type: ignore[arg-type]
                              block_size=self.cfg.block_size, lora_id=None, medium="GPU", lora_name=None)
         else:
             ev = BlockRemoved(block_hashes=list(ids), medium="GPU")
@@ -163,7 +167,8 @@ class FleetSim:
         keys_by_bs: dict[int, list[bytes]] = {}
         cands = []
         for i, name in enumerate(self.names):
-            hit_tokens, hit_score, per_tier = 0, 0.0, {}
+            hit_tokens, hit_score = 0, 0.0
+            per_tier: dict[str, int] = {}
             if cfg.routing == "kv-aware":
                 hit_tokens, hit_score, per_tier = predicted_hit(self.index, name, tokens, keys_by_bs, cfg.weights)
             cands.append(Candidate(name=name, index=i, hit_tokens=hit_tokens, hit_score=hit_score, per_tier=per_tier,
@@ -178,14 +183,14 @@ class FleetSim:
     def run(self, records: Iterable[TraceRecord]) -> FleetResult:
         cfg = self.cfg
         bs = cfg.block_size
-        heap: list[tuple[float, int, int, object]] = []  # (time, order, kind 0=arrival 1=step, data)
+        heap: list[tuple[float, int, int, Request | _Step]] = []  # (time, order, kind 0=arrival 1=step, data)
         seq = 0
         it = iter(records)
         n_in = 0
         reqs_done = 0
         arrival_at = [float("inf")]  # time of the one pending arrival
 
-        def push(t: float, kind: int, data: object) -> None:
+        def push(t: float, kind: int, data: Request | _Step) -> None:
             nonlocal seq
             heapq.heappush(heap, (t, seq, kind, data))
             seq += 1
@@ -241,8 +246,8 @@ class FleetSim:
                 arrival_at[0] = float("inf")
             t, _, kind, data = heapq.heappop(heap)
             self.now = t
-            if kind == 0:
-                req = data  # type: ignore[assignment]
+            if isinstance(data, Request):  # (kind 0)
+                req = data
                 rec = req._rec  # type: ignore[attr-defined]
                 if req.blocks > cfg.engine_blocks:  # vLLM refuses a request its KV cache cannot hold
                     self.rejected += 1
@@ -261,7 +266,7 @@ class FleetSim:
                     start_step(inst)
                 next_arrival()
             else:
-                inst, chunks, k = data  # type: ignore[misc]
+                inst, chunks, k = data
                 inst.finish_step(self.now, chunks, k, on_first, on_done)
                 self._flush_events(inst.idx)
                 start_step(inst)

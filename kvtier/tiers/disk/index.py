@@ -237,4 +237,4 @@ class ChunkIndex:
         assert len(self.policy) == len(self.entries)
         for key, children in kids.items():
             if key in self.entries:
-                assert self.policy.num_children(key) == len(children)  # type: ignore[attr-defined]
+                assert self.policy.num_children(key) == len(children)

@@ -10,7 +10,7 @@ from typing import Callable
 
 import xxhash
 
-from kvtier.serde.base import Buffer
+from kvtier.serde.base import Buffer, byte_view
 from kvtier.serde.record import (
     ALIGN,
     HEADER_BYTES,
@@ -272,7 +272,7 @@ def unlink_quietly(fs: FileOps, path: str) -> None:
 def payload_view(payload: Buffer) -> memoryview:
     """A flat byte view of ``payload``; raises ValueError for empty or non-contiguous input."""
     try:
-        mv = memoryview(payload)
+        mv = byte_view(payload)
     except TypeError as exc:
         raise TypeError(f"payload must be a buffer, got {type(payload).__name__}") from exc
     if not mv.c_contiguous:

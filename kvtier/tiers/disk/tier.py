@@ -106,7 +106,7 @@ class DiskTier(DiskReads, DiskWrites, LowerTier):
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         capacity_bytes: int,
         namespace: bytes,
         policy: EvictionPolicy | None = None,

@@ -138,11 +138,11 @@ class DiskWrites(DiskCore):
                     self._disable_direct_io(exc)
             n = len(w.data)
 
-            def header(body_sum: bytes) -> bytes:
+            def hashed_header(body_sum: bytes) -> bytes:
                 return encode_header(key=w.key, namespace=self.namespace, parent=w.parent, payload_len=n,
                                      body_len=n, body_sum=body_sum)
 
-            return self._io.write_record_hashed(w.tmp, w.final, header, w.data), None
+            return self._io.write_record_hashed(w.tmp, w.final, hashed_header, w.data), None
         except OSError as exc:
             unlink_quietly(self.fs, w.tmp)
             return 0, exc

@@ -226,7 +226,7 @@ def layers_backend(vllm_config: Any, names: list[str]) -> str:
         UnsupportedKVLayout: a layer is unknown to vLLM, or the layers run different backends.
     """
     ctx = vllm_config.compilation_config.static_forward_context
-    found = set()
+    found: set[str] = set()
     for name in names:
         layer = ctx.get(name)
         backend = getattr(layer, "attn_backend", None) if layer is not None else None

@@ -1,0 +1,227 @@
+"""``kvtier bench timing-calibrate`` and ``kvtier bench timing-check``: the fleet timing model
+(:mod:`kvtier.sim.fleet.engine`) measured on one vLLM instance, then checked against a real
+two-instance ``kvtier bench serve`` run.
+
+**timing-calibrate** starts one vLLM OpenAI server with kvtier (CPU tier), its engine threads
+on ``cores`` (one core: what each instance of ``rr-2x``/``router-2x`` gets), engine KV bounded
+to ``engine_blocks``, and measures with prompts of random token ids sent one at a time
+(``/v1/completions``, streaming, one output token, so the time to first token is the prefill):
+
+1. two targets A and B cold, then again at once (engine prefix-cache hits);
+2. cold prompts at several lengths, two of each (enough tokens to push A and B out of engine KV);
+3. A and B again: kvtier CPU-tier hits (``/metrics`` external hits say how many tokens);
+4. decode steps: 1, 2 and 4 sequences decoding together (median gap between streamed tokens).
+
+It writes a calibration file (:mod:`kvtier.sim.fleet.calibrate`'s format) with the fit in it.
+Nothing from a two-instance run goes into it.
+
+**timing-check** replays a bench serve run's two-instance requests through FleetSim with
+the calibrated parameters (``--calibration``) or a preset, and writes the predicted vs measured
+TTFTs (:mod:`kvtier.sim.fleet.timing`); ``kvtier bench fleet --timing-check PATH`` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.common import BLOCK_SIZE, BenchUsageError
+from kvtier.sim.fleet.calibrate import CalibrationError, fit_params, load_calibration, params_dict
+from kvtier.sim.fleet.engine import PRESETS
+from kvtier.sim.fleet.timing import TimingInputError, load_serve_run, replay, ttft_error, write_trace
+
+#: Cold prompt lengths (tokens) of the calibration; below the two-instance run's max_model_len.
+COLD_LENGTHS = (200, 500, 900, 1300, 1650)
+#: vLLM 0.32's CPU defaults for the OpenAI server (``max_num_batched_tokens``, ``max_num_seqs``).
+VLLM_CPU_API_BUDGET, VLLM_CPU_API_MAX_SEQS = 2048, 128
+
+
+def loadavg() -> list[float] | None:
+    """1, 5 and 15 minute load averages (None where /proc/loadavg is absent)."""
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except (OSError, ValueError):
+        return None
+
+
+def run_timing_calibrate(json_path: Path | None, cores: str = "0", engine_blocks: int = 59,
+                         max_model_len: int = 2048, reps: int = 2, seed: int = 0, console: Any = None) -> int:
+    """Measure one instance (see the module doc) and write the calibration file. Returns 0.
+
+    Raises BenchUsageError when the server does not start.
+    """
+    import httpx
+    from rich.console import Console
+
+    from kvtier.bench.serve.client import run_sync, stream_request
+    from kvtier.bench.serve.configs import scrape
+    from kvtier.demo.model import prepare_model
+    from kvtier.integrations.vllm.serve import ApiServer, ServerSpec, ServerStartError
+
+    con = console or Console()
+    rng = random.Random(seed)
+    vocab = (200, 40_000)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(*vocab) for _ in range(n)]
+
+    model = str(prepare_model().path)
+    work = Path(tempfile.mkdtemp(prefix="kvtier-timing-calibrate-"))
+    spec = ServerSpec(model=model, kvtier={"cpu_capacity": "1024MiB", "chunk_size": BLOCK_SIZE}, cpu_cores=cores,
+                      num_gpu_blocks_override=engine_blocks, max_model_len=max_model_len)
+    srv = ApiServer(spec, log_path=str(work / "server.log"))
+    load_before = loadavg()
+    con.print(f"timing-calibrate: one vLLM + kvtier on cores {cores}, {engine_blocks} engine blocks; "
+              f"load {load_before}")
+    try:
+        srv.start(600)
+    except ServerStartError as exc:
+        raise BenchUsageError(f"vLLM did not start: {str(exc)[-1500:]}") from None
+    doc: dict[str, Any] = {"cold": [], "cached": [], "tier_hit": [], "decode": [], "token_budget": VLLM_CPU_API_BUDGET,
+                           "max_seqs": VLLM_CPU_API_MAX_SEQS, "kv_bytes_per_token": 23_040, "block_size": BLOCK_SIZE}
+    try:
+        url, name = srv.url, srv.served_model_name
+
+        async def many(prompts: list[list[int]], max_tokens: int) -> list[Any]:
+            import asyncio
+
+            async with httpx.AsyncClient(timeout=None) as c:
+                return await asyncio.gather(*(stream_request(c, url, name, f"cal-{time.monotonic_ns()}-{i}",
+                                                             prompt=p, max_tokens=max_tokens)  # type: ignore[arg-type]
+                                              for i, p in enumerate(prompts)))
+
+        def one(p: list[int], max_tokens: int = 1) -> tuple[float, dict[str, float]]:
+            before = scrape(url)
+            (rec,) = run_sync(many([p], max_tokens))
+            after = scrape(url)
+            if not rec.ok:
+                raise BenchUsageError(f"calibration request failed: {rec.error}")
+            return rec.ttft, {k: after[k] - before[k] for k in ("hits", "external_hits", "queries")}
+
+        for _ in range(2):  # warm-up (first requests pay one-time costs)
+            one(ids(300), 2)
+        a, b = ids(1500), ids(1000)
+        for p in (a, b):
+            t, m = one(p)
+            doc["cold"].append({"input_length": len(p), "ttft_s": t, "metrics": m})
+        for p in (a, b):
+            t, m = one(p)
+            doc["cached"].append({"input_length": len(p), "cached_tokens": int(m["hits"]), "ttft_s": t, "metrics": m})
+        lengths = [n for n in COLD_LENGTHS for _ in range(reps)]
+        rng.shuffle(lengths)
+        for n in lengths:
+            t, m = one(ids(n))
+            doc["cold"].append({"input_length": n, "ttft_s": t, "metrics": m})
+        for p in (a, b):
+            t, m = one(p)
+            row = {"tier": "cpu", "input_length": len(p), "tier_tokens": int(m["external_hits"]), "ttft_s": t,
+                   "metrics": m}
+            if m["hits"] or not m["external_hits"]:
+                row["note"] = "not a pure kvtier hit (engine hits or no external hits): left out of the fit"
+                doc.setdefault("tier_hit_excluded", []).append(row)
+            else:
+                doc["tier_hit"].append(row)
+        for k in (1, 2, 4):
+            recs = run_sync(many([ids(200) for _ in range(k)], 48))
+            gaps = [g for r in recs for g in r.itl[len(r.itl) // 3:]]  # after every prefill of the batch
+            doc["decode"].append({"seqs": k, "itl_s": statistics.median(gaps), "gaps": len(gaps)})
+    finally:
+        srv.stop()
+    doc["machine"] = {"loadavg_before": load_before, "loadavg_after": loadavg(), "cores": cores,
+                      "cpu_count": os.cpu_count(), "engine_blocks": engine_blocks, "server_log": str(work / "server.log"),
+                      "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    params, report = fit_params(doc, src="timing-calibrate")
+    doc["fit"] = report
+    for r in report["prefill_points"]:
+        con.print(f"  {r['kind']:6} ctx {r['ctx']:5} new {r['new_tokens']:5}: measured {r['measured_s'] * 1e3:7.1f} ms, "
+                  f"fit {r['fitted_s'] * 1e3:7.1f} ms")
+    con.print(f"fit: {json.dumps(params_dict(params))}")
+    if json_path is not None:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(doc, indent=1) + "\n")
+        con.print(f"wrote {json_path}")
+    return 0
+
+
+def run_timing_check(run_path: Path, json_path: Path | None, calibration: Path | None = None,
+                     engine: str = "vllm-cpu-smollm2", config: str | None = None, trace_path: Path | None = None,
+                     load: dict[str, Any] | None = None, use_backends: bool = True, console: Any = None) -> int:
+    """Replay a bench serve run's two-instance requests; write the check. Returns 0 when the
+    error is within :data:`kvtier.bench.fleet.TARGETS`' 20%, 1 otherwise.
+
+    Raises BenchUsageError: a bad run or calibration file (missing, not JSON, fields missing),
+    an unknown preset.
+    """
+    from rich.console import Console
+
+    from kvtier.bench.fleet import TARGETS
+
+    con = console or Console()
+    try:
+        run = load_serve_run(Path(run_path), config)
+        if calibration is not None:
+            params, cal = load_calibration(Path(calibration))
+            source = {"calibration": str(calibration), "fit": cal}
+        else:
+            if engine not in PRESETS:
+                raise BenchUsageError(f"--engine {engine!r}: choose one of {', '.join(PRESETS)}")
+            params, source = PRESETS[engine], {"preset": engine}
+        pred, workers, fleet = replay(run, params, use_backends)
+    except (TimingInputError, CalibrationError) as exc:
+        raise BenchUsageError(str(exc)) from None
+    measured = [q.ttft_s for q in run.requests]
+    err = ttft_error(measured, pred)
+    if trace_path is not None:
+        write_trace(run, Path(trace_path))
+    out = {
+        **err, "target": TARGETS["timing_model_ttft_error"], "source_run": run.source, "config": run.config,
+        "routing": run.routing, "workers": run.workers, "engine_blocks": run.engine_blocks,
+        "cpu_tier_blocks_per_instance": run.cpu_blocks(params.kv_bytes_per_token), "block_size": run.block_size,
+        "workload": run.workload, "params": params_dict(params), "params_source": source, "machine_load": load,
+        "trace": None if trace_path is None else str(trace_path), "fleet": fleet,
+        "requests": [{"request_id": q.request_id, "start_s": q.start_s, "input_length": q.input_length,
+                      "output_length": q.output_length, "worker": q.worker, "sim_worker": w,
+                      "measured_ttft_s": q.ttft_s, "predicted_ttft_s": p}
+                     for q, p, w in zip(run.requests, pred, workers)],
+    }
+    rel = err["per_request_rel_error"]
+    con.print(f"timing check of {run.config} ({run.source}), {err['n_requests']} requests, {params.name}: "
+              f"mean TTFT measured {err['measured_mean_ttft_s'] * 1e3:.0f} ms, predicted "
+              f"{err['predicted_mean_ttft_s'] * 1e3:.0f} ms, error {err['ttft_error']:.3f} (target <= "
+              f"{out['target']}); per request (pred - meas) / meas p10 {rel['p10']:+.2f} p50 {rel['p50']:+.2f} "
+              f"p90 {rel['p90']:+.2f}, {rel['within_20pct']:.0%} within 20%")
+    if json_path is not None:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(out, indent=1) + "\n")
+        con.print(f"wrote {json_path}")
+    return 0 if err["ttft_error"] <= out["target"] else 1
+
+
+def read_timing_check(path: Path) -> dict[str, Any]:
+    """The ``timing`` dict of :func:`kvtier.bench.fleet.run_bench_fleet` from a timing-check file.
+
+    Raises BenchUsageError: missing file, not JSON, fields missing.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise BenchUsageError(f"--timing-check {path}: no such file")
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BenchUsageError(f"--timing-check {path}: not JSON ({exc})") from None
+    need = ("ttft_error", "measured_mean_ttft_s", "predicted_mean_ttft_s", "n_requests", "source_run")
+    missing = [k for k in need if not isinstance(doc, dict) or k not in doc]
+    if missing:
+        raise BenchUsageError(f"--timing-check {path}: missing field(s) {', '.join(missing)} "
+                              "(write it with `kvtier bench timing-check`)")
+    return {"ttft_error": doc["ttft_error"], "measured_mean_ttft_ms": 1e3 * doc["measured_mean_ttft_s"],
+            "predicted_mean_ttft_ms": 1e3 * doc["predicted_mean_ttft_s"], "n_requests": doc["n_requests"],
+            "source_run": doc["source_run"], "config": doc.get("config"), "machine_load": doc.get("machine_load"),
+            "per_request_rel_error": doc.get("per_request_rel_error"), "params": doc.get("params"),
+            "timing_check_file": str(path)}

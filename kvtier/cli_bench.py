@@ -276,7 +276,7 @@ def bench_timing_calibrate(
                               "one core: what each instance of rr-2x/router-2x gets."),
     engine_blocks: int = typer.Option(59, min=16, help="Engine KV blocks (128 tokens), as the checked run's instances."),
     max_model_len: int = typer.Option(1792, min=1792, help="vLLM's max_model_len (the longest calibration prompt is 1,650 tokens)."),
-    reps: int = typer.Option(2, min=1, help="Cold prompts of each length."),
+    reps: int = typer.Option(3, min=1, help="Cold prompts of each length."),
 ) -> None:
     """Measure one vLLM + kvtier instance (cold and cached prefills, a CPU-tier hit, decode steps)
     and fit the fleet timing model's engine parameters from it."""

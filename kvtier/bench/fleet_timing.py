@@ -5,12 +5,14 @@ two-instance ``kvtier bench serve`` run.
 **timing-calibrate** starts one vLLM OpenAI server with kvtier (CPU tier), its engine threads
 on ``cores`` (one core: what each instance of ``rr-2x``/``router-2x`` gets), engine KV bounded
 to ``engine_blocks``, and measures with prompts of random token ids sent one at a time
-(``/v1/completions``, streaming, one output token, so the time to first token is the prefill):
+(``/v1/completions``, streaming, one output token, so the time to first token is the prefill;
+the two-instance run's chat requests also pay the chat template, a few ms):
 
-1. two targets A and B cold, then again at once (engine prefix-cache hits);
-2. cold prompts at several lengths, two of each (enough tokens to push A and B out of engine KV);
-3. A and B again: kvtier CPU-tier hits (``/metrics`` external hits say how many tokens);
-4. decode steps: 1, 2 and 4 sequences decoding together (median gap between streamed tokens).
+1. three targets cold, then each twice again at once (engine prefix-cache hits);
+2. cold prompts at several lengths, ``reps`` of each (enough tokens to push the targets out of engine KV);
+3. the targets again: kvtier CPU-tier hits (``/metrics`` external hits say how many tokens);
+4. decode steps: 1, 2, 4 and 8 sequences decoding together, 64 tokens each (``ignore_eos``;
+   median gap between streamed tokens once every prefill of the batch is done).
 
 It writes a calibration file (:mod:`kvtier.sim.fleet.calibrate`'s format) with the fit in it.
 Nothing from a two-instance run goes into it.
@@ -50,26 +52,50 @@ def loadavg() -> list[float] | None:
         return None
 
 
+async def _timed(client: Any, url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+    """One streaming ``/v1/completions`` request of token ids, ``ignore_eos`` (exactly
+    ``max_tokens`` tokens): time to the first streamed token and the gaps between tokens (s).
+    Raises RuntimeError when the server answers with an error."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True}
+    sent = time.perf_counter()
+    stamps: list[float] = []
+    async with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            obj = json.loads(line[5:])
+            if obj.get("error"):
+                raise RuntimeError(str(obj["error"])[:300])
+            if obj.get("choices"):  # one chunk per token (its text may be empty: a partial character)
+                stamps.append(time.perf_counter() - sent)
+    if not stamps:
+        raise RuntimeError("no token streamed")
+    return stamps[0], [b - a for a, b in zip(stamps, stamps[1:])]
+
+
 def run_timing_calibrate(json_path: Path | None, cores: str = "0", engine_blocks: int = 59,
-                         max_model_len: int = 2048, reps: int = 2, seed: int = 0, console: Any = None) -> int:
+                         max_model_len: int = 2048, reps: int = 3, seed: int = 0, console: Any = None) -> int:
     """Measure one instance (see the module doc) and write the calibration file. Returns 0.
 
-    Raises BenchUsageError when the server does not start.
+    Raises BenchUsageError when the server does not start or a request fails.
     """
+    import asyncio
+
     import httpx
     from rich.console import Console
 
-    from kvtier.bench.serve.client import run_sync, stream_request
     from kvtier.bench.serve.configs import scrape
     from kvtier.demo.model import prepare_model
     from kvtier.integrations.vllm.serve import ApiServer, ServerSpec, ServerStartError
 
     con = console or Console()
     rng = random.Random(seed)
-    vocab = (200, 40_000)
 
     def ids(n: int) -> list[int]:
-        return [rng.randrange(*vocab) for _ in range(n)]
+        return [rng.randrange(200, 40_000) for _ in range(n)]
 
     model = str(prepare_model().path)
     work = Path(tempfile.mkdtemp(prefix="kvtier-timing-calibrate-"))
@@ -77,8 +103,7 @@ def run_timing_calibrate(json_path: Path | None, cores: str = "0", engine_blocks
                       num_gpu_blocks_override=engine_blocks, max_model_len=max_model_len)
     srv = ApiServer(spec, log_path=str(work / "server.log"))
     load_before = loadavg()
-    con.print(f"timing-calibrate: one vLLM + kvtier on cores {cores}, {engine_blocks} engine blocks; "
-              f"load {load_before}")
+    con.print(f"timing-calibrate: one vLLM + kvtier on cores {cores}, {engine_blocks} engine blocks; load {load_before}")
     try:
         srv.start(600)
     except ServerStartError as exc:
@@ -88,37 +113,35 @@ def run_timing_calibrate(json_path: Path | None, cores: str = "0", engine_blocks
     try:
         url, name = srv.url, srv.served_model_name
 
-        async def many(prompts: list[list[int]], max_tokens: int) -> list[Any]:
-            import asyncio
-
+        async def many(prompts: list[list[int]], max_tokens: int) -> list[tuple[float, list[float]]]:
             async with httpx.AsyncClient(timeout=None) as c:
-                return await asyncio.gather(*(stream_request(c, url, name, f"cal-{time.monotonic_ns()}-{i}",
-                                                             prompt=p, max_tokens=max_tokens)  # type: ignore[arg-type]
-                                              for i, p in enumerate(prompts)))
+                return list(await asyncio.gather(*(_timed(c, url, name, p, max_tokens) for p in prompts)))
 
-        def one(p: list[int], max_tokens: int = 1) -> tuple[float, dict[str, float]]:
+        def one(p: list[int]) -> tuple[float, dict[str, float]]:
             before = scrape(url)
-            (rec,) = run_sync(many([p], max_tokens))
+            try:
+                ((ttft, _),) = asyncio.run(many([p], 1))
+            except (RuntimeError, httpx.HTTPError) as exc:
+                raise BenchUsageError(f"calibration request failed: {exc}") from None
             after = scrape(url)
-            if not rec.ok:
-                raise BenchUsageError(f"calibration request failed: {rec.error}")
-            return rec.ttft, {k: after[k] - before[k] for k in ("hits", "external_hits", "queries")}
+            return ttft, {k: after[k] - before[k] for k in ("hits", "external_hits", "queries")}
 
         for _ in range(2):  # warm-up (first requests pay one-time costs)
-            one(ids(300), 2)
-        a, b = ids(1500), ids(1000)
-        for p in (a, b):
+            one(ids(300))
+        targets = [ids(1500), ids(1000), ids(1200)]
+        for p in targets:
             t, m = one(p)
             doc["cold"].append({"input_length": len(p), "ttft_s": t, "metrics": m})
-        for p in (a, b):
-            t, m = one(p)
-            doc["cached"].append({"input_length": len(p), "cached_tokens": int(m["hits"]), "ttft_s": t, "metrics": m})
+        for p in targets:
+            for _ in range(2):
+                t, m = one(p)
+                doc["cached"].append({"input_length": len(p), "cached_tokens": int(m["hits"]), "ttft_s": t, "metrics": m})
         lengths = [n for n in COLD_LENGTHS for _ in range(reps)]
         rng.shuffle(lengths)
-        for n in lengths:
+        for n in lengths:  # also pushes the targets out of engine KV (more tokens than its blocks)
             t, m = one(ids(n))
             doc["cold"].append({"input_length": n, "ttft_s": t, "metrics": m})
-        for p in (a, b):
+        for p in targets:
             t, m = one(p)
             row = {"tier": "cpu", "input_length": len(p), "tier_tokens": int(m["external_hits"]), "ttft_s": t,
                    "metrics": m}
@@ -127,10 +150,14 @@ def run_timing_calibrate(json_path: Path | None, cores: str = "0", engine_blocks
                 doc.setdefault("tier_hit_excluded", []).append(row)
             else:
                 doc["tier_hit"].append(row)
-        for k in (1, 2, 4):
-            recs = run_sync(many([ids(200) for _ in range(k)], 48))
-            gaps = [g for r in recs for g in r.itl[len(r.itl) // 3:]]  # after every prefill of the batch
-            doc["decode"].append({"seqs": k, "itl_s": statistics.median(gaps), "gaps": len(gaps)})
+        for k in (1, 2, 4, 8):
+            try:
+                got = asyncio.run(many([ids(100) for _ in range(k)], 64))
+            except (RuntimeError, httpx.HTTPError) as exc:
+                raise BenchUsageError(f"calibration request failed: {exc}") from None
+            gaps = [g for _, itl in got for g in itl[8:]]  # after every prefill of the batch
+            doc["decode"].append({"seqs": k, "itl_s": statistics.median(gaps), "gaps": len(gaps),
+                                  "itl_p10_s": sorted(gaps)[len(gaps) // 10], "itl_p90_s": sorted(gaps)[9 * len(gaps) // 10]})
     finally:
         srv.stop()
     doc["machine"] = {"loadavg_before": load_before, "loadavg_after": loadavg(), "cores": cores,

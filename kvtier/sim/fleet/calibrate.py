@@ -18,10 +18,14 @@ Fits (:func:`fit_params`), in this order:
 2. prefill: ``ttft = c0 + prefill_per_token * n + attention * n * (ctx + n / 2)`` over the cold
    (``ctx = 0``, ``n = L``) and cached (``ctx = c``, ``n = L - c``) points, least squares on
    relative error (each row divided by its ttft, so a 0.1 s hit weighs as much as a 3 s miss);
+   repeated measurements of one (ctx, n) enter as their median (a shared machine's outliers);
    ``first_token_overhead = c0 - step_overhead`` (what a time to first token has beyond its
-   engine step: HTTP, the chat template, the first chunk's trip);
-3. a tier's load bandwidth: ``tier_tokens * kv_bytes_per_token / (ttft - predicted compute of
-   the rest)``, the median over its points (the preset's figure when it has none).
+   engine step: HTTP, the first chunk's trip), 0 when negative;
+3. a tier's load bandwidth: ``tier_tokens * kv_bytes_per_token / load_s``, the median over its
+   points, where ``load_s`` is the point's ttft minus the median measured ttft of the same prompt
+   served from the engine's own cache at the same split (a ``cached`` point with that
+   ``input_length`` and ``cached_tokens``), or minus the fitted compute of the rest when there is
+   none (the preset's figure when no point gives a positive time).
 """
 
 from __future__ import annotations
@@ -87,9 +91,14 @@ def fit_params(doc: dict[str, Any], base: EngineParams = VLLM_CPU_SMOLLM2, name:
     y = np.array([float(r["itl_s"]) for r in decode])
     (s0, d), *_ = np.linalg.lstsq(a, y, rcond=None)
 
-    pts = [(0.0, float(r["input_length"]), float(r["ttft_s"]), "cold") for r in cold]
-    pts += [(float(r["cached_tokens"]), float(r["input_length"] - r["cached_tokens"]), float(r["ttft_s"]), "cached")
-            for r in cached]
+    groups: dict[tuple[float, float, str], list[float]] = {}
+    for r in cold:
+        groups.setdefault((0.0, float(r["input_length"]), "cold"), []).append(float(r["ttft_s"]))
+    for r in cached:
+        groups.setdefault((float(r["cached_tokens"]), float(r["input_length"] - r["cached_tokens"]), "cached"),
+                          []).append(float(r["ttft_s"]))
+    pts = [(c, n, statistics.median(ts), k) for (c, n, k), ts in groups.items()]
+    spread = {f"{k} ctx {int(c)} new {int(n)}": ts for (c, n, k), ts in groups.items() if len(ts) > 1}
     a = np.array([[1.0, n, n * (c + n / 2)] for c, n, _, _ in pts])
     y = np.array([t for _, _, t, _ in pts])
     w = 1.0 / y
@@ -124,9 +133,12 @@ def fit_params(doc: dict[str, Any], base: EngineParams = VLLM_CPU_SMOLLM2, name:
     tier_rows = []
     for r in tier:
         rest = r["input_length"] - r["tier_tokens"]
-        load_s = r["ttft_s"] - predict(r["tier_tokens"], rest)
+        same = groups.get((float(r["tier_tokens"]), float(rest), "cached"))
+        base_s = statistics.median(same) if same else predict(r["tier_tokens"], rest)
+        load_s = r["ttft_s"] - base_s
         gbps = r["tier_tokens"] * kvb / load_s / 1e9 if load_s > 0 else None
-        tier_rows.append({**r, "load_s": load_s, "gbps": gbps})
+        tier_rows.append({**r, "load_s": load_s, "gbps": gbps,
+                          "against": "measured engine hit" if same else "fitted compute"})
         if gbps is not None:
             gb.setdefault(r["tier"], []).append(gbps)
     if gb:
@@ -137,7 +149,7 @@ def fit_params(doc: dict[str, Any], base: EngineParams = VLLM_CPU_SMOLLM2, name:
     decode_res = [{"seqs": r["seqs"], "measured_s": r["itl_s"], "fitted_s": step + out_params.decode_s_per_seq * r["seqs"]}
                   for r in decode]
     report = {"params": params_dict(out_params), "prefill_points": residuals, "decode_points": decode_res,
-              "tier_points": tier_rows, "notes": notes, "machine": doc.get("machine")}
+              "tier_points": tier_rows, "repeated_points_s": spread, "notes": notes, "machine": doc.get("machine")}
     return replace(out_params, source=f"fitted by kvtier.sim.fleet.calibrate from {src}"), report
 
 

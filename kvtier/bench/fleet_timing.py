@@ -36,7 +36,7 @@ from typing import Any
 from kvtier.bench.common import BLOCK_SIZE, BenchUsageError
 from kvtier.sim.fleet.calibrate import CalibrationError, fit_params, load_calibration, params_dict
 from kvtier.sim.fleet.engine import PRESETS
-from kvtier.sim.fleet.timing import TimingInputError, load_serve_run, replay, ttft_error, write_trace
+from kvtier.sim.fleet.timing import TimingInputError, breakdown, load_serve_run, replay, ttft_error, write_trace
 
 #: Cold prompt lengths (tokens) of the calibration; below the two-instance run's max_model_len.
 COLD_LENGTHS = (200, 500, 900, 1300, 1650)
@@ -214,9 +214,15 @@ def run_timing_check(run_path: Path, json_path: Path | None, calibration: Path |
         "trace": None if trace_path is None else str(trace_path), "fleet": fleet,
         "requests": [{"request_id": q.request_id, "start_s": q.start_s, "input_length": q.input_length,
                       "output_length": q.output_length, "worker": q.worker, "sim_worker": w,
-                      "measured_ttft_s": q.ttft_s, "predicted_ttft_s": p}
-                     for q, p, w in zip(run.requests, pred, workers)],
+                      "measured_ttft_s": q.ttft_s, "predicted_ttft_s": p, **d}
+                     for q, p, w, d in zip(run.requests, pred, workers, fleet.pop("per_request"))],
     }
+    out["breakdown"] = breakdown(out["requests"])
+    for name, groups in out["breakdown"].items():
+        con.print(f"  by {name}: " + "; ".join(
+            f"{k} n={g['n']} {g['measured_mean_s'] * 1e3:.0f} / {g['predicted_mean_s'] * 1e3:.0f} ms "
+            f"(alone {g['predicted_alone_mean_s'] * 1e3:.0f} + wait {g['predicted_wait_mean_s'] * 1e3:.0f})"
+            for k, g in groups.items()))
     rel = err["per_request_rel_error"]
     con.print(f"timing check of {run.config} ({run.source}), {err['n_requests']} requests, {params.name}: "
               f"mean TTFT measured {err['measured_mean_ttft_s'] * 1e3:.0f} ms, predicted "

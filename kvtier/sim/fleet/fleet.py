@@ -136,8 +136,10 @@ class FleetSim:
         self._rr = 0
         self.decisions: dict[str, int] = {}
         self.ttfts: list[float] = []
-        #: Per request (trace order): (worker, time to first token in seconds); None when rejected.
-        self.per_request: list[tuple[int, float] | None] = []
+        #: Per request (trace order): the finished :class:`Request` (worker, hits, first_token);
+        #: None when rejected. ``ttft_of[idx]``: its time to first token (seconds).
+        self.per_request: list[Request | None] = []
+        self.ttft_of: dict[int, float] = {}
         self.served = [0] * cfg.workers
         self.hits: dict[str, int] = {}
         #: Requests larger than an engine's whole block cache (refused, as vLLM does).
@@ -221,7 +223,8 @@ class FleetSim:
         def on_first(req: Request) -> None:
             ttft = req.first_token - req.arrival + cfg.params.first_token_overhead_s  # type: ignore[operator]
             self.ttfts.append(ttft)
-            self.per_request[req.idx] = (req.worker, ttft)
+            self.per_request[req.idx] = req
+            self.ttft_of[req.idx] = ttft
             inst = self.instances[req.worker]
             if inst.tiers is not None:
                 inst.tiers.store(keys_of(req))

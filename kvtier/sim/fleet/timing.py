@@ -166,8 +166,11 @@ def write_trace(run: ServeRun, path: Path) -> None:
 
 def replay(run: ServeRun, params: EngineParams, use_backends: bool = True) -> tuple[list[float], list[int], dict[str, Any]]:
     """Replay ``run`` on its fleet shape; per request (send order) predicted TTFT and worker,
-    and the fleet result. ``use_backends``: each request on the instance that served it
-    (when every record names one), else the run's routing policy decides."""
+    and the fleet result (with ``per_request``: each request's simulated hits and its TTFT
+    split into its own step alone, ``alone_s``, and the rest, ``wait_s``: waiting for the
+    running step, other requests' prefills and decodes in its step). ``use_backends``: each
+    request on the instance that served it (when every record names one), else the run's
+    routing policy decides."""
     assign = None
     if use_backends and all(q.worker is not None for q in run.requests):
         assign = tuple(int(q.worker) for q in run.requests)  # type: ignore[arg-type]
@@ -179,10 +182,19 @@ def replay(run: ServeRun, params: EngineParams, use_backends: bool = True) -> tu
     if any(p is None for p in sim.per_request):
         raise TimingInputError(f"{run.source}: {sim.rejected} request(s) larger than an engine's "
                                f"{run.engine_blocks} blocks (refused in the replay)")
-    pred = [p[1] for p in sim.per_request]  # type: ignore[index]
-    workers = [p[0] for p in sim.per_request]  # type: ignore[index]
+    pred = [sim.ttft_of[i] for i in range(len(sim.per_request))]
+    workers = [r.worker for r in sim.per_request]  # type: ignore[union-attr]
+    detail = []
+    for r, t in zip(sim.per_request, pred):
+        assert r is not None
+        load = sum(n * params.kv_bytes_per_token / (params.load_gbps.get(k, 1.0) * 1e9) for k, n in r.hit_tiers.items())
+        alone = (params.first_token_overhead_s + params.step_overhead_s + load
+                 + params.prefill_s(r.input_length - r.hit_tokens, r.hit_tokens))
+        detail.append({"hit_engine": r.hit_engine, "hit_tiers": dict(r.hit_tiers), "load_s": load, "alone_s": alone,
+                       "wait_s": t - alone})
     out = res.as_dict()
     out["assigned_from_run"] = assign is not None
+    out["per_request"] = detail
     return pred, workers, out
 
 
@@ -212,3 +224,27 @@ def ttft_error(measured: Sequence[float], predicted: Sequence[float]) -> dict[st
                                   "min": min(rel), "max": max(rel),
                                   "within_20pct": sum(1 for x in rel if abs(x) <= 0.2) / len(rel)},
     }
+
+
+def breakdown(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Mean measured vs predicted TTFT by group (of the check's ``requests`` rows): ``round``
+    (``u3-r1`` -> r1), ``worker``, and ``hit`` (the replay's view of the prompt: ``cold``,
+    ``engine`` or ``tier`` for the larger part of the hit), each with n, the means (s) and the
+    predicted mean's own step alone vs waiting (see :func:`replay`)."""
+    def key_hit(r: dict[str, Any]) -> str:
+        e, t = r.get("hit_engine", 0), sum((r.get("hit_tiers") or {}).values())
+        return "cold" if e + t == 0 else ("engine" if e >= t else "tier")
+
+    keys = {"round": lambda r: "r" + r["request_id"].rpartition("-r")[2], "worker": lambda r: f"w{r['worker']}",
+            "hit": key_hit}
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, f in keys.items():
+        g: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            g.setdefault(str(f(r)), []).append(r)
+        out[name] = {k: {"n": len(v), "measured_mean_s": statistics.fmean(x["measured_ttft_s"] for x in v),
+                         "predicted_mean_s": statistics.fmean(x["predicted_ttft_s"] for x in v),
+                         "predicted_alone_mean_s": statistics.fmean(x.get("alone_s", 0.0) for x in v),
+                         "predicted_wait_mean_s": statistics.fmean(x.get("wait_s", 0.0) for x in v)}
+                     for k, v in sorted(g.items())}
+    return out

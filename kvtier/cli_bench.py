@@ -277,12 +277,15 @@ def bench_timing_calibrate(
     engine_blocks: int = typer.Option(59, min=16, help="Engine KV blocks (128 tokens), as the checked run's instances."),
     max_model_len: int = typer.Option(1792, min=1792, help="vLLM's max_model_len (the longest calibration prompt is 1,650 tokens)."),
     reps: int = typer.Option(3, min=1, help="Cold prompts of each length."),
+    neighbour: Optional[str] = typer.Option(None, "--neighbour", help="Cores of a second instance kept busy meanwhile "
+                                            "(e.g. 1: the other instance of a two-instance run); only the first is measured."),
 ) -> None:
     """Measure one vLLM + kvtier instance (cold and cached prefills, a CPU-tier hit, decode steps)
     and fit the fleet timing model's engine parameters from it."""
     from kvtier.bench.fleet_timing import run_timing_calibrate
 
-    _finish("bench timing-calibrate", lambda: run_timing_calibrate(json_path, cores, engine_blocks, max_model_len, reps))
+    _finish("bench timing-calibrate", lambda: run_timing_calibrate(json_path, cores, engine_blocks, max_model_len, reps,
+                                                                      neighbour=neighbour))
 
 
 def _load_arg(text: Optional[str], flag: str) -> Optional[list[float]]:

@@ -29,7 +29,9 @@ import os
 import random
 import statistics
 import tempfile
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +79,13 @@ async def _timed(client: Any, url: str, model: str, prompt: list[int], max_token
 
 
 def run_timing_calibrate(json_path: Path | None, cores: str = "0", engine_blocks: int = 59,
-                         max_model_len: int = 2048, reps: int = 3, seed: int = 0, console: Any = None) -> int:
+                         max_model_len: int = 2048, reps: int = 3, seed: int = 0, neighbour: str | None = None,
+                         console: Any = None) -> int:
     """Measure one instance (see the module doc) and write the calibration file. Returns 0.
+
+    ``neighbour``: cores of a second, identical instance kept busy the whole time (two requests
+    in flight, 1,300-token cold prompts, 16 tokens each), as the other instance of a two-instance
+    configuration is; only the first instance is measured.
 
     Raises BenchUsageError when the server does not start or a request fails.
     """
@@ -102,12 +109,40 @@ def run_timing_calibrate(json_path: Path | None, cores: str = "0", engine_blocks
     spec = ServerSpec(model=model, kvtier={"cpu_capacity": "1024MiB", "chunk_size": BLOCK_SIZE}, cpu_cores=cores,
                       num_gpu_blocks_override=engine_blocks, max_model_len=max_model_len)
     srv = ApiServer(spec, log_path=str(work / "server.log"))
+    other = None if neighbour is None else ApiServer(replace(spec, cpu_cores=neighbour),
+                                                     log_path=str(work / "neighbour.log"))
     load_before = loadavg()
-    con.print(f"timing-calibrate: one vLLM + kvtier on cores {cores}, {engine_blocks} engine blocks; load {load_before}")
+    con.print(f"timing-calibrate: one vLLM + kvtier on cores {cores}, {engine_blocks} engine blocks"
+              + (f", a busy neighbour on cores {neighbour}" if neighbour else "") + f"; load {load_before}")
     try:
         srv.start(600)
+        if other is not None:
+            other.start(600)
     except ServerStartError as exc:
+        srv.stop()
         raise BenchUsageError(f"vLLM did not start: {str(exc)[-1500:]}") from None
+    stop_bg = threading.Event()
+    bg_done = [0]
+
+    def background() -> None:
+        async def loop() -> None:
+            brng = random.Random(seed + 1)
+            async with httpx.AsyncClient(timeout=None) as c:
+                async def worker() -> None:
+                    while not stop_bg.is_set():
+                        p = [brng.randrange(200, 40_000) for _ in range(1300)]
+                        try:
+                            await _timed(c, other.url, other.served_model_name, p, 16)  # type: ignore[union-attr]
+                            bg_done[0] += 1
+                        except (RuntimeError, httpx.HTTPError):
+                            await asyncio.sleep(0.5)
+                await asyncio.gather(worker(), worker())
+        asyncio.run(loop())
+
+    bg = threading.Thread(target=background, daemon=True) if other is not None else None
+    if bg is not None:
+        bg.start()
+        time.sleep(3.0)  # the neighbour busy before the first measurement
     doc: dict[str, Any] = {"cold": [], "cached": [], "tier_hit": [], "decode": [], "token_budget": VLLM_CPU_API_BUDGET,
                            "max_seqs": VLLM_CPU_API_MAX_SEQS, "kv_bytes_per_token": 23_040, "block_size": BLOCK_SIZE}
     try:
@@ -159,7 +194,13 @@ def run_timing_calibrate(json_path: Path | None, cores: str = "0", engine_blocks
             doc["decode"].append({"seqs": k, "itl_s": statistics.median(gaps), "gaps": len(gaps),
                                   "itl_p10_s": sorted(gaps)[len(gaps) // 10], "itl_p90_s": sorted(gaps)[9 * len(gaps) // 10]})
     finally:
+        stop_bg.set()
+        if bg is not None:
+            bg.join(120)
         srv.stop()
+        if other is not None:
+            other.stop()
+    doc["neighbour"] = None if neighbour is None else {"cores": neighbour, "requests_done": bg_done[0]}
     doc["machine"] = {"loadavg_before": load_before, "loadavg_after": loadavg(), "cores": cores,
                       "cpu_count": os.cpu_count(), "engine_blocks": engine_blocks, "server_log": str(work / "server.log"),
                       "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -148,9 +148,10 @@ def fit_params(doc: dict[str, Any], base: EngineParams = VLLM_CPU_SMOLLM2, name:
                   "rel_error": (predict(c, n) - t) / t} for c, n, t, k in pts]
     decode_res = [{"seqs": r["seqs"], "measured_s": r["itl_s"], "fitted_s": step + out_params.decode_s_per_seq * r["seqs"]}
                   for r in decode]
+    out_params = replace(out_params, source=f"fitted by kvtier.sim.fleet.calibrate from {src}")
     report = {"params": params_dict(out_params), "prefill_points": residuals, "decode_points": decode_res,
               "tier_points": tier_rows, "repeated_points_s": spread, "notes": notes, "machine": doc.get("machine")}
-    return replace(out_params, source=f"fitted by kvtier.sim.fleet.calibrate from {src}"), report
+    return out_params, report
 
 
 def params_dict(p: EngineParams) -> dict[str, Any]:

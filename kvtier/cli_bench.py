@@ -245,10 +245,13 @@ def bench_fleet(
     engine: str = typer.Option("mocker-like", help="Engine timing preset: mocker-like or vllm-cpu-smollm2."),
     pool_policy: str = typer.Option("lru", help="Eviction policy of the shared pool."),
     max_requests: Optional[int] = typer.Option(None, min=1, help="Replay only the first N requests (kvtier side)."),
+    timing_check: Optional[Path] = typer.Option(None, "--timing-check", help="JSON written by `kvtier bench timing-check`: "
+        "fills timing_model_ttft_error and the timing_model section."),
 ) -> None:
     """A production trace through kvtier's policies, router and tiers, Dynamo's KV router side by side."""
     from kvtier.bench.common import BenchUsageError
     from kvtier.bench.fleet import run_bench_fleet
+    from kvtier.bench.fleet_timing import read_timing_check
 
     def run() -> int:
         try:
@@ -258,11 +261,71 @@ def bench_fleet(
             raise BenchUsageError("--workers and --speeds take comma-separated numbers") from None
         if not ws or not sp or min(ws) < 1 or min(sp) <= 0:
             raise BenchUsageError("--workers and --speeds need positive values")
+        timing = read_timing_check(timing_check) if timing_check is not None else None
         return run_bench_fleet(trace, out, dynamo_python, ws, sp, capacity_tokens, block_size, engine, pool_policy,
-                               max_requests)
+                               max_requests, timing=timing)
 
     with _json_target(json_path) as out:
         _finish("bench fleet", run)
+
+
+@bench_app.command("timing-calibrate")
+def bench_timing_calibrate(
+    json_path: Optional[Path] = typer.Option(..., "--json", help="Write the calibration file here."),
+    cores: str = typer.Option("0", help="Engine threads of the one instance (VLLM_CPU_OMP_THREADS_BIND); "
+                              "one core: what each instance of rr-2x/router-2x gets."),
+    engine_blocks: int = typer.Option(59, min=16, help="Engine KV blocks (128 tokens), as the checked run's instances."),
+    max_model_len: int = typer.Option(1792, min=1792, help="vLLM's max_model_len (the longest calibration prompt is 1,650 tokens)."),
+    reps: int = typer.Option(3, min=1, help="Cold prompts of each length."),
+    neighbour: Optional[str] = typer.Option(None, "--neighbour", help="Cores of a second instance kept busy meanwhile "
+                                            "(e.g. 1: the other instance of a two-instance run); only the first is measured."),
+) -> None:
+    """Measure one vLLM + kvtier instance (cold and cached prefills, a CPU-tier hit, decode steps)
+    and fit the fleet timing model's engine parameters from it."""
+    from kvtier.bench.fleet_timing import run_timing_calibrate
+
+    _finish("bench timing-calibrate", lambda: run_timing_calibrate(json_path, cores, engine_blocks, max_model_len, reps,
+                                                                      neighbour=neighbour))
+
+
+def _load_arg(text: Optional[str], flag: str) -> Optional[list[float]]:
+    from kvtier.bench.common import BenchUsageError
+
+    if text is None:
+        return None
+    try:
+        vals = [float(x) for x in text.replace(",", " ").split()[:3]]
+    except ValueError:
+        vals = []
+    if len(vals) != 3:
+        raise BenchUsageError(f"{flag} {text!r}: expected the three load averages of `uptime`, e.g. '2.1 1.4 0.7'")
+    return vals
+
+
+@bench_app.command("timing-check")
+def bench_timing_check(
+    run_json: Path = typer.Option(..., "--run", help="JSON of a `kvtier bench serve` run with rr-2x or router-2x."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the check here (input of `bench fleet --timing-check`)."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration file of `kvtier bench timing-calibrate` "
+                                               "(default: the --engine preset)."),
+    engine: str = typer.Option("vllm-cpu-smollm2", help="Engine preset when no --calibration is given."),
+    config: Optional[str] = typer.Option(None, "--config", help="rr-2x or router-2x (default: the one in the run)."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Also write the run's requests as a Mooncake trace here."),
+    load_before: Optional[str] = typer.Option(None, "--load-before", help="`uptime` load averages before the run."),
+    load_after: Optional[str] = typer.Option(None, "--load-after", help="`uptime` load averages after the run."),
+    route_by_policy: bool = typer.Option(False, "--route-by-policy", help="Route by the run's policy instead of "
+                                         "replaying each request on the instance that served it."),
+) -> None:
+    """Replay a real two-instance run through the fleet timing model: predicted vs measured mean TTFT."""
+    from kvtier.bench.fleet_timing import run_timing_check
+
+    def run() -> int:
+        load = {"loadavg_before": _load_arg(load_before, "--load-before"),
+                "loadavg_after": _load_arg(load_after, "--load-after")}
+        return run_timing_check(run_json, json_path, calibration, engine, config, trace,
+                                load if any(load.values()) else None, not route_by_policy)
+
+    _finish("bench timing-check", run)
 
 
 @bench_app.command("policies")

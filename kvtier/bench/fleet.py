@@ -19,9 +19,10 @@ Top-level JSON keys: ``lru_hit_rate_3m``, ``best_policy``, ``best_policy_vs_bela
 ``best_policy_vs_belady_3m``, ``router_reuse_vs_dynamo_min`` (min over cells of kvtier
 kv-aware reuse / Dynamo kv_router reuse; None without Dynamo), ``max_request_share_ratio``
 (kvtier kv-aware, max over cells of the busiest worker's requests / the mean),
-``shared_pool_round_robin_vs_infinite`` and ``timing_model_ttft_error`` (None: the timing
-model has not been checked against a real two-instance ``kvtier bench serve`` run yet; the
-reason is under ``timing_model``).
+``shared_pool_round_robin_vs_infinite`` and ``timing_model_ttft_error`` (|predicted - measured|
+/ measured mean TTFT of a real two-instance ``kvtier bench serve`` run replayed through the
+timing model, from the ``kvtier bench timing-check`` file given as ``--timing-check``
+(:mod:`kvtier.bench.fleet_timing`); None without one, the reason under ``timing_model``).
 """
 
 from __future__ import annotations
@@ -128,7 +129,10 @@ def run_bench_fleet(trace: Path, json_path: Path | None = None, dynamo_python: P
     inf = unbounded_reuse(records(), block_size)
     out["shared_pool_round_robin_vs_infinite"] = _ratio(pool.reuse, inf)
     out["timing_model_ttft_error"] = None if timing is None else timing.get("ttft_error")
-    if timing is None:
+    if timing is not None:
+        con.print(f"timing model: {timing.get('n_requests')} requests of {timing.get('source_run')}: mean TTFT measured "
+                  f"{timing.get('measured_mean_ttft_ms', 0):.0f} ms, predicted {timing.get('predicted_mean_ttft_ms', 0):.0f} ms")
+    else:
         timing = {"status": "not measured: no real two-instance kvtier bench serve run was compared "
                             "(the engine presets' sources are under engine)"}
 

@@ -18,6 +18,7 @@ from kvtier.bench.serve.workload import (
     Tokenizer,
     WorkloadSpec,
     no_reuse_prompts,
+    prompt_hash_ids,
     working_set,
     workload_prompts,
 )
@@ -30,7 +31,10 @@ def measure_sessions(name: str, url: str, model: str, instances: Sequence[str], 
 
     ``blocks``: the engine KV bound the servers were started with (``None``: not ours).
     ``extra`` gets ``working_set_blocks_measured`` (real answers as history),
-    ``prompt_tokens_local_vs_server_mismatches`` and, with several instances, ``oracle``.
+    ``prompt_tokens_local_vs_server_mismatches``, ``prompt_blocks`` (request id -> local prompt
+    length and Mooncake-format ``hash_ids`` of its ``BLOCK_SIZE``-token blocks: with the records'
+    start, ttft and backend, a trace ``kvtier bench timing-check`` replays) and, with several
+    instances, ``oracle``.
     ``on_done`` is called once per finished request. Raises httpx.HTTPError when /metrics
     cannot be read.
     """
@@ -46,6 +50,9 @@ def measure_sessions(name: str, url: str, model: str, instances: Sequence[str], 
     ids = [s.request_id(r) for r in range(spec.rounds) for s in sessions]
     ph.extra["prompt_tokens_local_vs_server_mismatches"] = sum(
         1 for rid, p in zip(ids, prompts) if usage.get(rid) and usage[rid] != len(p))
+    ph.extra["prompt_blocks"] = {"block_size": BLOCK_SIZE, "requests": {
+        rid: {"input_length": len(p), "hash_ids": h}
+        for rid, p, h in zip(ids, prompts, prompt_hash_ids(prompts, BLOCK_SIZE))}}
     if len(instances) > 1:
         ph.extra["router"] = router_view(url)
         by_id = dict(zip(ids, prompts))

@@ -253,3 +253,22 @@ def no_reuse_prompts(n: int, tokenizer: Tokenizer, tokens: int, seed: int = 1, c
         start = rng.randrange(0, max(1, len(ids) - tokens))
         out.append(f"Request {i} ({rng.getrandbits(48):012x}): " + tokenizer.decode(ids[start : start + tokens]))
     return out
+
+
+def prompt_hash_ids(prompts: Sequence[Sequence[int]], block_size: int) -> list[list[int]]:
+    """Mooncake-format ``hash_ids`` of each prompt (one per ``block_size``-token block, the
+    last possibly partial): a block's id is the order of first sight of its whole token
+    prefix, so two prompts share their first ``k`` ids exactly when they share their first
+    ``k * block_size`` tokens (as an engine's prefix cache sees them). Raises ValueError for
+    block_size < 1."""
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    seen: dict[tuple[int, ...], int] = {}
+    out = []
+    for p in prompts:
+        ids = []
+        for end in range(block_size, len(p) + block_size, block_size):
+            key = tuple(p[: min(end, len(p))])
+            ids.append(seen.setdefault(key, len(seen)))
+        out.append(ids)
+    return out

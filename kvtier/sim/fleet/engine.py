@@ -48,6 +48,9 @@ class EngineParams:
         kv_bytes_per_token: KV bytes of one token (all layers).
         load_gbps: load bandwidth per kvtier tier (``cpu``, ``disk``, ``pool``).
         source: where the figures come from.
+        first_token_overhead_s: added to every time to first token, outside the engine's
+            steps (the server's request handling, tokenization, the first chunk's trip to the
+            client); 0 in the presets, measured by :mod:`kvtier.sim.fleet.calibrate`.
     """
 
     name: str
@@ -60,6 +63,7 @@ class EngineParams:
     kv_bytes_per_token: int
     load_gbps: dict[str, float] = field(default_factory=dict)
     source: str = ""
+    first_token_overhead_s: float = 0.0
 
     def prefill_s(self, n: int, ctx: int) -> float:
         """Compute time of prefilling ``n`` tokens after ``ctx`` cached ones (no step overhead)."""

@@ -53,6 +53,8 @@ class FleetConfig:
         pool_blocks: one shared pool for the fleet (0: none).
         policy: kvtier tiers' eviction policy.
         weights: router score weights.
+        assign: the worker of each request, in trace order (a real run's, replayed as it was
+            routed); None: ``routing`` decides. ``routing`` still says which events are fed.
     """
 
     workers: int
@@ -66,6 +68,7 @@ class FleetConfig:
     pool_blocks: int = 0
     policy: str = "lru"
     weights: Weights = field(default_factory=Weights)
+    assign: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -137,6 +140,10 @@ class FleetSim:
         self._rr = 0
         self.decisions: dict[str, int] = {}
         self.ttfts: list[float] = []
+        #: Per request (trace order): the finished :class:`Request` (worker, hits, first_token);
+        #: None when rejected. ``ttft_of[idx]``: its time to first token (seconds).
+        self.per_request: list[Request | None] = []
+        self.ttft_of: dict[int, float] = {}
         self.served = [0] * cfg.workers
         self.hits: dict[str, int] = {}
         #: Requests larger than an engine's whole block cache (refused, as vLLM does).
@@ -164,6 +171,11 @@ class FleetSim:
     # -- routing ------------------------------------------------------------------------
     def _route(self, req: Request, tokens: np.ndarray) -> int:
         cfg = self.cfg
+        if cfg.assign is not None:
+            if req.idx >= len(cfg.assign) or not 0 <= cfg.assign[req.idx] < cfg.workers:
+                raise ValueError(f"request {req.idx}: no worker in 0..{cfg.workers - 1} assigned")
+            self.decisions["assigned"] = self.decisions.get("assigned", 0) + 1
+            return cfg.assign[req.idx]
         keys_by_bs: dict[int, list[bytes]] = {}
         cands = []
         for i, name in enumerate(self.names):
@@ -205,6 +217,7 @@ class FleetSim:
                           output_length=max(1, rec.output_length), ids=ids,
                           blocks=-(-(rec.input_length + max(1, rec.output_length)) // bs))
             req._rec = rec  # type: ignore[attr-defined]
+            self.per_request.append(None)
             n_in += 1
             arrival_at[0] = req.arrival
             push(req.arrival, 0, req)
@@ -213,7 +226,10 @@ class FleetSim:
             return [_key(i) for i in req.ids]
 
         def on_first(req: Request) -> None:
-            self.ttfts.append(req.first_token - req.arrival)  # type: ignore[operator]
+            ttft = req.first_token - req.arrival + cfg.params.first_token_overhead_s  # type: ignore[operator]
+            self.ttfts.append(ttft)
+            self.per_request[req.idx] = req
+            self.ttft_of[req.idx] = ttft
             inst = self.instances[req.worker]
             if inst.tiers is not None:
                 inst.tiers.store(keys_of(req))

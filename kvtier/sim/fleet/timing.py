@@ -112,7 +112,7 @@ def load_serve_run(path: Path, config: str | None = None) -> ServeRun:
     engine_blocks = _need(ph, "engine_blocks", int, where)
     cpu = _need(_need(doc, "kvtier_cpu_bytes", dict, src), "per_instance_of_two", int, src + " kvtier_cpu_bytes")
     recs = _need(ph, "records", list, where)
-    backends = sorted({r.get("backend") for r in recs if isinstance(r, dict) and r.get("backend")})
+    backends = sorted({str(r["backend"]) for r in recs if isinstance(r, dict) and r.get("backend")})
     workers = len(_need(ph, "metrics_delta_per_instance", list, where)) or 2
     out = []
     for i, r in enumerate(recs):

@@ -10,6 +10,8 @@ loads among them), members still read the event streams, and everything was clea
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -23,6 +25,7 @@ def _leftovers() -> set[str]:
     return {n for n in os.listdir("/tmp") if n.startswith(("kvsoakf-", "kvsoak-hostile-"))}
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: out of the fast loop
 def test_short_fleet_soak_runs_every_attack_and_nothing_gets_through(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     before = _leftovers()

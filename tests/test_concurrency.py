@@ -271,6 +271,7 @@ OPS_PER_THREAD = 25_000
 THREAD_KEYS = 16
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: out of the fast loop
 def test_threads_on_overlapping_keys_read_exact_bytes_and_leak_nothing(tmp_path: Path) -> None:
     m = make_manager(tmp_path / "disk", cpu_chunks=4, disk_chunks=8)
     payloads = [payload(i) for i in range(THREAD_KEYS)]

@@ -163,6 +163,7 @@ def test_stress_other_kv_layouts(connectors, kv_layout: str) -> None:
     assert eng.stats.loaded_blocks_verified > 500
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: out of the fast loop
 def test_stress_cpu_and_disk_tiers(connectors, tmp_path: Path) -> None:
     pair = connectors(extra_config(cpu_chunks=4, disk_dir=tmp_path / "disk", disk_chunks=12))
     eng = run_stress(pair, seed=12, num_requests=4_000)

@@ -261,6 +261,7 @@ def test_unauthenticated_streams_cannot_lock_the_operator_out(fleet: TokenCluste
         x.close()
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: out of the fast loop
 @pytest.mark.parametrize("kind", ["controller", "server"])
 def test_streams_are_bounded_and_a_new_viewer_always_gets_one(kind: str, open_fleet: FleetCluster,
                                                               short_dir: Path) -> None:  # noqa: F811

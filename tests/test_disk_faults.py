@@ -726,6 +726,7 @@ def test_direct_io_write_refused_mid_run_falls_back(direct_dir: Path) -> None:
 # -- index load at scale ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: out of the fast loop
 def test_index_load_of_100k_chunk_files(tmp_path: Path) -> None:
     d = tmp_path / "big"
     d.mkdir()

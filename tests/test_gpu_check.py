@@ -16,6 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: out of the fast loop
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA: scripts/gpu-check.sh is the GPU check itself")
 def test_gpu_check_runs_its_cpu_steps_and_exits_3_without_cuda(tmp_path: Path) -> None:
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, GPU_CHECK_PYTEST="0")

@@ -164,6 +164,7 @@ print(json.dumps({"requests": rep.requests, "rss": rep.max_rss_bytes}))
 """
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: out of the fast loop
 def test_a_long_trace_replays_in_bounded_memory(tmp_path: Path) -> None:
     """Ten times the requests may not cost more memory than the ids' bitmap and noise."""
     def rss(n: int) -> int:

@@ -4,6 +4,7 @@ TTFTs), the error figure, the calibration fit, and the CLI's bad input. No vLLM 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtier.cli import app
-from kvtier.sim.fleet.calibrate import CalibrationError, fit_params
+from kvtier.sim.fleet.calibrate import CalibrationError, fit_params, load_calibration
 from kvtier.sim.fleet.engine import VLLM_CPU_SMOLLM2, EngineParams
 from kvtier.sim.fleet.timing import TimingInputError, load_serve_run, replay, trace_records, ttft_error
 
@@ -176,3 +177,33 @@ def test_cli_check_writes_what_bench_fleet_reads(tmp_path: Path) -> None:
     t = read_timing_check(out)
     assert t["ttft_error"] == doc["ttft_error"] and t["n_requests"] == 1
     assert t["measured_mean_ttft_ms"] == pytest.approx(360.0)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "device", "deep", "too-large", "not-utf8"])
+def test_every_json_input_is_read_bounded(tmp_path: Path, kind: str) -> None:
+    """The run, calibration and timing-check files go through one bounded reader: a FIFO, a
+    directory or /dev/zero never hangs or fills memory; deep nesting is 'not JSON', not a RecursionError."""
+    from kvtier.protocol.decoding import read_json_file
+
+    p = tmp_path / "in.json"
+    if kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "directory":
+        p.mkdir()
+    elif kind == "device":
+        p = Path("/dev/zero")
+    elif kind == "deep":
+        p.write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "too-large":
+        p.write_text(json.dumps({"x": "y" * 2048}))
+    else:
+        p.write_bytes(b'{"a": "\xff"}')
+    words = {"fifo": "not a regular file", "directory": "not a regular file", "device": "not a regular file",
+             "deep": "not JSON", "too-large": "larger than 1024 bytes", "not-utf8": "not JSON"}[kind]
+    with pytest.raises(ValueError, match=words):
+        read_json_file(p, max_bytes=1024 if kind == "too-large" else 1 << 20)
+    if kind != "too-large":
+        with pytest.raises(TimingInputError, match=words):
+            load_serve_run(p)
+        with pytest.raises(CalibrationError, match=words):
+            load_calibration(p)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.common import BLOCK_SIZE, BenchUsageError
+from kvtier.protocol.decoding import read_json_file
 from kvtier.sim.fleet.calibrate import CalibrationError, fit_params, load_calibration, params_dict
 from kvtier.sim.fleet.engine import PRESETS
 from kvtier.sim.fleet.timing import TimingInputError, breakdown, load_serve_run, replay, ttft_error, write_trace
@@ -283,12 +284,10 @@ def read_timing_check(path: Path) -> dict[str, Any]:
     Raises BenchUsageError: missing file, not JSON, fields missing.
     """
     path = Path(path)
-    if not path.is_file():
-        raise BenchUsageError(f"--timing-check {path}: no such file")
     try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BenchUsageError(f"--timing-check {path}: not JSON ({exc})") from None
+        doc = read_json_file(path)
+    except ValueError as exc:
+        raise BenchUsageError(f"--timing-check {path}: {exc}") from None
     need = ("ttft_error", "measured_mean_ttft_s", "predicted_mean_ttft_s", "n_requests", "source_run")
     missing = [k for k in need if not isinstance(doc, dict) or k not in doc]
     if missing:

@@ -13,6 +13,9 @@ goes through here, so too deep is one more way of being malformed.
 from __future__ import annotations
 
 import json
+import os
+import stat
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -47,6 +50,38 @@ def json_loads(data: bytes | str) -> Any:
         return json.loads(data)
     except RecursionError:
         raise ValueError("JSON nested too deeply to decode") from None
+
+
+#: Largest JSON file :func:`read_json_file` reads by default (bytes).
+MAX_JSON_FILE_BYTES = 256 << 20
+
+
+def read_json_file(path: Path | str, max_bytes: int = MAX_JSON_FILE_BYTES) -> Any:
+    """The JSON document in the file ``path``: a regular file of at most ``max_bytes`` bytes.
+
+    Checked before reading, so no path hangs or exhausts the process: a FIFO (opening one blocks
+    until a writer comes), a device such as ``/dev/zero``, a directory.
+
+    Raises:
+        ValueError: no such file, not a regular file, unreadable, larger than ``max_bytes``, not
+            UTF-8 JSON, or nested too deeply; the message says which (without the path).
+    """
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except FileNotFoundError:
+        raise ValueError("no such file") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read it: {exc.strerror or exc}") from None
+    if len(raw) > max_bytes:
+        raise ValueError(f"larger than {max_bytes} bytes")
+    try:
+        return json_loads(raw)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"not JSON ({exc})") from None
 
 
 def json_dumps(obj: Any) -> bytes:

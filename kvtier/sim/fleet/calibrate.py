@@ -30,7 +30,6 @@ Fits (:func:`fit_params`), in this order:
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.protocol.decoding import read_json_file
 from kvtier.sim.fleet.engine import EngineParams, VLLM_CPU_SMOLLM2
 
 
@@ -164,10 +164,8 @@ def params_dict(p: EngineParams) -> dict[str, Any]:
 def load_calibration(path: Path, base: EngineParams = VLLM_CPU_SMOLLM2) -> tuple[EngineParams, dict[str, Any]]:
     """:func:`fit_params` of a calibration file. Raises CalibrationError (missing file, not JSON, bad fields)."""
     path = Path(path)
-    if not path.is_file():
-        raise CalibrationError(f"--calibration {path}: no such file")
     try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CalibrationError(f"--calibration {path}: not JSON ({exc})") from None
+        doc = read_json_file(path)
+    except ValueError as exc:
+        raise CalibrationError(f"--calibration {path}: {exc}") from None
     return fit_params(doc, base, src=str(path))

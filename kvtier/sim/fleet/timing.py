@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from kvtier.protocol.decoding import read_json_file
 from kvtier.sim.fleet.engine import EngineParams
 from kvtier.sim.fleet.fleet import FleetConfig, FleetSim
 from kvtier.storage.trace_file import TraceRecord
@@ -88,12 +89,10 @@ def load_serve_run(path: Path, config: str | None = None) -> ServeRun:
     """
     path = Path(path)
     src = str(path)
-    if not path.is_file():
-        raise TimingInputError(f"{src}: no such file")
     try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TimingInputError(f"{src}: not JSON ({exc})") from None
+        doc = read_json_file(path)
+    except ValueError as exc:
+        raise TimingInputError(f"{src}: {exc}") from None
     configs = _need(doc, "configs", dict, src)
     names = [n for n in TWO_INSTANCE if n in configs] if config is None else [config]
     if not names:

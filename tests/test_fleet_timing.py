@@ -207,3 +207,71 @@ def test_every_json_input_is_read_bounded(tmp_path: Path, kind: str) -> None:
             load_serve_run(p)
         with pytest.raises(CalibrationError, match=words):
             load_calibration(p)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("ttft_s", 0, r"cold\[0\].ttft_s must be a number in"),  # weights 1/ttft: hung lstsq
+    ("ttft_s", 5e-324, "ttft_s must be a number in"),
+    ("ttft_s", float("nan"), "ttft_s must be a number in"),
+    ("ttft_s", float("inf"), "ttft_s must be a number in"),
+    ("input_length", 10**300, "input_length must be an integer in"),
+    ("input_length", 200.5, "input_length must be an integer"),
+])
+def test_calibration_numbers_are_bounded(field: str, value: object, words: str) -> None:
+    doc = _calibration(P)
+    doc["cold"][0] = {**doc["cold"][0], field: value}
+    with pytest.raises(CalibrationError, match=words):
+        fit_params(doc)
+
+
+@pytest.mark.parametrize("key, value", [("kv_bytes_per_token", "abc"), ("kv_bytes_per_token", -5),
+                                        ("token_budget", "x"), ("max_seqs", 0.5), ("max_seqs", -1)])
+def test_calibration_engine_settings_are_bounded(key: str, value: object) -> None:
+    with pytest.raises(CalibrationError, match=key):
+        fit_params({**_calibration(P), key: value})
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda d: d["configs"]["rr-2x"]["records"][0].update(prompt_tokens=10**15), "prompt_tokens"),
+    (lambda d: d["configs"]["rr-2x"].update(metrics_delta_per_instance=[{}] * 100_000), "instances"),
+    (lambda d: d["configs"]["rr-2x"]["prompt_blocks"].update(block_size=0), "block_size"),
+    (lambda d: d["configs"]["rr-2x"].update(engine_blocks=0), "engine_blocks"),
+    (lambda d: d["configs"]["rr-2x"]["prompt_blocks"]["requests"]["u0-r0"].update(hash_ids=[-1]), r"hash_ids\[0\]"),
+    (lambda d: d["configs"]["rr-2x"]["prompt_blocks"]["requests"]["u0-r0"].update(hash_ids=["a"]), r"hash_ids\[0\]"),
+    (lambda d: d["configs"]["rr-2x"]["prompt_blocks"]["requests"]["u0-r0"].update(hash_ids=[10**400]), r"hash_ids\[0\]"),
+    (lambda d: d["configs"]["rr-2x"]["records"][0].update(start=float("nan")), "start"),
+    (lambda d: d["configs"]["rr-2x"]["records"][0].update(ttft=-1), "ttft"),
+    (lambda d: d["configs"]["rr-2x"]["records"][0].update(output_tokens=-3), "output_tokens"),
+    (lambda d: d["configs"]["rr-2x"]["records"].append(dict(d["configs"]["rr-2x"]["records"][0])), "appears twice"),
+])
+def test_run_numbers_are_bounded(tmp_path: Path, change, words: str) -> None:
+    """A few hundred bytes must not make the replay build 10**13 block ids or 100k instances."""
+    p = _run_file(tmp_path, [{"id": "u0-r0", "start": 0.0, "ttft": 0.4, "len": 300, "ids": [0, 1, 2]}])
+    doc = json.loads(p.read_text())
+    change(doc)
+    p.write_text(json.dumps(doc))
+    with pytest.raises(TimingInputError, match=words):
+        load_serve_run(p)
+
+
+def test_timing_outputs_and_checks_are_refused_before_any_work(tmp_path: Path) -> None:
+    run = _run_file(tmp_path, [{"id": "u0-r0", "start": 0.0, "ttft": 0.36, "len": 300, "ids": [0, 1, 2]}])
+    (tmp_path / "adir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    for flag, target in (("--json", tmp_path / "adir"), ("--trace", tmp_path / "fifo"), ("--trace", "-")):
+        r = CliRunner().invoke(app, ["bench", "timing-check", "--run", str(run), flag, str(target)])
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(app, ["bench", "timing-check", "--run", str(run), "--json", "-"])
+    assert r.exit_code in (0, 1) and '"ttft_error"' in r.output and not Path("-").exists()
+    for bad in ({"measured_mean_ttft_s": "0.4"}, {"measured_mean_ttft_s": None}, {"ttft_error": "bad"},
+                {"measured_mean_ttft_s": 10**400}):
+        doc = {"ttft_error": 0.1, "measured_mean_ttft_s": 0.4, "predicted_mean_ttft_s": 0.36, "n_requests": 1,
+               "source_run": "r", **bad}
+        (tmp_path / "t.json").write_text(json.dumps(doc))
+        r = CliRunner().invoke(app, ["bench", "fleet", "--trace", str(run), "--timing-check", str(tmp_path / "t.json")])
+        assert r.exit_code == 2 and "Traceback" not in r.output, (bad, r.output)
+    cal = str(tmp_path / "cal.json")
+    r = CliRunner().invoke(app, ["bench", "timing-calibrate", "--json", cal, "--cores", "0", "--neighbour", "0"])
+    assert r.exit_code == 2 and "shares a core" in r.output
+    r = CliRunner().invoke(app, ["bench", "timing-calibrate", "--json", cal, "--cores", "999"])
+    assert r.exit_code == 2 and "not available" in r.output

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import random
 import statistics
 import tempfile
@@ -37,6 +38,7 @@ from typing import Any
 
 from kvtier.bench.common import BLOCK_SIZE, BenchUsageError
 from kvtier.protocol.decoding import read_json_file
+from kvtier.sim.fleet.numbers import MAX_SECONDS, number
 from kvtier.sim.fleet.calibrate import CalibrationError, fit_params, load_calibration, params_dict
 from kvtier.sim.fleet.engine import PRESETS
 from kvtier.sim.fleet.timing import TimingInputError, breakdown, load_serve_run, replay, ttft_error, write_trace
@@ -88,8 +90,14 @@ def run_timing_calibrate(json_path: Path | None, cores: str = "0", engine_blocks
     in flight, 1,300-token cold prompts, 16 tokens each), as the other instance of a two-instance
     configuration is; only the first instance is measured.
 
-    Raises BenchUsageError when the server does not start or a request fails.
+    Raises BenchUsageError when the server does not start or a request fails, or (before any
+    work) for an output path that cannot be written or cores this machine lacks.
     """
+    check_output_path("--json", json_path)
+    mine = _cores("--cores", cores)
+    if neighbour is not None and mine & _cores("--neighbour", neighbour):
+        raise BenchUsageError(f"--neighbour {neighbour} shares a core with --cores {cores}: the neighbour must "
+                              "run on cores of its own (the two-instance layout)")
     import asyncio
 
     import httpx
@@ -211,11 +219,73 @@ def run_timing_calibrate(json_path: Path | None, cores: str = "0", engine_blocks
         con.print(f"  {r['kind']:6} ctx {r['ctx']:5} new {r['new_tokens']:5}: measured {r['measured_s'] * 1e3:7.1f} ms, "
                   f"fit {r['fitted_s'] * 1e3:7.1f} ms")
     con.print(f"fit: {json.dumps(params_dict(params))}")
-    if json_path is not None:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(doc, indent=1) + "\n")
-        con.print(f"wrote {json_path}")
+    _write_out(json_path, doc, con)
     return 0
+
+
+def _cores(flag: str, spec: str) -> set[int]:
+    """The CPU numbers of a list like ``0``, ``0-1`` or ``0,2``; each must be one this process may run on.
+
+    Raises:
+        BenchUsageError: malformed, or a core outside this process's affinity.
+    """
+    out: set[int] = set()
+    for part in str(spec).split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not (lo.isascii() and lo.isdigit() and len(lo) <= 4) or (dash and not (hi.isascii() and hi.isdigit()
+                                                                                 and len(hi) <= 4)):
+            raise BenchUsageError(f"{flag} {spec!r}: expected CPU numbers like 0, 0-1 or 0,2")
+        a, b = int(lo), int(hi) if dash else int(lo)
+        if b < a:
+            raise BenchUsageError(f"{flag} {spec!r}: range {part.strip()} is backwards")
+        out.update(range(a, b + 1))
+    allowed = os.sched_getaffinity(0)
+    if not out <= allowed:
+        raise BenchUsageError(f"{flag} {spec!r}: core(s) {sorted(out - allowed)} not available "
+                              f"(this process may use {sorted(allowed)})")
+    return out
+
+
+def check_output_path(flag: str, path: Path | None) -> None:
+    """Refuse an output path that cannot take a file before any work is done: an existing
+    directory, FIFO or device, or a parent that is not a directory. ``-`` (stdout) passes.
+
+    Raises:
+        BenchUsageError: the path cannot be written as a regular file.
+    """
+    if path is None or str(path) == "-":
+        return
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise BenchUsageError(f"{flag} {p}: {exc.strerror or exc}") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise BenchUsageError(f"{flag} {p}: exists and is not a regular file")
+    parent = p.parent
+    if parent.exists() and not parent.is_dir():
+        raise BenchUsageError(f"{flag} {p}: {parent} is not a directory")
+
+
+def _write_out(json_path: Path | None, doc: dict[str, Any], con: Any) -> None:
+    """``doc`` as JSON to ``json_path`` ('-': stdout; None: nowhere); a failed write is a usage error."""
+    if json_path is None:
+        return
+    try:
+        text = json.dumps(doc, indent=1, allow_nan=False, default=str)
+    except ValueError:  # a NaN or infinity the inputs' bounds did not rule out: still valid JSON out
+        text = json.dumps(json.loads(json.dumps(doc, default=str), parse_constant=lambda _: None), indent=1)
+    if str(json_path) == "-":
+        print(text)
+        return
+    try:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(text + "\n")
+    except OSError as exc:
+        raise BenchUsageError(f"--json {json_path}: {exc.strerror or exc}") from None
+    con.print(f"wrote {json_path}")
 
 
 def run_timing_check(run_path: Path, json_path: Path | None, calibration: Path | None = None,
@@ -231,6 +301,10 @@ def run_timing_check(run_path: Path, json_path: Path | None, calibration: Path |
 
     from kvtier.bench.fleet import TARGETS
 
+    check_output_path("--json", json_path)
+    check_output_path("--trace", trace_path)
+    if trace_path is not None and str(trace_path) == "-":
+        raise BenchUsageError("--trace -: the trace goes to a file (JSON Lines), not to stdout")
     con = console or Console()
     try:
         run = load_serve_run(Path(run_path), config)
@@ -271,10 +345,7 @@ def run_timing_check(run_path: Path, json_path: Path | None, calibration: Path |
               f"{err['predicted_mean_ttft_s'] * 1e3:.0f} ms, error {err['ttft_error']:.3f} (target <= "
               f"{out['target']}); per request (pred - meas) / meas p10 {rel['p10']:+.2f} p50 {rel['p50']:+.2f} "
               f"p90 {rel['p90']:+.2f}, {rel['within_20pct']:.0%} within 20%")
-    if json_path is not None:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(out, indent=1) + "\n")
-        con.print(f"wrote {json_path}")
+    _write_out(json_path, out, con)
     return 0 if err["ttft_error"] <= out["target"] else 1
 
 
@@ -293,8 +364,15 @@ def read_timing_check(path: Path) -> dict[str, Any]:
     if missing:
         raise BenchUsageError(f"--timing-check {path}: missing field(s) {', '.join(missing)} "
                               "(write it with `kvtier bench timing-check`)")
-    return {"ttft_error": doc["ttft_error"], "measured_mean_ttft_ms": 1e3 * doc["measured_mean_ttft_s"],
-            "predicted_mean_ttft_ms": 1e3 * doc["predicted_mean_ttft_s"], "n_requests": doc["n_requests"],
-            "source_run": doc["source_run"], "config": doc.get("config"), "machine_load": doc.get("machine_load"),
+    try:
+        err = number(doc["ttft_error"], "ttft_error", 0, 1e6)
+        measured = number(doc["measured_mean_ttft_s"], "measured_mean_ttft_s", 0, MAX_SECONDS, lo_open=True)
+        predicted = number(doc["predicted_mean_ttft_s"], "predicted_mean_ttft_s", 0, MAX_SECONDS)
+        n = int(number(doc["n_requests"], "n_requests", 1, 1 << 40, integer=True))
+    except ValueError as exc:
+        raise BenchUsageError(f"--timing-check {path}: {exc}") from None
+    return {"ttft_error": err, "measured_mean_ttft_ms": 1e3 * measured,
+            "predicted_mean_ttft_ms": 1e3 * predicted, "n_requests": n,
+            "source_run": str(doc["source_run"])[:4096], "config": doc.get("config"), "machine_load": doc.get("machine_load"),
             "per_request_rel_error": doc.get("per_request_rel_error"), "params": doc.get("params"),
             "timing_check_file": str(path)}

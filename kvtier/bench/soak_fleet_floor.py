@@ -23,18 +23,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import signal
 import socket
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 #: Seconds between samples.
 PERIOD_S = 0.01
 #: The sleep whose overshoot is measured, seconds.
 NAP_S = 0.001
-#: Longest a round trip may take before the sample counts it as that long and the probe stops
-#: (the child died), seconds.
+#: Longest a round trip may take before the probe stops (the child died or was stopped), seconds.
 ECHO_TIMEOUT_S = 5.0
+#: Longest run, seconds (a day, like the soak's own bound).
+MAX_SECONDS = 86_400.0
+#: Longest wait for the ``--go`` file, seconds.
+GO_WAIT_S = 300.0
 
 
 def _echo_child(sock: socket.socket) -> None:
@@ -46,8 +53,10 @@ def _echo_child(sock: socket.socket) -> None:
         os._exit(0)
 
 
-def measure(seconds: float) -> dict[str, list[list[float]]]:
-    """Sample for ``seconds``; returns ``{"wake_ms": [[t, ms], ...], "echo_ms": [[t, ms], ...]}``.
+def measure(seconds: float) -> dict[str, Any]:
+    """Sample for ``seconds``; returns ``{"wake_ms": [[t, ms], ...], "echo_ms": [[t, ms], ...],
+    "stopped_early": None or why}`` (the echo child died or stalled past ``ECHO_TIMEOUT_S``: the
+    samples so far stand, the stalled round trip is not one of them).
 
     Raises:
         OSError: the socket pair or the fork failed.
@@ -61,6 +70,7 @@ def measure(seconds: float) -> dict[str, list[list[float]]]:
     parent.settimeout(ECHO_TIMEOUT_S)
     wake: list[list[float]] = []
     echo: list[list[float]] = []
+    stopped: str | None = None
     end = time.monotonic() + seconds
     try:
         while (now := time.monotonic()) < end:
@@ -71,16 +81,21 @@ def measure(seconds: float) -> dict[str, list[list[float]]]:
             try:
                 parent.sendall(b"x")
                 if parent.recv(1) != b"x":
+                    stopped = "the echo child closed its end"
                     break
-            except OSError:  # the child died or stalled past the timeout: what was measured stands
-                echo.append([now, ECHO_TIMEOUT_S * 1e3])
+            except OSError as exc:  # the child died or stalled past the timeout: what was measured stands
+                stopped = f"the echo child did not answer ({type(exc).__name__})"
                 break
             echo.append([now, (time.perf_counter() - t0) * 1e3])
             time.sleep(max(0.0, PERIOD_S - (time.monotonic() - now)))
     finally:
         parent.close()
+        try:  # a stopped (SIGSTOP) child would never exit on its own: never wait on it
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         os.waitpid(pid, 0)
-    return {"wake_ms": wake, "echo_ms": echo}
+    return {"wake_ms": wake, "echo_ms": echo, "stopped_early": stopped}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,11 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--go", type=Path, required=True, help="start once this file exists")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
-    deadline = time.monotonic() + 300.0
-    while not a.go.exists() and time.monotonic() < deadline:
+    if not (math.isfinite(a.seconds) and 0 < a.seconds <= MAX_SECONDS):
+        ap.error(f"--seconds must be in (0, {MAX_SECONDS:g}], got {a.seconds}")
+    if not a.out.parent.is_dir() or a.out.is_dir():
+        ap.error(f"--out {a.out}: not a file in an existing directory")
+    deadline = time.monotonic() + GO_WAIT_S
+    while not a.go.is_file():
+        if time.monotonic() > deadline:
+            print(f"soak_fleet_floor: {a.go} did not appear within {GO_WAIT_S:g} s; nothing measured", file=sys.stderr)
+            return 2
         time.sleep(0.05)
-    result: dict[str, object] = dict(measure(a.seconds))
-    a.out.write_text(json.dumps(result))
+    a.out.write_text(json.dumps(measure(a.seconds)))
     return 0
 
 

@@ -141,8 +141,10 @@ def build_report(opts: Any, seconds: float, clients: list[dict[str, Any]], looku
         Check("attacks that never ran", len(never_ran), 0, False, "", ", ".join(never_ran)[:120]),
     ]
     floor_ms = {k: [ms for _, ms in (floor or {}).get(k, [])] for k in ("wake_ms", "echo_ms")}
+    stopped = (floor or {}).get("stopped_early")
     floor_note = (f"; machine floor p99: wake-up {pct(floor_ms['wake_ms'], 99):.2f} ms, one-hop IPC "
-                  f"{pct(floor_ms['echo_ms'], 99):.2f} ms" if floor_ms["echo_ms"] else "")
+                  f"{pct(floor_ms['echo_ms'], 99):.2f} ms" + (" (probe stopped early)" if stopped else "")
+                  if floor_ms["echo_ms"] else "")
     checks += [
         Check("instance drop-offs", drop_offs + sum(1 for d in dead if d.startswith("inst-")), 0, False, "",
               f"dead processes: {', '.join(dead) or 'none'}"),
@@ -188,7 +190,8 @@ def build_report(opts: Any, seconds: float, clients: list[dict[str, Any]], looku
                                "count": len(router_ms)},
         },
         "noise_floor_ms": {k.removesuffix("_ms"): {"p50": pct(v, 50), "p99": pct(v, 99), "max": max(v, default=0.0),
-                                                   "count": len(v)} for k, v in floor_ms.items()},
+                                                   "count": len(v)} for k, v in floor_ms.items()}
+                           | {"stopped_early": stopped},
         "rss": rss_out, "exit_codes": exits, "dead": dead, "errors": errors, "logs": logs,
         "clients": [{k: v for k, v in c.items() if k not in ("lookup_ms",)} for c in clients],
         "monitor_counters": monitor.get("counters", {}), "pd_seen": seen_pd,

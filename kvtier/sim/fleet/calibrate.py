@@ -39,6 +39,7 @@ import numpy as np
 
 from kvtier.protocol.decoding import read_json_file
 from kvtier.sim.fleet.engine import EngineParams, VLLM_CPU_SMOLLM2
+from kvtier.sim.fleet.numbers import MAX_SECONDS, MAX_TOKENS, number
 
 
 class CalibrationError(ValueError):
@@ -59,9 +60,32 @@ def _rows(doc: dict[str, Any], key: str, fields: tuple[str, ...], src: str, requ
             if f == "tier":
                 if not isinstance(v, str):
                     raise CalibrationError(f"{src}: {key}[{i}].{f} must be a tier name")
-            elif isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise CalibrationError(f"{src}: {key}[{i}].{f} must be a non-negative number, got {v!r}")
+            else:
+                lo, hi, integer, lo_open = _RANGES[f]
+                try:
+                    number(v, f"{src}: {key}[{i}].{f}", lo, hi, integer, lo_open)
+                except ValueError as exc:
+                    raise CalibrationError(str(exc)) from None
     return rows
+
+
+#: Each calibration field's range: (low, high, integer, low excluded). Times divide (weights
+#: 1/ttft), so they must be above 0.
+_RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "input_length": (1, MAX_TOKENS, True, False), "cached_tokens": (0, MAX_TOKENS, True, False),
+    "tier_tokens": (0, MAX_TOKENS, True, False), "seqs": (1, 1 << 16, True, False),
+    "ttft_s": (1e-6, MAX_SECONDS, False, False), "itl_s": (1e-6, MAX_SECONDS, False, False),
+}
+
+
+def _optional_int(doc: dict[str, Any], key: str, default: int, lo: int, hi: int, src: str) -> int:
+    v = doc.get(key)
+    if v is None:
+        return default
+    try:
+        return int(number(v, f"{src}: {key}", lo, hi, integer=True))
+    except ValueError as exc:
+        raise CalibrationError(str(exc)) from None
 
 
 def fit_params(doc: dict[str, Any], base: EngineParams = VLLM_CPU_SMOLLM2, name: str = "vllm-cpu-calibrated",
@@ -119,11 +143,13 @@ def fit_params(doc: dict[str, Any], base: EngineParams = VLLM_CPU_SMOLLM2, name:
         notes.append(f"prefill intercept {c0:.4f} s is below the decode step overhead {step:.4f} s: "
                      "first-token overhead set to 0")
         first = 0.0
-    kvb = int(doc.get("kv_bytes_per_token") or base.kv_bytes_per_token)
+    kvb = _optional_int(doc, "kv_bytes_per_token", base.kv_bytes_per_token, 1, 1 << 30, src)
+    budget = _optional_int(doc, "token_budget", base.token_budget, 1, MAX_TOKENS, src)
+    seqs = _optional_int(doc, "max_seqs", base.max_seqs, 1, 1 << 16, src)
     out_params = replace(
         base, name=name, step_overhead_s=step, prefill_s_per_token=float(p), attention_s_per_pair=float(att),
-        decode_s_per_seq=max(0.0, float(d)), token_budget=int(doc.get("token_budget") or base.token_budget),
-        max_seqs=int(doc.get("max_seqs") or base.max_seqs), kv_bytes_per_token=kvb,
+        decode_s_per_seq=max(0.0, float(d)), token_budget=budget,
+        max_seqs=seqs, kv_bytes_per_token=kvb,
         first_token_overhead_s=first, load_gbps=dict(base.load_gbps))
 
     def predict(c: float, n: float) -> float:

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 from kvtier.protocol.decoding import read_json_file
 from kvtier.sim.fleet.engine import EngineParams
 from kvtier.sim.fleet.fleet import FleetConfig, FleetSim
+from kvtier.sim.fleet.numbers import MAX_SECONDS, MAX_TOKENS, MAX_WORKERS, number
 from kvtier.storage.trace_file import TraceRecord
 
 #: Two-instance configurations of ``kvtier bench serve`` and the routing each used.
@@ -69,6 +70,16 @@ class ServeRun:
         return mib // (self.block_size * kv_bytes_per_token)
 
 
+def _num(obj: Any, key: str, where: str, lo: float, hi: float, integer: bool = False) -> float:
+    """``obj[key]`` as a bounded number (:func:`kvtier.sim.fleet.numbers.number`)."""
+    if not isinstance(obj, dict) or key not in obj:
+        raise TimingInputError(f"{where}: missing field {key!r}")
+    try:
+        return number(obj[key], f"{where}: field {key!r}", lo, hi, integer)
+    except ValueError as exc:
+        raise TimingInputError(str(exc)) from None
+
+
 def _need(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
     if not isinstance(obj, dict) or key not in obj:
         raise TimingInputError(f"{where}: missing field {key!r}")
@@ -106,35 +117,67 @@ def load_serve_run(path: Path, config: str | None = None) -> ServeRun:
     ph = configs[name]
     where = f"{src} configs.{name}"
     blocks = _need(ph, "prompt_blocks", dict, where)
-    bs = _need(blocks, "block_size", int, where + ".prompt_blocks")
+    _need(blocks, "block_size", int, where + ".prompt_blocks")
+    bs = int(_num(blocks, "block_size", where + ".prompt_blocks", 1, 1 << 16, integer=True))
     by_id = _need(blocks, "requests", dict, where + ".prompt_blocks")
-    engine_blocks = _need(ph, "engine_blocks", int, where)
-    cpu = _need(_need(doc, "kvtier_cpu_bytes", dict, src), "per_instance_of_two", int, src + " kvtier_cpu_bytes")
+    _need(ph, "engine_blocks", int, where)
+    engine_blocks = int(_num(ph, "engine_blocks", where, 1, 1 << 24, integer=True))
+    cpu_doc = _need(doc, "kvtier_cpu_bytes", dict, src)
+    _need(cpu_doc, "per_instance_of_two", int, src + " kvtier_cpu_bytes")
+    cpu = int(_num(cpu_doc, "per_instance_of_two", src + " kvtier_cpu_bytes", 0, 1 << 50, integer=True))
     recs = _need(ph, "records", list, where)
-    backends = sorted({str(r["backend"]) for r in recs if isinstance(r, dict) and r.get("backend")})
+    backends = sorted({r["backend"] for r in recs if isinstance(r, dict) and isinstance(r.get("backend"), str)
+                       and r["backend"]})
     workers = len(_need(ph, "metrics_delta_per_instance", list, where)) or 2
+    if not 1 <= max(workers, len(backends)) <= MAX_WORKERS:
+        raise TimingInputError(f"{where}: {max(workers, len(backends))} instances; a replay takes 1-{MAX_WORKERS}")
+    seen: set[str] = set()
     out = []
     for i, r in enumerate(recs):
         w = f"{where}.records[{i}]"
         if not _need(r, "ok", bool, w):
             continue
         rid = _need(r, "request_id", str, w)
+        if rid in seen:
+            raise TimingInputError(f"{w}: request id {rid[:64]!r} appears twice")
+        seen.add(rid)
         pb = by_id.get(rid)
         if not isinstance(pb, dict):
-            raise TimingInputError(f"{w}: request {rid!r} has no entry under prompt_blocks.requests")
-        hids = _need(pb, "hash_ids", list, f"{where}.prompt_blocks.requests.{rid}")
-        n_in = _need(pb, "input_length", int, f"{where}.prompt_blocks.requests.{rid}")
-        be = r.get("backend") or ""
+            raise TimingInputError(f"{w}: request {rid[:64]!r} has no entry under prompt_blocks.requests")
+        pw = f"{where}.prompt_blocks.requests.{rid[:64]}"
+        hids = _need(pb, "hash_ids", list, pw)
+        if len(hids) > MAX_TOKENS // bs + 1:
+            raise TimingInputError(f"{pw}: {len(hids)} hash ids, more blocks than {MAX_TOKENS} tokens hold")
+        ids: tuple[int, ...] = tuple(hids) if _ids_ok(hids) else _bad_ids(hids, pw)
+        _need(pb, "input_length", int, pw)
+        n_in = int(_num(pb, "input_length", pw, 0, MAX_TOKENS, integer=True))
+        _need(r, "prompt_tokens", int, w)
+        n_prompt = int(_num(r, "prompt_tokens", w, 0, MAX_TOKENS, integer=True)) or n_in
+        if n_prompt < 1:
+            raise TimingInputError(f"{w}: a request of 0 prompt tokens")
+        _need(r, "output_tokens", int, w)
+        be = r.get("backend")
         out.append(RunRequest(
-            request_id=rid, start_s=float(_need(r, "start", (int, float), w)), ttft_s=float(_need(r, "ttft", (int, float), w)),
-            input_length=int(_need(r, "prompt_tokens", int, w) or n_in), output_length=int(_need(r, "output_tokens", int, w)),
-            hash_ids=tuple(int(h) for h in hids), worker=backends.index(be) if be in backends else None))
+            request_id=rid, start_s=_num(r, "start", w, -MAX_SECONDS, MAX_SECONDS),
+            ttft_s=_num(r, "ttft", w, 0, MAX_SECONDS),
+            input_length=n_prompt, output_length=int(_num(r, "output_tokens", w, 0, MAX_TOKENS, integer=True)),
+            hash_ids=ids, worker=backends.index(be) if isinstance(be, str) and be in backends else None))
     if not out:
         raise TimingInputError(f"{where}: no successful request to replay")
     out.sort(key=lambda q: q.start_s)
     return ServeRun(source=src, config=name, routing=TWO_INSTANCE[name], workers=max(workers, len(backends)),
                     block_size=bs, engine_blocks=engine_blocks, cpu_tier_bytes=cpu, requests=tuple(out),
                     workload=doc.get("workload") or {})
+
+
+def _ids_ok(hids: list[Any]) -> bool:
+    return all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 63 for h in hids)
+
+
+def _bad_ids(hids: list[Any], where: str) -> tuple[int, ...]:
+    j, h = next((j, h) for j, h in enumerate(hids) if not _ids_ok([h]))
+    shown = repr(h) if len(repr(h)) <= 40 else repr(h)[:40] + "..."
+    raise TimingInputError(f"{where}: hash_ids[{j}] must be an integer in [0, 2**63), got {shown}")
 
 
 def trace_records(run: ServeRun) -> list[TraceRecord]:

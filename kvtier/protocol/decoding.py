@@ -70,14 +70,18 @@ def read_json_file(path: Path | str, max_bytes: int = MAX_JSON_FILE_BYTES) -> An
         # O_NONBLOCK: opening a FIFO does not wait for a writer; the type is checked on the open
         # file itself, so swapping the path after a check cannot slip a FIFO or device in.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not regular:
+            os.close(fd)
+            raise ValueError("not a regular file")
         with open(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ValueError("not a regular file")
             raw = f.read(max_bytes + 1)
     except FileNotFoundError:
         raise ValueError("no such file") from None
-    except IsADirectoryError:
-        raise ValueError("not a regular file (a directory)") from None
     except OSError as exc:
         raise ValueError(f"cannot read it: {exc.strerror or exc}") from None
     if len(raw) > max_bytes:

@@ -447,3 +447,14 @@ def test_locality_follows_the_tiers_local_capability_not_its_kind(managers, make
     assert ("contains_many" in mem.calls) is local
     # a chunk a local tier holds is not stored again; a remote-only one is (an idempotent overwrite)
     assert (m.open_write_many(keys[:1], [None])[0] is WriteSkip.PRESENT) is local
+
+
+def test_a_plug_in_tier_of_kind_disk_stays_local_without_saying_so() -> None:
+    class PluginDisk(MemoryTier):
+        kind = "disk"
+
+    class PluginRemoteDisk(MemoryTier):
+        kind = "disk"
+        local = False  # an explicit choice wins
+
+    assert PluginDisk.local and not PluginRemoteDisk.local and not MemoryTier.local

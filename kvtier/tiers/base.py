@@ -143,6 +143,13 @@ class LowerTier(ABC):
     #: write queue is ``disk_write_queue`` (else ``remote_write_queue``), and its absences are not
     #: tracked as stale (:mod:`kvtier.storage.stale_remote`). A wrapper forwards its inner tier's.
     local: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass of kind ``"disk"`` that does not say otherwise is local (``kind`` labels the
+        tier the way lookups report it; a plug-in disk tier written before ``local`` keeps its locality)."""
+        super().__init_subclass__(**kwargs)
+        if "local" not in cls.__dict__ and cls.kind == "disk":
+            cls.local = True
     #: URL schemes this class opens (see :mod:`kvtier.tiers.registry`).
     schemes: ClassVar[tuple[str, ...]] = ()
 

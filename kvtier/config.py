@@ -36,6 +36,7 @@ warning).
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import logging
 import os
@@ -399,7 +400,14 @@ class KVTierConfig(BaseModel):
         # peer_listen is recognised however it is written.
         v = tuple(_check_transfer_url("peers", url, listen=False) for url in v)
         if len(set(v)) != len(v):
-            raise ValueError(f"peers {list(v)!r} names a peer twice")
+            seen: set[str] = set()
+            dup = ""
+            for u in v:
+                if u in seen:
+                    dup = u
+                    break
+                seen.add(u)
+            raise ValueError(f"peers names a peer twice: {dup!r} (URLs compared in canonical form; {len(v)} peers)")
         if info.data.get("peer_listen") in v:
             raise ValueError(f"peers names this instance's own peer_listen {info.data['peer_listen']!r}")
         return v
@@ -554,23 +562,58 @@ def _check_transfer_url(key: str, url: str, listen: bool) -> str:
     scheme, sep, rest = url.partition("://")
     if scheme not in PEER_SCHEMES or not sep:
         raise ValueError(f"{key} {url!r}: scheme must be one of {', '.join(s + '://' for s in PEER_SCHEMES)}")
+    shown = url if len(url) <= 200 else url[:200] + "..."
     if scheme == "shm":
         if not rest.startswith("/") or len(rest) < 2:
-            raise ValueError(f"{key} {url!r}: shm:// needs an absolute socket path, e.g. shm:///run/kvtier-peer.sock")
-        return url
+            raise ValueError(f"{key} {shown!r}: shm:// needs an absolute socket path, e.g. shm:///run/kvtier-peer.sock")
+        if any(c in rest for c in "\0?#"):
+            raise ValueError(f"{key} {shown!r}: a socket path holds no NUL, '?' or '#'")
+        path = os.path.normpath(rest)  # lexical: // and /./ and a trailing / go
+        path = "/" + path.lstrip("/")  # (POSIX keeps a leading '//')
+        if len(os.fsencode(path)) > MAX_UNIX_PATH_BYTES:
+            raise ValueError(f"{key} {shown!r}: a Unix socket path is at most {MAX_UNIX_PATH_BYTES} bytes")
+        return f"shm://{path}"
     host, colon, port = rest.rstrip("/").rpartition(":")
     low = 0 if listen else 1
-    if not colon or not host or "/" in host or not (port.isascii() and port.isdigit()) or not low <= int(port) < 65536:
-        raise ValueError(f"{key} {url!r}: expected {scheme}://HOST:PORT with a port in {low}-65535")
+    if not colon or not host or "/" in host or not (port.isascii() and port.isdigit() and len(port) <= 5) \
+            or not low <= int(port) < 65536:
+        raise ValueError(f"{key} {shown!r}: expected {scheme}://HOST:PORT with a port in {low}-65535")
     _host_of(key, url, host, wildcard=False)  # (a socket binds 0.0.0.0, not ZeroMQ's *)
-    return f"{scheme}://{_canonical_host(host)}:{int(port)}"
+    canonical = _canonical_host(key, shown, host)
+    if not listen and canonical in ("0.0.0.0", "[::]"):
+        raise ValueError(f"{key} {shown!r}: a peer is dialled at an address, not a wildcard")
+    return f"{scheme}://{canonical}:{int(port)}"
 
 
-def _canonical_host(host: str) -> str:
-    """``host`` with its name or address lowercased (DNS names and hex digits are case-blind) and
-    an IPv6 zone id (``%eth0``: an interface name, case-sensitive) kept as written."""
-    addr, pct, zone = host.partition("%")
-    return addr.lower() + pct + zone
+#: Longest Unix socket path (``sun_path`` is 108 bytes with its terminating NUL).
+MAX_UNIX_PATH_BYTES = 107
+
+
+def _canonical_host(key: str, shown: str, host: str) -> str:
+    """``host`` in one form per address: an IP literal as :mod:`ipaddress` writes it (``[::1]``
+    for ``[0:0::1]``), a name lowercased (DNS is case-blind); an IPv6 zone id (``%eth0``: an
+    interface name, case-sensitive) kept as written. A name that only looks like an IPv4 address
+    in another notation (``127.1``, ``2130706433``, ``0x7f.0.0.1``, ``0177.0.0.1``) is refused:
+    resolvers read those differently, and two spellings of one peer would both be dialled.
+
+    Raises:
+        ValueError: such an ambiguous numeric name.
+    """
+    if host.startswith("["):
+        addr, pct, zone = host[1:-1].partition("%")
+        try:
+            return f"[{ipaddress.IPv6Address(addr).compressed}{pct}{zone}]"
+        except ValueError:
+            return host.lower()  # check_host has accepted it; keep it as written
+    name = host.lower()
+    last = name.rstrip(".").rpartition(".")[2]
+    if last.isdigit() or last.startswith("0x"):
+        try:
+            return str(ipaddress.IPv4Address(name))
+        except ValueError:
+            raise ValueError(f"{key} {shown!r}: {host!r} is not a dotted-decimal IPv4 address (write a.b.c.d, "
+                             "no leading zeros) nor a host name") from None
+    return name
 
 
 def _host_of(key: str, url: str, host: str, wildcard: bool = True) -> None:

@@ -47,6 +47,21 @@ def test_env_comma_list_and_file_list(tmp_path, fleet):
         ({"peer_listen": "tcp://h:7700", "peers": ["tcp://h:7700"]}, "own peer_listen"),
         ({"peer_listen": "tcp://h:7700", "peers": ["tcp://H:7700/"]}, "own peer_listen"),
         ({"peer_listen": "tcp://h:7700/", "peers": ["tcp://h:7700"]}, "own peer_listen"),
+        # one address, two IP spellings; one socket, two path spellings (hostile trial)
+        ({"peers": ["tcp://[::1]:7700", "tcp://[0:0:0:0:0:0:0:1]:7700"]}, "names a peer twice"),
+        ({"peer_listen": "tcp://[::1]:7700", "peers": ["tcp://[0::1]:7700"]}, "own peer_listen"),
+        ({"peer_listen": "shm:///tmp/a.sock", "peers": ["shm:///tmp//a.sock"]}, "own peer_listen"),
+        ({"peers": ["shm:///tmp/a.sock", "shm:///tmp/./a.sock/"]}, "names a peer twice"),
+        ({"peers": ["tcp://127.1:7700"]}, "not a dotted-decimal IPv4"),
+        ({"peers": ["tcp://2130706433:7700"]}, "not a dotted-decimal IPv4"),
+        ({"peers": ["tcp://0x7f.0.0.1:7700"]}, "not a dotted-decimal IPv4"),
+        ({"peers": ["tcp://127.000.000.001:7700"]}, "not a dotted-decimal IPv4"),
+        ({"peers": ["tcp://0.0.0.0:7700"]}, "not a wildcard"),
+        ({"peers": ["tcp://[::]:7700"]}, "not a wildcard"),
+        ({"peers": ["shm:///tmp/a\x00b"]}, "no NUL"),
+        ({"peers": ["shm:///tmp/a.sock#y"]}, "no NUL, '?' or '#'"),
+        ({"peers": ["shm:///" + "d" * 120]}, "at most 107 bytes"),
+        ({"peers": ["tcp://h:" + "0" * 5000 + "7700"]}, "port in 1-65535"),
         ({"peer_timeout_s": 0}, "greater than 0"),
         ({"peer_retry_s": -1}, "greater than 0"),
     ],
@@ -57,6 +72,7 @@ def test_bad_settings_are_refused_with_the_key_named(settings, words, fleet):
         load_config({**settings, **keys}, environ={})
     key = next(iter(settings)) if "own" not in words and "twice" not in words else "peers"
     assert words in str(err.value) and key in str(err.value)
+    assert len(str(err.value)) < 2000  # a long or repeated input is not echoed whole
 
 
 def test_peer_urls_are_kept_in_canonical_form(fleet):

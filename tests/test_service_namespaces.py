@@ -286,3 +286,28 @@ def test_server_rss_stays_within_the_cpu_capacity(short_dir: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _series(srv: CacheServer, name: str) -> float:
+    line = next(ln for ln in srv.metrics.exposition().decode().splitlines() if ln.startswith(name + " "))
+    return float(line.split()[1])
+
+
+def test_counters_never_go_down_when_a_namespace_is_released(short_dir: Path) -> None:
+    """/metrics summed the hosted namespaces' counters: releasing an idle one took its counts away,
+    which Prometheus reads as a counter reset (a false spike in increase() with two namespaces)."""
+    cap = 8 * PAGE
+    with start(short_dir, cap, namespace_idle_s=0.05) as srv:
+        a = connect(short_dir / "s.sock", ns=ns_of("test/a"), client_id="a", sync_commit=True)
+        b = connect(short_dir / "s.sock", ns=ns_of("test/b"), client_id="b", sync_commit=True)
+        assert store(a, keys(1, 4)) == 4 and store(b, keys(2, 2), chain=False) == 2
+        assert a.open_read_many([(k, None) for k in keys(9, 3)]) == [None] * 3  # 3 load failures in a
+        before = {n: _series(srv, n) for n in ("kvtier_stored_chunks_total", "kvtier_load_failures_total")}
+        assert before == {"kvtier_stored_chunks_total": 6.0, "kvtier_load_failures_total": 3.0}
+        a.close()
+        wait_until(lambda: len(srv.hosts()) == 1, timeout_s=10, what="idle namespace released")
+        assert {n: _series(srv, n) for n in before} == before
+        assert _series(srv, "kvtier_namespaces") == 1.0  # the kept totals are not a namespace
+        assert store(b, keys(3, 1), chain=False) == 1
+        assert _series(srv, "kvtier_stored_chunks_total") == 7.0
+        b.close()

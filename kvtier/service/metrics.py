@@ -77,6 +77,15 @@ _REMOTE_COUNTERS = {
 }
 
 
+#: Stats ``/metrics`` exports as counters. A released namespace's values of these are kept by the
+#: server (:attr:`kvtier.service.namespaces.NamespaceTable.released_counters`), so a counter never
+#: goes down when an idle namespace is released (Prometheus would read that as a reset).
+COUNTER_STAT_NAMES: frozenset[str] = frozenset(
+    {*_COUNTER_STATS, *(f"remote_{s}" for s in _REMOTE_COUNTERS), "lookups", "lookup_tokens", "lookup_hit_tokens"})
+#: Key marking the released namespaces' counter totals in a stats snapshot (not a hosted namespace).
+RELEASED_MARK = "released_namespaces_totals"
+
+
 class ServerMetrics:
     """The server's metric objects, in a private registry.
 
@@ -173,7 +182,7 @@ class _StateCollector:
         g.add_metric([], clients)
         yield g
         g = GaugeMetricFamily("kvtier_namespaces", "Key namespaces hosted")
-        g.add_metric([], len(stats))
+        g.add_metric([], sum(1 for s in stats if not s.get(RELEASED_MARK)))
         yield g
         for name, doc in _COUNTER_STATS.items():
             c = CounterMetricFamily(f"kvtier_{name}", doc)

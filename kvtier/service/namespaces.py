@@ -195,6 +195,8 @@ class NamespaceTable:
         self._lock = threading.Lock()
         self.budget = ByteBudget(int(config.cpu_capacity))  # shared by every hosted namespace's CPU pool
         self.released = 0
+        #: Counter stats of the namespaces released so far, summed (see metrics.COUNTER_STAT_NAMES).
+        self.released_counters: dict[str, float] = {}
         self.expired_reservations = 0
         p = policy
         log.info(
@@ -397,6 +399,20 @@ class NamespaceTable:
             if isinstance(disk, DiskTier) and disk.capacity_bytes != share:  # (the only tier of kind disk)
                 disk.set_capacity(share)
 
+    def _keep_counters(self, host: NamespaceHost) -> None:
+        """Add a namespace's counter stats to :attr:`released_counters` before it goes."""
+        from kvtier.service.metrics import COUNTER_STAT_NAMES
+
+        try:
+            stats = host.stats()
+        except Exception:  # defensive: releasing must not fail for its bookkeeping
+            log.exception("kvtier server: reading a released namespace's counters failed")
+            return
+        for name in COUNTER_STAT_NAMES & stats.keys():
+            v = stats[name]
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.released_counters[name] = self.released_counters.get(name, 0.0) + float(v)
+
     def _release_idle_locked(self, force: bool) -> None:
         """Release unused namespaces: idle longer than ``idle_release_s`` (or any unused one when ``force``)."""
         now = self._clock()
@@ -410,6 +426,7 @@ class NamespaceTable:
             if force or now - e.idle_since >= self.policy.idle_release_s:
                 del self._entries[digest]
                 self.released += 1
+                self._keep_counters(e.host)
                 log.info("kvtier server: released idle namespace %s (%s)", digest.hex()[:16], e.host.namespace.model[:128])
                 e.host.close()
 

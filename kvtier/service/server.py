@@ -438,7 +438,10 @@ class CacheServer:
         }
 
     def _metric_snapshot(self) -> tuple[int, list[dict[str, Any]]]:
-        return self.num_sessions(), [h.stats() for h in self.hosts()]
+        from kvtier.service.metrics import RELEASED_MARK
+
+        kept = dict(self._namespaces.released_counters)
+        return self.num_sessions(), [h.stats() for h in self.hosts()] + ([{**kept, RELEASED_MARK: 1}] if kept else [])
 
 
 def _peer_host(sock: socket.socket) -> str:

@@ -352,3 +352,28 @@ def test_socket_dir_must_be_private_to_the_server_and_clients(short_dir: Path) -
             c.close()
         finally:
             short_dir.chmod(0o700)
+
+
+@pytest.mark.parametrize("n", [5000, 16_384, 20_000])
+def test_a_load_of_many_keys_is_a_clean_miss_and_keeps_the_connection(short_dir: Path, n: int) -> None:
+    """A load_many of over 4,096 keys was undecodable (arrays were bounded below MAX_KEYS): the
+    server's error lacked the request id and the client dropped its connection."""
+    import logging
+    from kvtier.protocol.framing import MAX_ARRAY_LEN
+
+    assert P.MAX_KEYS <= MAX_ARRAY_LEN
+    with start_server(short_dir) as srv:
+        a = connect(short_dir / "s.sock")
+        store(a, KEYS[:1])
+        lost: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda rec: lost.append(rec.getMessage()) if "connection lost" in rec.getMessage() else None  # type: ignore[method-assign]
+        logging.getLogger("kvtier").addHandler(handler)
+        try:
+            assert a.open_read_many([(bytes([i % 256, i // 256]) * 16, None) for i in range(n)]) == [None] * n
+        finally:
+            logging.getLogger("kvtier").removeHandler(handler)
+        assert not lost
+        with a.open_read(KEYS[0]) as h:  # the same connection still serves
+            assert h.source == "cpu"
+        a.close()

@@ -17,6 +17,10 @@ from kvtier.protocol.errors import ErrorCode, ProtocolError
 
 #: Largest frame body either side accepts (bytes); 1 MiB holds 32,000 keys.
 MAX_FRAME_BYTES = 1 << 20
+#: Longest array in a message: a per-key list (parents, handles, slots) of ``MAX_KEYS`` keys fits
+#: (it was 4096, below ``MAX_KEYS``: a 5,000-key load was undecodable, and the server's error for
+#: it, without the request's id, cost the client its connection).
+MAX_ARRAY_LEN = 16_384
 #: Frame header: body length, big-endian uint32.
 HEADER = struct.Struct(">I")
 
@@ -48,7 +52,7 @@ def unpack_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
             strict_map_key=True,
             max_bin_len=MAX_FRAME_BYTES,
             max_str_len=64 * 1024,
-            max_array_len=4096,
+            max_array_len=MAX_ARRAY_LEN,
             max_map_len=512,  # a stats reply has ~100 keys; the frame bound caps the total
             max_ext_len=0,
         )

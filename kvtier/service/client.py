@@ -36,6 +36,10 @@ from kvtier.storage.types import ChunkUnavailable, LookupResult, WriteSkip
 __all__ = ["ClientCounters", "ServiceClient", "ServiceReadHandle", "ServiceUnavailable", "parse_address"]
 
 
+#: Most items of one ``load_many`` request: 32-byte keys plus a parent of up to 34 bytes each stay
+#: well inside ``MAX_FRAME_BYTES`` (the server bounds what one connection holds far lower anyway).
+LOAD_BATCH = 8192
+
 class ServiceUnavailable(RuntimeError):
     """Raised only by :meth:`ServiceClient.wait_connected` when no connection came up in time."""
 
@@ -311,8 +315,8 @@ class ServiceClient:
         items = list(items)
         if not items:
             return []
-        if len(items) > P.MAX_KEYS:
-            return [*self.open_read_many(items[: P.MAX_KEYS]), *self.open_read_many(items[P.MAX_KEYS :])]
+        if len(items) > LOAD_BATCH:  # each request fits one frame (keys, and parents of up to 34 B each)
+            return [*self.open_read_many(items[:LOAD_BATCH]), *self.open_read_many(items[LOAD_BATCH:])]
         mine = self.verify == "client"
         reply, conn = self._link.call(P.LoadMany([k for k, _ in items], [p for _, p in items], mine))
         out: list[ServiceReadHandle | None] = [None] * len(items)

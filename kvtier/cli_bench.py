@@ -284,8 +284,9 @@ def bench_timing_calibrate(
     and fit the fleet timing model's engine parameters from it."""
     from kvtier.bench.fleet_timing import run_timing_calibrate
 
-    _finish("bench timing-calibrate", lambda: run_timing_calibrate(json_path, cores, engine_blocks, max_model_len, reps,
-                                                                      neighbour=neighbour))
+    with _json_target(json_path) as out:
+        _finish("bench timing-calibrate", lambda: run_timing_calibrate(out, cores, engine_blocks, max_model_len, reps,
+                                                                          neighbour=neighbour))
 
 
 def _load_arg(text: Optional[str], flag: str) -> Optional[list[float]]:
@@ -322,10 +323,11 @@ def bench_timing_check(
     def run() -> int:
         load = {"loadavg_before": _load_arg(load_before, "--load-before"),
                 "loadavg_after": _load_arg(load_after, "--load-after")}
-        return run_timing_check(run_json, json_path, calibration, engine, config, trace,
+        return run_timing_check(run_json, out, calibration, engine, config, trace,
                                 load if any(load.values()) else None, not route_by_policy)
 
-    _finish("bench timing-check", run)
+    with _json_target(json_path) as out:
+        _finish("bench timing-check", run)
 
 
 @bench_app.command("policies")

@@ -270,16 +270,14 @@ def check_output_path(flag: str, path: Path | None) -> None:
 
 
 def _write_out(json_path: Path | None, doc: dict[str, Any], con: Any) -> None:
-    """``doc`` as JSON to ``json_path`` ('-': stdout; None: nowhere); a failed write is a usage error."""
+    """``doc`` as JSON to ``json_path`` (None: nowhere; the CLI turns ``-`` into a file it copies to
+    stdout, :func:`kvtier.cli_common.json_target`); a failed write is a usage error."""
     if json_path is None:
         return
     try:
         text = json.dumps(doc, indent=1, allow_nan=False, default=str)
     except ValueError:  # a NaN or infinity the inputs' bounds did not rule out: still valid JSON out
         text = json.dumps(json.loads(json.dumps(doc, default=str), parse_constant=lambda _: None), indent=1)
-    if str(json_path) == "-":
-        print(text)
-        return
     try:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(text + "\n")

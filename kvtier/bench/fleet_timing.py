@@ -28,6 +28,7 @@ import json
 import os
 import stat
 import random
+import re
 import statistics
 import tempfile
 import threading
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.common import BLOCK_SIZE, BenchUsageError
+from kvtier.memory.numa_topology import parse_cpulist
 from kvtier.protocol.decoding import read_json_file
 from kvtier.sim.fleet.numbers import MAX_SECONDS, number
 from kvtier.sim.fleet.calibrate import CalibrationError, fit_params, load_calibration, params_dict
@@ -229,16 +231,13 @@ def _cores(flag: str, spec: str) -> set[int]:
     Raises:
         BenchUsageError: malformed, or a core outside this process's affinity.
     """
-    out: set[int] = set()
-    for part in str(spec).split(","):
-        lo, dash, hi = part.strip().partition("-")
-        if not (lo.isascii() and lo.isdigit() and len(lo) <= 4) or (dash and not (hi.isascii() and hi.isdigit()
-                                                                                 and len(hi) <= 4)):
-            raise BenchUsageError(f"{flag} {spec!r}: expected CPU numbers like 0, 0-1 or 0,2")
-        a, b = int(lo), int(hi) if dash else int(lo)
-        if b < a:
-            raise BenchUsageError(f"{flag} {spec!r}: range {part.strip()} is backwards")
-        out.update(range(a, b + 1))
+    text = str(spec).replace(" ", "")
+    if not re.fullmatch(r"\d{1,4}(-\d{1,4})?(,\d{1,4}(-\d{1,4})?)*", text, re.ASCII):  # (bounds the set's size)
+        raise BenchUsageError(f"{flag} {spec!r}: expected CPU numbers like 0, 0-1 or 0,2")
+    try:
+        out = set(parse_cpulist(text))
+    except ValueError as exc:
+        raise BenchUsageError(f"{flag} {spec!r}: {exc}") from None
     allowed = os.sched_getaffinity(0)
     if not out <= allowed:
         raise BenchUsageError(f"{flag} {spec!r}: core(s) {sorted(out - allowed)} not available "

@@ -36,7 +36,6 @@ warning).
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import json
 import logging
 import os
@@ -58,7 +57,7 @@ from pydantic import (
 )
 
 from kvtier.config_base import ConfigError, parse_address, read_config_text
-from kvtier.hosts import check_host
+from kvtier.hosts import canonical_host, check_host
 from kvtier.sizes import SIZE_FORMS, parse_size
 from kvtier.urls import mask_url
 from kvtier.tiers.policies import POLICIES
@@ -590,30 +589,11 @@ MAX_UNIX_PATH_BYTES = 107
 
 
 def _canonical_host(key: str, shown: str, host: str) -> str:
-    """``host`` in one form per address: an IP literal as :mod:`ipaddress` writes it (``[::1]``
-    for ``[0:0::1]``), a name lowercased (DNS is case-blind); an IPv6 zone id (``%eth0``: an
-    interface name, case-sensitive) kept as written. A name that only looks like an IPv4 address
-    in another notation (``127.1``, ``2130706433``, ``0x7f.0.0.1``, ``0177.0.0.1``) is refused:
-    resolvers read those differently, and two spellings of one peer would both be dialled.
-
-    Raises:
-        ValueError: such an ambiguous numeric name.
-    """
-    if host.startswith("["):
-        addr, pct, zone = host[1:-1].partition("%")
-        try:
-            return f"[{ipaddress.IPv6Address(addr).compressed}{pct}{zone}]"
-        except ValueError:
-            return host.lower()  # check_host has accepted it; keep it as written
-    name = host.lower()
-    last = name.rstrip(".").rpartition(".")[2]
-    if last.isdigit() or last.startswith("0x"):
-        try:
-            return str(ipaddress.IPv4Address(name))
-        except ValueError:
-            raise ValueError(f"{key} {shown!r}: {host!r} is not a dotted-decimal IPv4 address (write a.b.c.d, "
-                             "no leading zeros) nor a host name") from None
-    return name
+    """:func:`kvtier.hosts.canonical_host` with the setting and its URL in the error."""
+    try:
+        return canonical_host(host)
+    except ValueError as exc:
+        raise ValueError(f"{key} {shown!r}: {exc}") from None
 
 
 def _host_of(key: str, url: str, host: str, wildcard: bool = True) -> None:

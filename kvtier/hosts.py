@@ -59,3 +59,30 @@ def check_host(host: str, wildcard: bool = True) -> str:
 
 
 __all__ = ["check_host"]
+
+
+def canonical_host(host: str) -> str:
+    """``host`` (as :func:`check_host` accepted it) in one form per address: an IP literal as
+    :mod:`ipaddress` writes it (``[::1]`` for ``[0:0::1]``), a name lowercased (DNS is
+    case-blind); an IPv6 zone id (``%eth0``: an interface name, case-sensitive) kept as written.
+
+    Raises:
+        ValueError: a name that only looks like an IPv4 address in another notation (``127.1``,
+            ``2130706433``, ``0x7f.0.0.1``, ``0177.0.0.1``): resolvers read those differently, and
+            two spellings of one peer would both be dialled.
+    """
+    if host.startswith("["):
+        addr, pct, zone = host[1:-1].partition("%")
+        try:
+            return f"[{ipaddress.IPv6Address(addr).compressed}{pct}{zone}]"
+        except ValueError:
+            return host.lower()  # check_host has accepted it; keep it as written
+    name = host.lower()
+    last = name.rstrip(".").rpartition(".")[2]
+    if last.isdigit() or last.startswith("0x"):
+        try:
+            return str(ipaddress.IPv4Address(name))
+        except ValueError:
+            raise ValueError(f"{host!r} is not a dotted-decimal IPv4 address (write a.b.c.d, no leading zeros) "
+                             "nor a host name") from None
+    return name

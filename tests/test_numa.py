@@ -15,7 +15,7 @@ import pytest
 
 from kvtier.config import ConfigError, KVTierConfig, load_config
 from kvtier.memory import numa
-from kvtier.memory.numa_topology import NumaError, Topology, choose, parse_cpulist
+from kvtier.memory.numa_topology import NumaError, Placement, Topology, choose, parse_cpulist
 from kvtier.memory.pool import ChunkPool
 from kvtier.memory.shared_segment import SharedSegment
 
@@ -129,13 +129,24 @@ def test_the_storage_manager_places_its_cpu_tier_and_reports_it() -> None:
         assert auto.stats()["cpu_numa_node"] == NODE
     finally:
         auto.close()
-    # 'none' sets no policy, so the pool keeps whatever its memory has: a small pool may come from
-    # malloc's heap, where an earlier (bound) pool lived (glibc raises its mmap threshold after
-    # freeing a mapped block, up to 32 MiB). A pool above that is a fresh mapping: default policy.
-    off = manager("none", chunks=(40 << 20) // ns.chunk_bytes)
+    # 'none' sets no policy: kvtier makes no mbind call and reports nothing bound. (What policy the
+    # pool's pages then have is the allocator's business: freed memory an earlier bound pool used can
+    # come back with that pool's policy, as a run of the whole suite showed, so it is not asserted.)
+    modes: list[str] = []
+    real_bind = numa.bind
+
+    def recording_bind(addr: int, length: int, placement: Placement) -> None:
+        modes.append(placement.mode)
+        real_bind(addr, length, placement)
+
+    numa.bind = recording_bind  # type: ignore[assignment]
     try:
-        assert off.stats()["cpu_numa_bound"] == 0
-        assert numa.policy_of(off.cpu.pool.view(0).ctypes.data)[0] == "default"
+        off = manager("none", chunks=(40 << 20) // ns.chunk_bytes)
+    finally:
+        numa.bind = real_bind  # type: ignore[assignment]
+    try:
+        assert off.stats()["cpu_numa_bound"] == 0 and set(modes) <= {"none"}  # bind() is a no-op for none
+        assert off.cpu.pool.numa is not None and not off.cpu.pool.numa.applied
     finally:
         off.close()
     missing = max(HERE.nodes) + 7

@@ -42,6 +42,7 @@ from kvtier.protocol.messages import (
     StoreBlocks,
     Unload,
     decode_request,
+    decode_request_body,
     encode_request,
     error_reply,
     ok_reply,
@@ -55,7 +56,7 @@ __all__ = [
     "Health", "KVRegister", "KVRelease", "Load", "LoadBlocks", "LoadMany", "Lookup", "MAX_FRAME_BYTES", "MAX_KEYS", "MAX_NAME_CHARS", "ONE_WAY_OPS",
     "PROTOCOL_VERSION", "Prefetch", "ProtocolError", "REQUESTS", "Register", "ReleaseLease", "Request", "Reserve",
     "ReserveMany", "ShmBuffer", "Stats", "StoreBlocks", "TIER_CODES", "TIER_NAMES", "Unload", "UnsafeSocketDir", "check_socket_dir",
-    "decode_request", "decode_tiers", "encode_request", "encode_tiers", "error_reply", "join_keys",
+    "decode_request", "decode_request_body", "decode_tiers", "encode_request", "encode_tiers", "error_reply", "join_keys",
     "make_socket_dir", "namespace_from_wire", "namespace_to_wire", "ok_reply", "pack", "parse_address",
     "read_reply", "recv_exact", "unpack_body",
 ]

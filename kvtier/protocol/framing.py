@@ -31,7 +31,15 @@ def pack(obj: dict[str, Any]) -> bytes:
     Raises:
         ProtocolError: ``TOO_LARGE`` if the body would exceed :data:`MAX_FRAME_BYTES`.
     """
-    body: bytes = msgpack.packb(obj, use_bin_type=True)
+    return frame(msgpack.packb(obj, use_bin_type=True))
+
+
+def frame(body: bytes) -> bytes:
+    """One frame (header + ``body``) for an encoded msgpack body.
+
+    Raises:
+        ProtocolError: ``TOO_LARGE`` if ``body`` exceeds :data:`MAX_FRAME_BYTES`.
+    """
     if len(body) > MAX_FRAME_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {len(body)} B exceeds {MAX_FRAME_BYTES} B")
     return HEADER.pack(len(body)) + body

@@ -101,6 +101,17 @@ def read_reply(sock: socket.socket, buf: bytearray, deadline: float) -> tuple[di
         ProtocolError: ``TOO_LARGE`` (reply bigger than ``buf``), ``DESYNC``
             (bytes after the reply), or a body that does not decode.
     """
+    body, retimed = read_reply_body(sock, buf, deadline)
+    return unpack_body(body), retimed
+
+
+def read_reply_body(sock: socket.socket, buf: bytearray, deadline: float) -> tuple[memoryview, bool]:
+    """As :func:`read_reply`, but the body undecoded: a view of ``buf``, valid until ``buf`` is reused.
+
+    Raises:
+        socket.timeout, ConnectionResetError: as :func:`read_reply`.
+        ProtocolError: ``TOO_LARGE`` or ``DESYNC``, as :func:`read_reply`.
+    """
     view = memoryview(buf)
     got = 0
     need = HEADER.size
@@ -124,4 +135,4 @@ def read_reply(sock: socket.socket, buf: bytearray, deadline: float) -> tuple[di
             retimed = True
     if got > need:
         raise ProtocolError(ErrorCode.DESYNC, "unexpected bytes after the reply")
-    return unpack_body(view[HEADER.size : need]), retimed
+    return view[HEADER.size : need], retimed

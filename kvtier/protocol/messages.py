@@ -106,6 +106,18 @@ class Request(msgspec.Struct, frozen=True, tag_field="op"):
             out[name] = b"".join(out[name])
         return out
 
+    @classmethod
+    def from_fields(cls, obj: dict[str, Any]) -> "Request":
+        """This op's request from an unpacked map of its fields (the wire form; envelope keys ignored).
+
+        Raises:
+            ProtocolError: ``BAD_MESSAGE`` naming the field that is missing, ill-typed or out of bounds.
+        """
+        try:
+            return decode(_Converter(cls), obj)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise ProtocolError(_BAD, f"invalid {cls.OP}: {exc}") from None
+
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -474,9 +486,10 @@ def decode_request(obj: dict[str, Any]) -> tuple[Envelope, Request]:
     if type(noreply) is not bool or (noreply and op not in ONE_WAY_OPS):
         raise ProtocolError(_BAD, f"noreply is only allowed for {sorted(ONE_WAY_OPS)}", rid)
     try:
-        req = decode(_Converter(cls), obj)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ProtocolError(_BAD, f"invalid {op}: {exc}", rid) from None
+        req = cls.from_fields(obj)
+    except ProtocolError as exc:
+        exc.req_id = rid
+        raise
     return Envelope(rid, noreply), req
 
 

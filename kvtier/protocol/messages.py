@@ -21,8 +21,8 @@ Chunk keys are 32-byte binaries; a list of keys travels as one binary of
 request's ``__post_init__``); a message outside the bounds, of the wrong type or of an unknown op
 raises :class:`ProtocolError` with a ``code`` that the server sends back before carrying on, its
 message naming the field (``... - at `$.keys```). Servers decode a request straight from the frame
-body (:func:`decode_request_body`, cached msgspec decoders); clients decode the hot replies into
-the typed structs of :mod:`kvtier.protocol.replies`.
+body (:func:`kvtier.protocol.envelope.decode_request_body`, cached msgspec decoders); clients
+decode the hot replies into the typed structs of :mod:`kvtier.protocol.replies`.
 
 Two endpoints speak it: the cache service (``kvtier server``, every op) and an
 engine worker's lookup endpoint (:mod:`kvtier.service.lookup_endpoint`:
@@ -72,7 +72,6 @@ from kvtier.index.keys import KeyNamespace
 from kvtier.protocol.decoding import decode
 from kvtier.protocol.errors import ErrorCode, ProtocolError
 from kvtier.protocol.fields import (
-    INT64_MAX,
     MAX_KEYS,
     Key,
     KeyList,
@@ -83,7 +82,7 @@ from kvtier.protocol.fields import (
     check_namespace,
     dec_hook,
 )
-from kvtier.protocol.framing import frame, unpack_body
+from kvtier.protocol.framing import frame
 
 PROTOCOL_VERSION = 2
 #: Ops a client may send with ``"noreply": true``.
@@ -424,75 +423,6 @@ for _cls in get_args(AnyRequest):
     REQUESTS[_cls.OP] = _cls
 
 
-class Envelope(msgspec.Struct, frozen=True):
-    """The envelope of a request: its id and whether it wants a reply."""
-
-    req_id: int
-    noreply: bool
-
-
-class _WireEnvelope(msgspec.Struct, frozen=True):
-    """The envelope as the fast path decodes it (any other field is skipped unread)."""
-
-    id: U64
-    v: int
-    op: str
-    noreply: bool = False
-
-
-_ENVELOPE_DECODER = msgspec.msgpack.Decoder(_WireEnvelope)
-_REQUEST_DECODER = msgspec.msgpack.Decoder(AnyRequest, dec_hook=dec_hook)
-
-
-def decode_request_body(body: bytes | bytearray | memoryview) -> tuple[Envelope, Request]:
-    """Validate a request straight from its frame body (the servers' hot path).
-
-    A well-formed request is decoded by two cached msgspec decoders (envelope, then the
-    op's struct); anything else goes through :func:`decode_request` on the unpacked map,
-    so every invalid body gets the same code and message as there.
-
-    Raises:
-        ProtocolError: as :func:`decode_request`, or ``BAD_MSGPACK`` (not a bounded msgpack map).
-    """
-    try:
-        env = _ENVELOPE_DECODER.decode(body)
-        if env.v == PROTOCOL_VERSION and (not env.noreply or env.op in ONE_WAY_OPS):
-            req: Request = _REQUEST_DECODER.decode(body)
-            return Envelope(env.id, env.noreply), req
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        pass
-    return decode_request(unpack_body(body))
-
-
-def decode_request(obj: dict[str, Any]) -> tuple[Envelope, Request]:
-    """Validate an unpacked request map.
-
-    Raises:
-        ProtocolError: wrong version, unknown op, bad envelope or bad fields.
-            ``req_id`` is set when the id itself was valid, so the error reply
-            can name the request. Field errors are ``BAD_MESSAGE`` naming the
-            field (e.g. ``... - at `$.keys```).
-    """
-    rid = obj.get("id")
-    if type(rid) is not int or not 0 <= rid <= INT64_MAX:
-        raise ProtocolError(_BAD, "id must be a non-negative integer")
-    if obj.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(ErrorCode.BAD_VERSION, f"protocol version must be {PROTOCOL_VERSION}", rid)
-    op = obj.get("op")
-    cls = REQUESTS.get(op) if isinstance(op, str) else None
-    if cls is None:
-        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {str(op)[:40]!r}", rid)
-    noreply = obj.get("noreply", False)
-    if type(noreply) is not bool or (noreply and op not in ONE_WAY_OPS):
-        raise ProtocolError(_BAD, f"noreply is only allowed for {sorted(ONE_WAY_OPS)}", rid)
-    try:
-        req = cls.from_fields(obj)
-    except ProtocolError as exc:
-        exc.req_id = rid
-        raise
-    return Envelope(rid, noreply), req
-
-
 class _Converter:
     """``msgspec.convert`` into one request type, in the shape :func:`decode` takes."""
 
@@ -501,11 +431,3 @@ class _Converter:
 
     def decode(self, obj: Any, /) -> Request:
         return msgspec.convert(obj, self.cls, dec_hook=dec_hook)
-
-
-def ok_reply(req_id: int, **fields_: Any) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "id": req_id, "ok": True, **fields_}
-
-
-def error_reply(req_id: int, code: str, message: str) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "id": req_id, "ok": False, "code": str(code), "error": message[:500]}

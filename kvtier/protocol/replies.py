@@ -1,6 +1,6 @@
 """Typed replies of the cache service's hot ops, decoded by the client straight from the frame body.
 
-Every reply is a map ``{"v", "id", "ok", ...}`` (:func:`kvtier.protocol.messages.ok_reply` /
+Every reply is a map ``{"v", "id", "ok", ...}`` (:func:`kvtier.protocol.envelope.ok_reply` /
 ``error_reply``); the structs here read it with one cached msgspec decoder per op. An error
 reply (``ok`` false) decodes into the same struct with ``code``/``error`` set and the op's
 fields at their defaults (None), so one decode serves both. A reply that does not fit its

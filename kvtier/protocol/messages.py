@@ -333,7 +333,9 @@ class KVRegister(Request, frozen=True, tag="kv_register"):
     layers: Annotated[list[tuple[U64, U64, U64, U64, U64]], msgspec.Meta(min_length=1, max_length=MAX_KV_LAYERS)]
 
     def __post_init__(self) -> None:
-        want = _BUFFER_TYPES[self.kind]
+        want = _BUFFER_TYPES.get(self.kind)
+        if want is None:  # decoding checks the Literal; a request built here may still name another kind
+            raise ValueError(f"field 'kind' must be one of {list(KV_KINDS)}")
         if not all(type(b) is want for b in self.buffers):  # decoded: maps, each checked as its kind's type
             out = []
             for i, b in enumerate(self.buffers):

@@ -160,7 +160,8 @@ class ServiceClient:
             so use it where the caller treats that as a miss, as the vLLM connector does).
 
     Raises:
-        ValueError: malformed address or non-positive timeouts.
+        ValueError: malformed address or non-positive timeouts, or a namespace the protocol
+            cannot carry (``ProtocolError``, e.g. a model name over 1,024 characters).
     """
 
     def __init__(

@@ -4,7 +4,9 @@ Failure rule (the engine never waits on a sick server):
 
 - Every call returns within ``timeout_s`` (waiting for another thread's call on
   the same connection included). A call that cannot finish in time, a broken
-  connection or an unreachable server gives ``None`` (the caller's miss).
+  connection, an unreachable server or a reply that does not fit its typed
+  struct (:mod:`kvtier.protocol.replies`, ``BAD_REPLY``) gives ``None`` (the
+  caller's miss).
 - A failed connection is closed (the server then releases everything this
   client held) and a background thread reconnects with the control plane's one
   back-off policy (:class:`kvtier.protocol.Backoff`), registering again and

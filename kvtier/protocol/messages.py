@@ -82,7 +82,7 @@ from kvtier.protocol.fields import (
     check_namespace,
     dec_hook,
 )
-from kvtier.protocol.framing import frame
+from kvtier.protocol.framing import pack
 
 PROTOCOL_VERSION = 2
 #: Ops a client may send with ``"noreply": true``.
@@ -118,9 +118,6 @@ class Request(msgspec.Struct, frozen=True, tag_field="op"):
             raise ProtocolError(_BAD, f"invalid {cls.OP}: {exc}") from None
 
 
-_ENCODER = msgspec.msgpack.Encoder()
-
-
 def encode_request(req: Request, req_id: int, noreply: bool = False) -> bytes:
     """One frame for ``req`` with envelope ``id``/``noreply``.
 
@@ -131,7 +128,7 @@ def encode_request(req: Request, req_id: int, noreply: bool = False) -> bytes:
     if noreply:
         obj["noreply"] = True
     obj.update(req.fields_to_wire())
-    return frame(_ENCODER.encode(obj))
+    return pack(obj)
 
 
 def _check_parents(keys: list[bytes], parents: list[bytes | None] | None, required: bool) -> None:

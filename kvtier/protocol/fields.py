@@ -34,13 +34,15 @@ _KEY_FORMAT = f"{KEY_BYTES}s"
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 #: A client id or lease owner: 1 to ``MAX_NAME_CHARS`` characters.
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
-#: A non-negative int64.
+#: 0 to ``2**63 - 1`` (an unsigned value that fits an int64).
 U64 = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 #: A positive int64.
 Pos64 = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
 #: One parent per key (nil: a prompt's first chunk); the count is checked against the keys.
 Parents = Annotated[list[Key | None], msgspec.Meta(max_length=MAX_KEYS)]
 
+# Type checkers see a plain list of keys (requests built in code take plain lists); at run time
+# msgspec needs a class of its own to call dec_hook for, and checks the hook returns one.
 if TYPE_CHECKING:
     KeyList = list[bytes]
 else:

@@ -31,7 +31,8 @@ PACKAGE = ROOT / "kvtier"
 
 #: Layer name -> the module prefixes in it, lowest layer first.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("kvtier.sizes", "kvtier.config_base", "kvtier.version", "kvtier.urls", "kvtier.ports", "kvtier.hosts")),
+    ("base", ("kvtier.sizes", "kvtier.config_base", "kvtier.version", "kvtier.urls", "kvtier.ports", "kvtier.hosts",
+              "kvtier.errors")),
     ("index", ("kvtier.index",)),
     ("memory", ("kvtier.memory",)),
     ("serde", ("kvtier.serde",)),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+from kvtier.errors import BaseProtocolError
+
 
 class ErrorCode(str, enum.Enum):
     """Machine-readable reasons sent back in an error reply (``"code"``).
@@ -61,7 +63,7 @@ class ErrorCode(str, enum.Enum):
         return self.value
 
 
-class ProtocolError(ValueError):
+class ProtocolError(BaseProtocolError, ValueError):
     """A frame or message that breaks the protocol (or a refusal received from the peer).
 
     Attributes:

@@ -1,10 +1,22 @@
-"""Validated reads of message fields (every check raises ``ProtocolError(BAD_MESSAGE)``)."""
+"""The field types of control-plane messages, each with its bounds (msgspec annotations).
+
+Every field a client chooses is bounded here, once: a value outside its type or bounds fails
+decoding with a ``msgspec.ValidationError`` whose message ends with the field's path (e.g.
+``- at `$.keys```), which :mod:`kvtier.protocol.messages` turns into ``ProtocolError(BAD_MESSAGE)``.
+
+One wire form is not msgspec's own: a key list (:data:`KeyList`), one binary of ``n * 32``
+bytes with ``n <= MAX_KEYS``, decoded by :func:`dec_hook` into a list of 32-byte keys. A
+:class:`~kvtier.index.keys.KeyNamespace` travels as its dataclass map (msgspec decodes it
+natively) and :func:`check_namespace` bounds its strings and integers.
+"""
 
 from __future__ import annotations
 
-import math
+import struct
 from dataclasses import asdict, fields
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
 
 from kvtier.index.keys import KEY_BYTES, KeyNamespace, LayoutSignature
 from kvtier.protocol.errors import ErrorCode, ProtocolError
@@ -16,6 +28,57 @@ MAX_NAME_CHARS = 256
 INT64_MAX = (1 << 63) - 1
 
 _BAD = ErrorCode.BAD_MESSAGE
+_KEY_FORMAT = f"{KEY_BYTES}s"
+
+#: One chunk key: exactly 32 bytes.
+Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
+#: A client id or lease owner: 1 to ``MAX_NAME_CHARS`` characters.
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+#: 0 to ``2**63 - 1`` (an unsigned value that fits an int64).
+U64 = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+#: A positive int64.
+Pos64 = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+#: One parent per key (nil: a prompt's first chunk); the count is checked against the keys.
+Parents = Annotated[list[Key | None], msgspec.Meta(max_length=MAX_KEYS)]
+
+# Type checkers see a plain list of keys (requests built in code take plain lists); at run time
+# msgspec needs a class of its own to call dec_hook for, and checks the hook returns one.
+if TYPE_CHECKING:
+    KeyList = list[bytes]
+else:
+
+    class KeyList(list):
+        """A decoded key list (a ``list`` of 32-byte keys; see :func:`dec_hook`)."""
+
+        __slots__ = ()
+
+
+def split_keys(v: object, name: str = "keys") -> KeyList:
+    """The keys of a key-list binary.
+
+    Raises:
+        ValueError: not a binary of ``n * 32`` bytes with ``n <= MAX_KEYS``.
+    """
+    if not isinstance(v, bytes) or len(v) % KEY_BYTES or len(v) > MAX_KEYS * KEY_BYTES:
+        raise ValueError(f"field {name!r} must be a binary of n*{KEY_BYTES} bytes, n <= {MAX_KEYS}")
+    return KeyList(struct.unpack(_KEY_FORMAT * (len(v) // KEY_BYTES), v))  # C speed: 4x a slicing loop
+
+
+def dec_hook(t: type, obj: Any) -> Any:
+    """msgspec's hook for the wire forms it does not know (:data:`KeyList`).
+
+    Raises:
+        ValueError: a bad key list (msgspec adds the field's path).
+        NotImplementedError: any other type.
+    """
+    if t is KeyList:
+        return split_keys(obj)
+    raise NotImplementedError(f"no wire form for {t}")
+
+
+def join_keys(keys: list[bytes]) -> bytes:
+    """Keys as one binary (the wire form of a key list)."""
+    return b"".join(keys)
 
 
 def get_int(obj: dict[str, Any], name: str, lo: int = 0, hi: int = INT64_MAX) -> int:
@@ -25,13 +88,6 @@ def get_int(obj: dict[str, Any], name: str, lo: int = 0, hi: int = INT64_MAX) ->
     return v
 
 
-def get_float(obj: dict[str, Any], name: str, lo: float, hi: float) -> float:
-    v = obj.get(name)
-    if (type(v) is not int and type(v) is not float) or not math.isfinite(v) or not lo <= v <= hi:
-        raise ProtocolError(_BAD, f"field {name!r} must be a number in [{lo}, {hi}]")
-    return float(v)
-
-
 def get_str(obj: dict[str, Any], name: str, max_chars: int = MAX_NAME_CHARS) -> str:
     v = obj.get(name)
     if not isinstance(v, str) or not 0 < len(v) <= max_chars:
@@ -39,48 +95,24 @@ def get_str(obj: dict[str, Any], name: str, max_chars: int = MAX_NAME_CHARS) -> 
     return v
 
 
-def get_opt_str(obj: dict[str, Any], name: str, max_chars: int = MAX_NAME_CHARS) -> str | None:
-    return None if obj.get(name) is None else get_str(obj, name, max_chars)
-
-
-def get_key(obj: dict[str, Any], name: str) -> bytes:
-    v = obj.get(name)
-    if not isinstance(v, bytes) or len(v) != KEY_BYTES:
-        raise ProtocolError(_BAD, f"field {name!r} must be a {KEY_BYTES}-byte binary key")
-    return v
-
-
-def get_opt_key(obj: dict[str, Any], name: str) -> bytes | None:
-    return None if obj.get(name) is None else get_key(obj, name)
-
-
-def get_keys(obj: dict[str, Any], name: str) -> list[bytes]:
-    """A key list (its wire form: one binary of ``n * 32`` bytes, ``n <= MAX_KEYS``)."""
-    v = obj.get(name)
-    if not isinstance(v, bytes) or len(v) % KEY_BYTES or len(v) > MAX_KEYS * KEY_BYTES:
-        raise ProtocolError(_BAD, f"field {name!r} must be a binary of n*{KEY_BYTES} bytes, n <= {MAX_KEYS}")
-    return [v[i : i + KEY_BYTES] for i in range(0, len(v), KEY_BYTES)]
-
-
-def get_key_and_parent(o: dict[str, Any]) -> tuple[bytes, bytes | None]:
-    key, parent = get_key(o, "key"), get_opt_key(o, "parent")
-    if parent == key:
-        # Tiers refuse a chunk that is its own parent (a prefix chain has no cycles).
-        raise ProtocolError(_BAD, "a chunk cannot be its own parent")
-    return key, parent
-
-
-def join_keys(keys: list[bytes]) -> bytes:
-    """Keys as one binary (the wire form of a key list)."""
-    return b"".join(keys)
-
-
 def namespace_to_wire(ns: KeyNamespace) -> dict[str, Any]:
     return asdict(ns)
 
 
+def check_namespace(ns: KeyNamespace) -> None:
+    """Bound a decoded namespace's fields as :func:`namespace_from_wire` does.
+
+    Raises:
+        ProtocolError: ``BAD_MESSAGE`` naming the field.
+    """
+    namespace_from_wire(namespace_to_wire(ns))
+
+
 def namespace_from_wire(v: Any) -> KeyNamespace:
     """Rebuild a :class:`KeyNamespace` from its wire map.
+
+    Layout strings are 1 to ``MAX_NAME_CHARS`` characters and its integers 1 to 2**20; the
+    namespace's strings at most 1024 characters and its integers 0 to 2**20.
 
     Raises:
         ProtocolError: missing/extra fields, wrong types or invalid values.

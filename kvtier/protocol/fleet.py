@@ -44,6 +44,7 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
+from kvtier.errors import BaseProtocolError
 from kvtier.protocol.decoding import decode
 
 #: Version of this message set; a ``Register`` with another version is refused.
@@ -242,7 +243,7 @@ _AGENT_DECODER = msgspec.msgpack.Decoder(AgentMessage)
 _CONTROLLER_DECODER = msgspec.msgpack.Decoder(ControllerMessage)
 
 
-class FleetProtocolError(ValueError):
+class FleetProtocolError(BaseProtocolError, ValueError):
     """A frame that is not a valid fleet message (the receiver drops it and counts it)."""
 
 

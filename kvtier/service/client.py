@@ -18,17 +18,20 @@ Not fork-safe: create the client in the process that uses it.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import fields
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
+import msgspec
 import numpy as np
 
 from kvtier import protocol as P
 from kvtier.index.keys import KeyNamespace
 from kvtier.protocol import Backoff, parse_address
 from kvtier.protocol.messages import KVRegister, KVRelease, LoadBlocks, StoreBlocks
+from kvtier.protocol.replies import LoadBlocksReply, LoadManyReply, LookupReply, ReserveManyReply, StoreBlocksReply
 from kvtier.service.connection import ClientCounters, ServiceConnection
 from kvtier.service.load_verifier import BAD, GOOD, PENDING, LoadVerifier
 from kvtier.storage.types import ChunkUnavailable, LookupResult, WriteSkip
@@ -39,6 +42,17 @@ __all__ = ["ClientCounters", "ServiceClient", "ServiceReadHandle", "ServiceUnava
 #: Most items of one ``load_many`` request: 32-byte keys plus a parent of up to 34 bytes each stay
 #: well inside ``MAX_FRAME_BYTES`` (the server bounds what one connection holds far lower anyway).
 LOAD_BATCH = 8192
+
+log = logging.getLogger(__name__)
+Rq = TypeVar("Rq", bound=P.Request)
+
+# One cached decoder per typed reply (kvtier.protocol.replies); built once, never changed.
+_LOOKUP = msgspec.msgpack.Decoder(LookupReply)
+_RESERVE_MANY = msgspec.msgpack.Decoder(ReserveManyReply)
+_LOAD_MANY = msgspec.msgpack.Decoder(LoadManyReply)
+_STORE_BLOCKS = msgspec.msgpack.Decoder(StoreBlocksReply)
+_LOAD_BLOCKS = msgspec.msgpack.Decoder(LoadBlocksReply)
+
 
 class ServiceUnavailable(RuntimeError):
     """Raised only by :meth:`ServiceClient.wait_connected` when no connection came up in time."""
@@ -146,7 +160,8 @@ class ServiceClient:
             so use it where the caller treats that as a miss, as the vLLM connector does).
 
     Raises:
-        ValueError: malformed address or non-positive timeouts.
+        ValueError: malformed address or non-positive timeouts, or a namespace the protocol
+            cannot carry (``ProtocolError``, e.g. a model name over 1,024 characters).
     """
 
     def __init__(
@@ -220,9 +235,9 @@ class ServiceClient:
         it, and an unusable reply is answered with a release).
         """
         keys = list(keys[: P.MAX_KEYS])
-        reply, conn = self._link.call(P.Lookup(keys, lease_owner))
-        codes = None if reply is None else reply.get("tiers")
-        tiers = P.decode_tiers(codes) if isinstance(codes, bytes) and len(codes) <= len(keys) else None
+        reply, conn = self._link.call_typed(P.Lookup(keys, lease_owner), _LOOKUP)
+        codes = None if reply is None else reply.tiers
+        tiers = P.decode_tiers(codes) if codes is not None and len(codes) <= len(keys) else None
         if tiers is None:
             if lease_owner is not None and conn is not None:
                 self.release(lease_owner)
@@ -267,12 +282,13 @@ class ServiceClient:
                              "pass each chunk's parent (None for a prompt's first chunk)")
         if not keys:
             return []
-        reply, conn = self._link.call(P.ReserveMany(list(keys), list(parents)))
-        slots = None if reply is None else reply.get("slots")
-        if conn is None or not isinstance(slots, list) or len(slots) != len(keys):
+        req = _request(lambda: P.ReserveMany(list(keys), list(parents)))
+        reply, conn = (None, None) if req is None else self._link.call_typed(req, _RESERVE_MANY)
+        slots = None if reply is None else reply.slots
+        if reply is None or conn is None or slots is None or len(slots) != len(keys):
             return [WriteSkip.NO_ROOM] * len(keys)
-        skips = reply.get("skips") if reply is not None else None
-        if not isinstance(skips, list) or len(skips) != len(keys):
+        skips = reply.skips
+        if skips is None or len(skips) != len(keys):
             skips = [0] * len(keys)  # a reply without reasons: no slot means stop the chain
         out: list[np.ndarray | WriteSkip] = []
         with self._writes_lock:
@@ -291,7 +307,8 @@ class ServiceClient:
             gen = self._writes.pop(key, None)
         if gen is None:
             return
-        reply, _ = self._link.call(P.Commit(key, parent), noreply=not self.sync_commit, gen=gen)
+        req = _request(lambda: P.Commit(key, parent))
+        reply, _ = (None, None) if req is None else self._link.call(req, noreply=not self.sync_commit, gen=gen)
         if reply is None:
             self.counters.lost_stores += 1
 
@@ -318,23 +335,23 @@ class ServiceClient:
         if len(items) > LOAD_BATCH:  # each request fits one frame (keys, and parents of up to 34 B each)
             return [*self.open_read_many(items[:LOAD_BATCH]), *self.open_read_many(items[LOAD_BATCH:])]
         mine = self.verify == "client"
-        reply, conn = self._link.call(P.LoadMany([k for k, _ in items], [p for _, p in items], mine))
+        req = _request(lambda: P.LoadMany([k for k, _ in items], [p for _, p in items], mine))
+        reply, conn = (None, None) if req is None else self._link.call_typed(req, _LOAD_MANY)
         out: list[ServiceReadHandle | None] = [None] * len(items)
-        got = reply.get("handles") if reply else None
-        if conn is None or not isinstance(got, list) or len(got) != len(items):
+        got = reply.handles if reply is not None else None
+        if conn is None or got is None or len(got) != len(items):
             return out
         pending: list[ServiceReadHandle] = []
         for i, entry in enumerate(got):
             # [handle, slot, source] (checked by the server) or, when asked, [handle, slot, source, sum | nil]
-            if not isinstance(entry, list) or len(entry) not in (3, 4) or type(entry[0]) is not int:
+            if entry is None:
                 continue
-            hid, slot, source = entry[:3]
-            want = entry[3] if len(entry) == 4 else None
-            view = conn.slot(slot)
-            if view is None or not isinstance(source, str) or not (want is None or type(want) is int):
-                self._unload(conn.gen, hid)
+            view = conn.slot(entry.slot)
+            if view is None:
+                self._unload(conn.gen, entry.handle)
                 continue
-            h = ServiceReadHandle(self, conn.gen, hid, items[i][0], view, source, want if mine else None)
+            h = ServiceReadHandle(self, conn.gen, entry.handle, items[i][0], view, entry.source,
+                                  entry.checksum if mine else None)
             out[i] = h
             if h.verdict == PENDING:
                 pending.append(h)
@@ -409,10 +426,11 @@ class ServiceClient:
         fail: list[WriteSkip | None] = [WriteSkip.NO_ROOM] * len(keys)
         if gen is None or not keys:
             return fail
-        req = StoreBlocks(list(keys), [list(map(int, b)) for b in blocks], list(parents))
-        reply, _ = self._link.call(req, gen=gen, timeout_s=timeout_s)
-        skips = reply.get("skips") if reply else None
-        if not isinstance(skips, list) or len(skips) != len(keys):
+        req = _request(lambda: StoreBlocks(list(keys), [list(map(int, b)) for b in blocks], list(parents)))
+        reply, _ = (None, None) if req is None else self._link.call_typed(req, _STORE_BLOCKS, gen=gen,
+                                                                          timeout_s=timeout_s)
+        skips = reply.skips if reply is not None else None
+        if skips is None or len(skips) != len(keys):
             return fail
         return [None if v == 0 else _skip(v) for v in skips]
 
@@ -428,12 +446,13 @@ class ServiceClient:
         if gen is None or not keys:
             return [None] * len(keys)
         offs = [0] * len(keys) if offsets is None else list(offsets)
-        req = LoadBlocks(list(keys), list(parents), [list(map(int, b)) for b in blocks], offs)
-        reply, _ = self._link.call(req, gen=gen, timeout_s=timeout_s)
-        got = reply.get("sources") if reply else None
-        if not isinstance(got, list) or len(got) != len(keys):
+        req = _request(lambda: LoadBlocks(list(keys), list(parents), [list(map(int, b)) for b in blocks], offs))
+        reply, _ = (None, None) if req is None else self._link.call_typed(req, _LOAD_BLOCKS, gen=gen,
+                                                                          timeout_s=timeout_s)
+        got = reply.sources if reply is not None else None
+        if got is None or len(got) != len(keys):
             return [None] * len(keys)
-        return [v if isinstance(v, str) else None for v in got]
+        return got
 
     # -- KVStore: admin ---------------------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -474,6 +493,16 @@ class ServiceClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _request(make: Callable[[], Rq]) -> Rq | None:
+    """The request ``make`` builds, or None (a failed call: a miss) when its own rules refuse it
+    (``__post_init__``: duplicate keys, a chunk that is its own parent, lengths that disagree)."""
+    try:
+        return make()
+    except ValueError as exc:
+        log.warning("kvtier: request not sent (%s); treated as a failed call", exc)
+        return None
 
 
 def _skip(v: object) -> WriteSkip:

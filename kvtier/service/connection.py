@@ -4,7 +4,9 @@ Failure rule (the engine never waits on a sick server):
 
 - Every call returns within ``timeout_s`` (waiting for another thread's call on
   the same connection included). A call that cannot finish in time, a broken
-  connection or an unreachable server gives ``None`` (the caller's miss).
+  connection, an unreachable server or a reply that does not fit its typed
+  struct (:mod:`kvtier.protocol.replies`, ``BAD_REPLY``) gives ``None`` (the
+  caller's miss).
 - A failed connection is closed (the server then releases everything this
   client held) and a background thread reconnects with the control plane's one
   back-off policy (:class:`kvtier.protocol.Backoff`), registering again and
@@ -25,17 +27,22 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
+import msgspec
 import numpy as np
 
 from kvtier import protocol as P
 from kvtier.protocol import Backoff, ErrorCode, ProtocolError, UnsafeSocketDir, check_socket_dir
+from kvtier.protocol.framing import read_reply_body
+from kvtier.protocol.replies import RegisterReply, Reply, decode_reply
 from kvtier.memory.shared_segment import SharedSegment
 
 log = logging.getLogger(__name__)
 
 _RECV_BYTES = 64 * 1024
+T = TypeVar("T")
+R = TypeVar("R", bound=Reply)
 
 
 @dataclass
@@ -183,27 +190,24 @@ class ServiceConnection:
         (n,) = P.HEADER.unpack(head)
         if n > P.MAX_FRAME_BYTES:
             raise ProtocolError(ErrorCode.TOO_LARGE, "register reply too large")
-        reply = P.unpack_body(_recv_n(sock, n))
-        if not reply.get("ok"):
-            raise ProtocolError(str(reply.get("code")), str(reply.get("error")))
-        seg = reply.get("segment")
-        if not isinstance(seg, dict):
+        reply = decode_reply(_REGISTER_REPLY, _recv_n(sock, n))
+        if not reply.ok:
+            raise ProtocolError(reply.code, reply.error)
+        seg = reply.segment
+        if seg is None:
             raise ProtocolError(ErrorCode.BAD_REPLY, "register reply lacks the segment geometry")
-        size, slot_bytes, num_slots = seg.get("size"), seg.get("slot_bytes"), seg.get("num_slots")
-        if not (type(size) is int and type(slot_bytes) is int and type(num_slots) is int):
-            raise ProtocolError(ErrorCode.BAD_REPLY, "register reply lacks the segment geometry")
+        size, slot_bytes, num_slots = seg.size, seg.slot_bytes, seg.num_slots
         if min(size, slot_bytes, num_slots) <= 0:
             raise ProtocolError(ErrorCode.BAD_REPLY, "register reply has a non-positive segment geometry")
         if slot_bytes != self.register.chunk_bytes or size < slot_bytes * num_slots:
             raise ProtocolError(ErrorCode.BAD_REPLY, "server slots do not match this namespace's chunk_bytes")
         if fds:
             segment = SharedSegment.attach_fd(fds.pop(0), size)
-        elif isinstance(seg.get("path"), str):
-            segment = SharedSegment.attach_path(seg["path"], size)
+        elif seg.path is not None:
+            segment = SharedSegment.attach_path(seg.path, size)
         else:
             raise ProtocolError(ErrorCode.BAD_REPLY, "no shared segment received")
-        pid = reply.get("server_pid")
-        self.server_pid = pid if type(pid) is int else None
+        self.server_pid = reply.server_pid
         return Conn(sock, segment, slot_bytes, num_slots)
 
     def _drop(self, conn: Conn, why: object) -> None:
@@ -223,11 +227,28 @@ class ServiceConnection:
     def call(
         self, req: P.Request, noreply: bool = False, gen: int | None = None, timeout_s: float | None = None
     ) -> tuple[dict[str, Any] | None, Conn | None]:
-        """Send ``req``; returns ``(reply, conn)``, reply None on any failure (a miss).
+        """Send ``req``; returns ``(reply map, conn)``, reply None on any failure (a miss).
 
         ``gen``: only send on the connection of that generation. An error reply
         gives ``(None, conn)``.
         """
+        return self._call(req, noreply, gen, timeout_s, _map_reply, {"ok": True})
+
+    def call_typed(
+        self, req: P.Request, decoder: "msgspec.msgpack.Decoder[R]", gen: int | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[R | None, Conn | None]:
+        """:meth:`call` whose reply is decoded by ``decoder`` into a typed reply
+        (:mod:`kvtier.protocol.replies`); a reply that does not fit drops the connection
+        (``BAD_REPLY``: the server releases what it granted)."""
+        return self._call(req, False, gen, timeout_s, lambda body: _typed_reply(decoder, body), None)
+
+    def _call(
+        self, req: P.Request, noreply: bool, gen: int | None, timeout_s: float | None,
+        read: Callable[[memoryview], tuple[T, object, bool]], sent: T | None,
+    ) -> tuple[T | None, Conn | None]:
+        """The call; ``read`` decodes a reply body into (reply, its id, ok); ``sent`` is what a
+        one-way request (``noreply``) returns once sent."""
         if self.conn is None:
             self.counters.skipped_calls += 1
             return None, None
@@ -254,19 +275,20 @@ class ServiceConnection:
                 rid = conn.next_id
                 conn.sock.sendall(P.encode_request(req, rid, noreply))
                 if noreply:
-                    return {"ok": True}, conn
-                reply, more = P.read_reply(conn.sock, conn.buf, deadline)
+                    return sent, conn
+                body, more = read_reply_body(conn.sock, conn.buf, deadline)
                 retimed = retimed or more
-                if reply.get("id") != rid:
+                reply, reply_id, ok = read(body)
+                if reply_id != rid:
                     raise ProtocolError(ErrorCode.DESYNC, "reply for another request")
             except (OSError, ValueError) as exc:  # timeouts are OSError; ProtocolError is a ValueError
                 if isinstance(exc, socket.timeout):
                     self.counters.timeouts += 1
                 self._drop(conn, exc)
                 return None, None
-            if not reply.get("ok"):
+            if not ok:
                 self.counters.error_replies += 1
-                log.debug("kvtier server refused %s: %s %s", req.OP, reply.get("code"), reply.get("error"))
+                log.debug("kvtier server refused %s: %s", req.OP, _refusal(reply))
                 return None, conn
             return reply, conn
         finally:
@@ -286,6 +308,25 @@ class ServiceConnection:
             if conn is not None:
                 conn.close()
         self._thread.join(timeout=self.connect_timeout_s + 1)
+
+
+_REGISTER_REPLY = msgspec.msgpack.Decoder(RegisterReply)
+
+
+def _map_reply(body: memoryview) -> tuple[dict[str, Any], object, bool]:
+    reply = P.unpack_body(body)
+    return reply, reply.get("id"), bool(reply.get("ok"))
+
+
+def _typed_reply(decoder: "msgspec.msgpack.Decoder[R]", body: memoryview) -> tuple[R, object, bool]:
+    reply = decode_reply(decoder, body)
+    return reply, reply.id, reply.ok
+
+
+def _refusal(reply: object) -> str:
+    if isinstance(reply, Reply):
+        return f"{reply.code} {reply.error}"
+    return f"{reply.get('code')} {reply.get('error')}" if isinstance(reply, dict) else ""
 
 
 def _recv_n(sock: socket.socket, n: int) -> bytes:

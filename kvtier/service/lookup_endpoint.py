@@ -94,7 +94,7 @@ class LookupServer:
 
     def handle(self, holds: Holds, body: bytearray) -> tuple[dict[str, Any] | None, int | None]:
         try:
-            env, req = P.decode_request(P.unpack_body(body))
+            env, req = P.decode_request_body(body)
         except ProtocolError as exc:
             self.errors += 1
             return P.error_reply(exc.req_id, exc.code, str(exc)), None

@@ -271,7 +271,7 @@ class CacheServer:
     def handle(self, s: Session, body: bytearray) -> tuple[dict[str, Any] | None, int | None]:
         t0 = time.perf_counter()
         try:
-            env, req = P.decode_request(P.unpack_body(body))
+            env, req = P.decode_request_body(body)
         except ProtocolError as exc:
             self.protocol_errors += 1
             self.metrics.observe("invalid", False, time.perf_counter() - t0)

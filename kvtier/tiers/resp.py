@@ -22,6 +22,7 @@ import ssl
 import time
 from typing import Sequence
 
+from kvtier.errors import BaseProtocolError
 from kvtier.serde.base import Buffer, byte_view
 
 #: Buffers at least this large are sent as their own iovec instead of being copied.
@@ -46,7 +47,7 @@ class RespError:
         return f"RespError({self.message!r})"
 
 
-class ProtocolError(ConnectionError):
+class ProtocolError(BaseProtocolError, ConnectionError):
     """The byte stream is not valid RESP; the connection must be dropped."""
 
 

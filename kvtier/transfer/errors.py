@@ -8,6 +8,8 @@ an error: the call reports it as not received (a miss).
 
 from __future__ import annotations
 
+from kvtier.errors import BaseProtocolError
+
 
 class TransferError(Exception):
     """A channel call failed; ``received`` (when known) says which chunks of the call had
@@ -26,7 +28,7 @@ class PeerGone(TransferError):
     """The peer closed or reset the connection (it died, or closed the channel)."""
 
 
-class ProtocolError(TransferError):
+class ProtocolError(BaseProtocolError, TransferError):
     """A frame that does not decode or breaks the protocol (the channel is closed after it)."""
 
 

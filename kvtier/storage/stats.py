@@ -32,9 +32,6 @@ class Counters(AtomicCounters):
     stored_bytes: int = 0
     store_skipped: int = 0
     prefetch_calls: int = 0
-    #: chunks reported stored in a remote tier that its store later answered absent
-    #: (evicted, expired, restarted empty), reported removed (:mod:`kvtier.storage.stale_remote`).
-    remote_stale_forgotten: int = 0
 
 
 def tier_prefixes(tiers: list[LowerTier]) -> list[str]:

@@ -46,7 +46,7 @@ from kvtier.storage.lookup import contains_many_safe, held_prefix
 from kvtier.storage.lower_tiers import open_storage_tiers
 from kvtier.storage.promotion import Promoter
 from kvtier.storage.reporting_tier import ReportingTier
-from kvtier.storage.stats import Counters, tier_prefixes, tier_stats
+from kvtier.storage.stats import Counters, ManagerStats, collect_stats, tier_prefixes
 from kvtier.storage.tier_events import TierEvents, TierListener
 from kvtier.storage.types import LookupResult, ReadHandle, WriteSkip
 from kvtier.storage.write_behind import WriteBehind
@@ -473,39 +473,15 @@ class StorageManager:
         return out
 
     def stats(self) -> dict[str, int | float]:
-        """Counters and gauges: manager counters, ``cpu_*``, and ``<kind>_*`` per lower tier."""
-        out: dict[str, int | float] = dict(self.counters.snapshot())
-        out["remote_stale_forgotten"] = sum(t.stale_forgotten for t in self._reporting)
-        cpu = self.cpu
-        out.update(
-            cpu_chunks=len(cpu),
-            cpu_used_bytes=cpu.used_bytes,
-            cpu_capacity_bytes=cpu.capacity_bytes,
-            cpu_evicted_chunks=cpu.evicted_chunks,
-            cpu_evicted_bytes=cpu.evicted_bytes,
-            leases=len(self.leases),
-            leases_expired=self.leases.expired,
-            pinned_chunks=self.leases.pinned_keys,
-            referenced_chunks=cpu.referenced_chunks(),
-        )
-        out.update(cpu.pool.numa_stats())  # cpu_numa_node, cpu_numa_bound, cpu_numa_pages_on_node
-        p = self.promoter
-        out.update(
-            prefetch_queued_chunks=p.prefetch_queued,
-            prefetch_promoted_chunks=p.prefetch_promoted,
-            prefetch_dropped_chunks=p.prefetch_dropped,
-            unpromoted_reads=p.unpromoted,
-        )
-        for i, (prefix, tier) in enumerate(zip(self._prefixes, self.lower)):
-            ts = tier_stats(prefix, tier)
-            wb = self.write_behind.counters[i]
-            ts[f"{prefix}_queued_chunks"] = wb.queued
-            ts[f"{prefix}_dropped_writes"] = ts.get(f"{prefix}_dropped_writes", 0) + wb.dropped
-            ts[f"{prefix}_write_pending"] = self.write_behind.pending(i)
-            ts["promoted_chunks" if prefix == "disk" else f"promoted_chunks_{prefix}"] = p.promoted[i]
-            ts[f"{prefix}_promote_failures"] = p.failures[i]
-            out.update(ts)
-        return out
+        """Counters and gauges by name: manager counters, ``cpu_*``, and ``<kind>_*`` per lower tier
+        (:meth:`ManagerStats.flat <kvtier.storage.stats.ManagerStats.flat>` of :meth:`typed_stats`)."""
+        return self.typed_stats().flat()
+
+    def typed_stats(self) -> ManagerStats:
+        """The same numbers as :meth:`stats`, as fields (:class:`~kvtier.storage.stats.ManagerStats`)."""
+        forgotten = sum(t.stale_forgotten for t in self._reporting)
+        return collect_stats(self.counters, forgotten, self.cpu, self.leases, self.promoter, self.write_behind,
+                             self._prefixes, self.lower)
 
     def check_invariants(self) -> None:
         """Assert the CPU tier's and the lease table's invariants (tests; O(entries)).

@@ -241,3 +241,36 @@ def test_a_hook_that_raises_never_reaches_the_caller() -> None:
     tier.set_change_hook(broken)
     assert tier.put_many(writes(1)) == [True]
     assert tier.delete_many([key(0)]) == 1
+
+
+def test_a_manager_over_a_failing_remote_tier_reports_no_remote_change() -> None:
+    """Write-behind, a lookup, a delete and a clear through the manager: the CPU tier reports, the
+    failing tier is a miss everywhere and reports nothing stored or removed."""
+    from conftest import CHUNK, small_namespace
+    from kvtier.config import KVTierConfig
+    from kvtier.storage.instance_ops import InstanceOps
+    from kvtier.storage.manager import StorageManager
+    from kvtier.storage.tier_events import TierChange
+
+    ns = small_namespace()
+    broken = BrokenTier(kind="remote")
+    mgr = StorageManager(KVTierConfig(chunk_size=CHUNK, cpu_capacity=4 * ns.chunk_bytes), ns, lower=[broken])
+    seen: list[TierChange] = []
+    mgr.subscribe(seen.append)
+    try:
+        toks = list(range(2 * CHUNK + 1))
+        keys = mgr.keys(toks)
+        for i, k in enumerate(keys):
+            buf = mgr.open_write(k, keys[i - 1] if i else None)
+            assert buf is not None
+            buf[:] = 7
+            mgr.commit(k, keys[i - 1] if i else None)
+        assert mgr.flush(10)
+        InstanceOps(mgr).clear("cpu")
+        assert mgr.lookup(toks).num_tokens == 0
+        InstanceOps(mgr).delete(keys, None)
+        InstanceOps(mgr).clear(None)
+        assert [c.op for c in seen if c.tier == "cpu"][:2] == ["s", "s"]
+        assert [c for c in seen if c.tier == "remote"] == []
+    finally:
+        mgr.close()

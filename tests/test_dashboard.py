@@ -25,12 +25,15 @@ from kvtier.dashboard.hot import HotPrefixes
 from kvtier.dashboard.samples import collect_samples, parse_exposition
 from kvtier.dashboard.server_view import ServerDashboard
 from kvtier.service.metrics import ServerMetrics
+from kvtier.service.namespace_host import NamespaceStats
+from kvtier.storage.stats import LowerTierStats, ManagerStats
 
 KEYS = [bytes([i + 1]) * 32 for i in range(6)]
 
 
 def test_registry_samples_equal_the_exposition() -> None:
-    stats = [{"cpu_chunks": 3, "cpu_used_bytes": 300, "disk_write_pending": 2, "remote_errors": 4}]
+    tiers = (LowerTierStats("disk", write_pending=2), LowerTierStats("remote", errors=4))
+    stats = [NamespaceStats(ManagerStats(cpu_chunks=3, cpu_used_bytes=300, tiers=tiers))]
     m = ServerMetrics(lambda: (1, stats), KVTierConfig(), list)
     m.lookup_hit_tokens.labels("cpu").inc(32)
     m.lookup_hit_tokens.labels("disk").inc(16)

@@ -20,6 +20,8 @@ from service_helpers import connect, store, short_dir, start_server  # noqa: F40
 from kvtier import __version__
 from kvtier.config import KVTierConfig
 from kvtier.service.metrics import ServerMetrics
+from kvtier.service.namespace_host import NamespaceStats
+from kvtier.storage.stats import LowerTierStats, ManagerStats
 
 KEYS = [bytes([i + 1]) * 32 for i in range(4)]
 
@@ -48,7 +50,8 @@ def test_capacities_are_exported_before_any_engine_registers(tmp_path: Path) -> 
 
 
 def test_remote_series_process_and_build_info() -> None:
-    stats = [{"remote_put_failed": 3, "remote_errors": 7, "remote_bytes_written": 100, "remote_skipped_calls": 2}]
+    remote = LowerTierStats("remote", put_failed=3, errors=7, bytes_written=100, skipped_calls=2)
+    stats = [NamespaceStats(ManagerStats(tiers=(remote,)))]
     tiers = [_FakeRemote({"10.0.0.5:7000": "open", "10.0.0.6:7000": "closed"}), _FakeRemote({"standalone": "half-open"})]
     m = ServerMetrics(lambda: (1, stats), KVTierConfig(), lambda: tiers)  # type: ignore[arg-type,return-value]
     text = m.exposition().decode()

@@ -137,25 +137,25 @@ def test_unsubscribed_manager_tracks_nothing(tmp_path: Path) -> None:
     mgr.subscribe(seen.append)
     try:
         stored_then_pushed_out(mgr, seen)
-        assert len(mgr._stale.tracker) == 6  # type: ignore[attr-defined]
+        assert mgr.reporting(mgr.remote).tracked == 6  # type: ignore[arg-type]
         mgr.unsubscribe(seen.append)
-        assert len(mgr._stale.tracker) == 0  # type: ignore[attr-defined]
+        assert mgr.reporting(mgr.remote).tracked == 0  # type: ignore[arg-type]
     finally:
         mgr.close()
 
 
 def test_tracker_is_bounded_and_reports_a_key_once() -> None:
-    t = StaleRemoteTracker(2, capacity=3)
+    t = StaleRemoteTracker(capacity=3)
     keys = [bytes([i]) * 32 for i in range(5)]
-    t.stored(0, keys)
+    t.stored(keys)
     assert len(t) == 3  # the two oldest forgotten
-    assert t.missing(0, keys) == keys[2:]
-    assert t.missing(0, keys) == []
-    t.stored(1, keys[:2])
-    t.removed(1, keys[:1])
-    assert t.missing(1, keys) == keys[1:2]
-    t.stored(1, keys[:2])
-    t.cleared(1)
-    assert t.missing(1, keys) == []
+    assert t.missing(keys) == keys[2:]
+    assert t.missing(keys) == []
+    t.stored(keys[:2])
+    t.removed(keys[:1])
+    assert t.missing(keys) == keys[1:2]
+    t.track("s", keys[:2])
+    t.track("c", ())
+    assert t.missing(keys) == []
     with pytest.raises(ValueError):
-        StaleRemoteTracker(1, capacity=0)
+        StaleRemoteTracker(capacity=0)

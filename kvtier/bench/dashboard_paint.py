@@ -114,6 +114,7 @@ def run(chunks: int, reps: int, json_path: Path | None, controller: bool = False
     from kvtier.config import KVTierConfig
     from kvtier.service.http import MetricsHTTPServer
     from kvtier.service.metrics import ServerMetrics
+    from kvtier.service.namespace_host import NamespaceStats
     from kvtier.storage.manager import StorageManager
     from kvtier.testing.fleet_cluster import tiny_namespace
 
@@ -123,7 +124,7 @@ def run(chunks: int, reps: int, json_path: Path | None, controller: bool = False
     t0 = time.perf_counter()
     _fill(m, chunks)
     fill_s = time.perf_counter() - t0
-    metrics = ServerMetrics(lambda: (1, [m.stats()]), cfg)
+    metrics = ServerMetrics(lambda: (1, [NamespaceStats(m.typed_stats())]), cfg)
     for i in range(10 * 256):  # a full hot-prefix counter
         metrics.hot.observe((i % 300).to_bytes(32, "little"), 16 * (1 + i % 7), 512 * (1 + i % 7), {"cpu": 16})
     http = MetricsHTTPServer("127.0.0.1", 0, metrics, lambda: (True, {}))

@@ -80,5 +80,5 @@ def tier_infos(manager: Any) -> list[F.TierInfo]:
     out = [F.TierInfo("cpu", "cpu", int(manager.cpu.capacity_bytes), False)]
     for tier in manager.lower:
         cap = int(getattr(tier, "capacity_bytes", 0) or 0)
-        out.append(F.TierInfo(tier.kind, tier.location, cap, tier.kind not in ("disk",)))
+        out.append(F.TierInfo(tier.kind, tier.location, cap, not tier.local))
     return out

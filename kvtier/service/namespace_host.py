@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -17,9 +18,40 @@ from kvtier.service.ratelog import RateLimitedLog
 from kvtier.memory.shared_segment import SharedSegment
 from kvtier.transfer.assembly import open_lower_tiers
 from kvtier.storage.manager import StorageManager
+from kvtier.storage.stats import ManagerStats
 from kvtier.storage.types import ReadHandle
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NamespaceStats:
+    """One hosted namespace's stats: its manager's and the service's counters for it.
+
+    Attributes:
+        manager: the storage manager's (:class:`~kvtier.storage.stats.ManagerStats`).
+        corrupt_chunks: CPU chunks that failed their commit checksum (dropped; chunks).
+        expired_reservations: reservations aborted by the reservation timeout.
+        quota_refusals: reserve/load calls refused by a client id's quota.
+        load_failures: chunks clients asked to load that could not be served.
+        stray_page_trims: times free slots' pages were found backed without a charge and released.
+        cpu_charged_bytes / cpu_resident_bytes: CPU memory charged to the byte budget / resident (bytes).
+    """
+
+    manager: ManagerStats = field(default_factory=ManagerStats)
+    corrupt_chunks: int = 0
+    expired_reservations: int = 0
+    quota_refusals: int = 0
+    load_failures: int = 0
+    stray_page_trims: int = 0
+    cpu_charged_bytes: int = 0
+    cpu_resident_bytes: int = 0
+
+    def flat(self) -> dict[str, int | float]:
+        """The manager's flat stats plus these counters under their field names."""
+        out = self.manager.flat()
+        out.update((f.name, getattr(self, f.name)) for f in fields(self) if f.name != "manager")
+        return out
 
 
 class NamespaceHost:
@@ -108,9 +140,13 @@ class NamespaceHost:
             raise
 
     def stats(self) -> dict[str, int | float]:
-        """The manager's stats plus this namespace's service counters (for ``/metrics``)."""
-        out: dict[str, int | float] = dict(self.manager.stats())
-        out.update(
+        """The manager's stats plus this namespace's service counters, by name (the wire ``stats`` op)."""
+        return self.typed_stats().flat()
+
+    def typed_stats(self) -> NamespaceStats:
+        """The same numbers as :meth:`stats`, as fields (what ``/metrics`` reads)."""
+        return NamespaceStats(
+            self.manager.typed_stats(),
             corrupt_chunks=self.sums.corrupt,
             expired_reservations=self.expired_reservations,
             quota_refusals=self.quota_refusals,
@@ -119,7 +155,6 @@ class NamespaceHost:
             cpu_charged_bytes=self.pool.charged_bytes,
             cpu_resident_bytes=self.segment.resident_bytes(),
         )
-        return out
 
     def _give_back(self) -> bool:
         """Free one CPU slot for another namespace (the budget asks; see :meth:`CpuTier.give_back`)."""

@@ -401,17 +401,15 @@ class NamespaceTable:
 
     def _keep_counters(self, host: NamespaceHost) -> None:
         """Add a namespace's counter stats to :attr:`released_counters` before it goes."""
-        from kvtier.service.metrics import COUNTER_STAT_NAMES
+        from kvtier.service.metrics import counter_values
 
         try:
-            stats = host.stats()
+            values = counter_values(host.typed_stats())
         except Exception:  # defensive: releasing must not fail for its bookkeeping
             log.exception("kvtier server: reading a released namespace's counters failed")
             return
-        for name in COUNTER_STAT_NAMES & stats.keys():
-            v = stats[name]
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                self.released_counters[name] = self.released_counters.get(name, 0.0) + float(v)
+        for name, v in values.items():
+            self.released_counters[name] = self.released_counters.get(name, 0.0) + v
 
     def _release_idle_locked(self, force: bool) -> None:
         """Release unused namespaces: idle longer than ``idle_release_s`` (or any unused one when ``force``)."""

@@ -44,7 +44,7 @@ from kvtier.service.http import MetricsHTTPServer
 from kvtier.service.kv_ops import KV_OPS, KVOps
 from kvtier.service.listener import LISTEN_BACKLOG, ConnLimits, FrameServer, Phase, UnixSocketFile, bind_unix
 from kvtier.service.metrics import ServerMetrics
-from kvtier.service.namespace_host import NamespaceHost
+from kvtier.service.namespace_host import NamespaceHost, NamespaceStats
 from kvtier.service.namespaces import NamespaceTable, maintenance_loop
 from kvtier.service.peer_host import HostedChunks
 from kvtier.service.options import HANDSHAKE_FRAME_BYTES
@@ -107,7 +107,9 @@ class CacheServer:
             self._disk_lock = _own_disk_root(Path(config.disk_path))
         self.config = config
         self.options = options
-        self.metrics = ServerMetrics(self._metric_snapshot, config, lambda: [t for h in self.hosts() for t in h.manager.lower])
+        self.metrics = ServerMetrics(self._metric_snapshot, config,
+                                     lambda: [t for h in self.hosts() for t in h.manager.lower],
+                                     released=lambda: dict(self._namespaces.released_counters))
         self.instance = os.urandom(8)
         self.started_at = time.monotonic()
         # Registered connections reach max_clients even while max_unauthenticated wait to register.
@@ -437,11 +439,8 @@ class CacheServer:
             "connections": self._connection_stats(),
         }
 
-    def _metric_snapshot(self) -> tuple[int, list[dict[str, Any]]]:
-        from kvtier.service.metrics import RELEASED_MARK
-
-        kept = dict(self._namespaces.released_counters)
-        return self.num_sessions(), [h.stats() for h in self.hosts()] + ([{**kept, RELEASED_MARK: 1}] if kept else [])
+    def _metric_snapshot(self) -> tuple[int, list[NamespaceStats]]:
+        return self.num_sessions(), [h.typed_stats() for h in self.hosts()]
 
 
 def _peer_host(sock: socket.socket) -> str:

@@ -206,7 +206,7 @@ class InstanceOps:
         keys = check_keys(keys)
         pars = check_parents(parents, keys)
         d = resolve_tier(self.m, dst, "dst")
-        if d != "cpu" and d.kind != "disk":
+        if d != "cpu" and not d.local:
             raise OpError(f"dst: import goes into 'cpu' or 'disk', not {dst!r}")
         with self._lock:
             return ops_move.import_into(self.m, keys, pars, d)

@@ -20,6 +20,9 @@ operation is a loop over the tiers:
   removes only this manager's namespace, also in a store other models share.
 - ``subscribe`` registers a listener of every tier change (stored / removed /
   cleared chunks, :mod:`.tier_events`); without listeners no tier reports anything.
+  The manager calls each lower tier through its :class:`.reporting_tier.ReportingTier`
+  (:meth:`StorageManager.reporting`), which reports what is stored, removed or cleared
+  through it unless the tier reports its own changes.
 
 A failing lower tier is a miss (bounded by its timeout), never an exception.
 """
@@ -42,12 +45,12 @@ from kvtier.storage.leases import LeaseTable
 from kvtier.storage.lookup import contains_many_safe, held_prefix
 from kvtier.storage.lower_tiers import open_storage_tiers
 from kvtier.storage.promotion import Promoter
-from kvtier.storage.stale_remote import StaleRemoteReporter
-from kvtier.storage.stats import Counters, tier_prefixes, tier_stats
-from kvtier.storage.tier_events import TierChange, TierEvents, TierListener
+from kvtier.storage.reporting_tier import ReportingTier
+from kvtier.storage.stats import Counters, ManagerStats, collect_stats, tier_prefixes
+from kvtier.storage.tier_events import TierEvents, TierListener
 from kvtier.storage.types import LookupResult, ReadHandle, WriteSkip
 from kvtier.storage.write_behind import WriteBehind
-from kvtier.tiers.base import ChunkWrite, LowerTier
+from kvtier.tiers.base import LowerTier
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.policies import make_policy
 
@@ -125,16 +128,15 @@ class StorageManager:
             self.lower = list(lower)
         _register_cpu_memory(self.cpu, self.lower)
         self._prefixes = tier_prefixes(self.lower)
+        #: ``lower`` as the manager calls them (write-behind, promotion, lookups, operations): each
+        #: behind the wrapper that reports its changes while someone listens.
+        self._reporting = [ReportingTier(t) for t in self.lower]
         queues = [config.disk_write_queue if t.local else config.remote_write_queue for t in self.lower]
-        self.write_behind = WriteBehind(self.cpu, self.lower, queues, self.WRITE_BATCH)
-        self.promoter = Promoter(self.cpu, self.lower, self.write_behind, self.chunk_bytes, self.PREFETCH_QUEUE)
+        self.write_behind = WriteBehind(self.cpu, self._reporting, queues, self.WRITE_BATCH)
+        self.promoter = Promoter(self.cpu, self._reporting, self.write_behind, self.chunk_bytes, self.PREFETCH_QUEUE)
         self._local = [t for t in self.lower if t.local]
         self.events = TierEvents()
-        #: Keys reported stored per non-local tier: an answered absence reports them removed.
-        self._stale = StaleRemoteReporter(self.lower, self.events, self.counters)
         self._hooks_lock = threading.Lock()  # orders hook (un)installation of concurrent (un)subscribes
-        #: Per lower tier: True if it reports its own changes (set while someone listens).
-        self._self_reporting = [False] * len(self.lower)
         #: Serves local chunks to peers on ``config.peer_listen`` (None when unset; set by
         #: :meth:`attach_peer_server`); stopped by close.
         self.peer_server: Any = None
@@ -167,71 +169,20 @@ class StorageManager:
 
     def _install_hooks(self, on: bool) -> None:
         self.cpu.set_change_hook(self.events.hook("cpu") if on else None)
-        for i, tier in enumerate(self.lower):
-            try:
-                own = bool(tier.set_change_hook(self._stale.hook(i) if on else None))
-            except Exception:  # defensive: a plug-in's hook failure means the manager reports
-                log.exception("kvtier: %s refused a change hook", tier.name)
-                own = False
-            self._self_reporting[i] = own and on
-            self.write_behind.reporters[i] = self._stale.hook(i) if on and not own else None
-        if not on:
-            self._stale.reset()
+        for tier in self._reporting:
+            tier.set_change_hook(self.events.hook(tier.kind) if on else None)
 
-    def _report(self, tier: LowerTier, change: TierChange) -> None:
-        """Emit ``change`` of ``tier`` unless the tier reports its own changes or nobody listens."""
-        if not self.events.active:
-            return
-        i = self.lower.index(tier)
-        if not self._self_reporting[i]:
-            self._stale.track(i, change.op, change.keys)
-            self.events.emit(change)
-
-    def lower_put(self, tier: LowerTier, writes: Sequence[ChunkWrite]) -> list[bool]:
-        """``tier.put_many(writes)`` now (not by write-behind), reporting the stored chunks.
-
-        Returns per write whether it was stored; a failing tier gives all False.
+    def reporting(self, tier: LowerTier) -> ReportingTier:
+        """``tier`` (one of :attr:`lower`) behind its :class:`~kvtier.storage.reporting_tier.ReportingTier`:
+        what an operation stores, removes or clears through it is reported to the listeners.
 
         Raises:
-            TypeError/ValueError: bad keys or payloads (before any write).
+            ValueError: ``tier`` is not one of this manager's lower tiers.
         """
-        if not writes:
-            return []
-        try:
-            ok = [bool(x) for x in tier.put_many(writes)]
-        except (TypeError, ValueError):
-            raise
-        except Exception:  # defensive: a failing tier is a miss
-            log.exception("kvtier: writing to %s failed", tier.name)
-            return [False] * len(writes)
-        done = [w for w, good in zip(writes, ok) if good]
-        if done:
-            self._report(tier, TierChange("s", tier.kind, tuple(w.key for w in done), tuple(w.parent for w in done)))
-        return ok
-
-    def lower_delete(self, tier: LowerTier, keys: Sequence[bytes]) -> int:
-        """``tier.delete_many(keys)``, reporting them removed; returns how many existed (0 on failure)."""
-        if not keys:
-            return 0
-        try:
-            n = int(tier.delete_many(keys))
-        except (TypeError, ValueError):
-            raise
-        except Exception:  # defensive
-            log.exception("kvtier: deleting from %s failed", tier.name)
-            return 0
-        self._report(tier, TierChange("r", tier.kind, tuple(keys)))
-        return n
-
-    def lower_clear(self, tier: LowerTier) -> int:
-        """``tier.clear()``, reporting the tier cleared; returns chunks removed (0 on failure)."""
-        try:
-            n = int(tier.clear())
-        except Exception:  # defensive: report nothing removed rather than raise
-            log.exception("kvtier: clearing %s failed", tier.name)
-            return 0
-        self._report(tier, TierChange("c", tier.kind))
-        return n
+        for wrapped in self._reporting:
+            if wrapped.inner is tier:
+                return wrapped
+        raise ValueError(f"{tier!r} is not a lower tier of this manager")
 
     # -- tiers -------------------------------------------------------------------------
     def _first_of_kind(self, kind: str) -> LowerTier | None:
@@ -335,7 +286,7 @@ class StorageManager:
             # the lease covers it. The lease is narrowed to the hits below.
             self.leases.grant(lease_owner, keys)
         try:
-            tiers = held_prefix(keys, self.lower, self.cpu, on_absent=self._stale.on_absent if self.events.active else None)
+            tiers = held_prefix(keys, self._reporting, self.cpu)
         except BaseException:  # e.g. bad keys (TypeError): no lease outlives a failed call
             if lease_owner is not None:
                 self.leases.release(lease_owner)
@@ -517,43 +468,20 @@ class StorageManager:
         """
         self.flush(30)  # queued write-behind holds CPU references that would keep chunks alive
         out = {"cpu": self.cpu.clear()}
-        for prefix, tier in zip(self._prefixes, self.lower):
-            out[prefix] = self.lower_clear(tier)
+        for prefix, tier in zip(self._prefixes, self._reporting):
+            out[prefix] = tier.clear()
         return out
 
     def stats(self) -> dict[str, int | float]:
-        """Counters and gauges: manager counters, ``cpu_*``, and ``<kind>_*`` per lower tier."""
-        out: dict[str, int | float] = dict(self.counters.snapshot())
-        cpu = self.cpu
-        out.update(
-            cpu_chunks=len(cpu),
-            cpu_used_bytes=cpu.used_bytes,
-            cpu_capacity_bytes=cpu.capacity_bytes,
-            cpu_evicted_chunks=cpu.evicted_chunks,
-            cpu_evicted_bytes=cpu.evicted_bytes,
-            leases=len(self.leases),
-            leases_expired=self.leases.expired,
-            pinned_chunks=self.leases.pinned_keys,
-            referenced_chunks=cpu.referenced_chunks(),
-        )
-        out.update(cpu.pool.numa_stats())  # cpu_numa_node, cpu_numa_bound, cpu_numa_pages_on_node
-        p = self.promoter
-        out.update(
-            prefetch_queued_chunks=p.prefetch_queued,
-            prefetch_promoted_chunks=p.prefetch_promoted,
-            prefetch_dropped_chunks=p.prefetch_dropped,
-            unpromoted_reads=p.unpromoted,
-        )
-        for i, (prefix, tier) in enumerate(zip(self._prefixes, self.lower)):
-            ts = tier_stats(prefix, tier)
-            wb = self.write_behind.counters[i]
-            ts[f"{prefix}_queued_chunks"] = wb.queued
-            ts[f"{prefix}_dropped_writes"] = ts.get(f"{prefix}_dropped_writes", 0) + wb.dropped
-            ts[f"{prefix}_write_pending"] = self.write_behind.pending(i)
-            ts["promoted_chunks" if prefix == "disk" else f"promoted_chunks_{prefix}"] = p.promoted[i]
-            ts[f"{prefix}_promote_failures"] = p.failures[i]
-            out.update(ts)
-        return out
+        """Counters and gauges by name: manager counters, ``cpu_*``, and ``<kind>_*`` per lower tier
+        (:meth:`ManagerStats.flat <kvtier.storage.stats.ManagerStats.flat>` of :meth:`typed_stats`)."""
+        return self.typed_stats().flat()
+
+    def typed_stats(self) -> ManagerStats:
+        """The same numbers as :meth:`stats`, as fields (:class:`~kvtier.storage.stats.ManagerStats`)."""
+        forgotten = sum(t.stale_forgotten for t in self._reporting)
+        return collect_stats(self.counters, forgotten, self.cpu, self.leases, self.promoter, self.write_behind,
+                             self._prefixes, self.lower)
 
     def check_invariants(self) -> None:
         """Assert the CPU tier's and the lease table's invariants (tests; O(entries)).

@@ -40,7 +40,7 @@ def move_between(
         if src == "cpu":
             m.cpu.delete_tree(moved)
         else:
-            m.lower_delete(src, moved)
+            m.reporting(src).delete_many(moved)
     return {"moved": len(moved), "bytes": len(moved) * m.chunk_bytes}
 
 

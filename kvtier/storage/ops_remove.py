@@ -21,15 +21,14 @@ __all__ = ["clear_tiers", "delete_keys"]
 
 def clear_tiers(m: StorageManager, targets: list[Tier]) -> dict[str, int]:
     """Remove the namespace's chunks from each of ``targets``; returns ``{"chunks", "bytes"}`` removed."""
-    return _remove(m, targets, m.cpu.clear, m.lower_clear, chunks_from_stats=False)
+    return _remove(m, targets, m.cpu.clear, lambda t: m.reporting(t).clear(), chunks_from_stats=False)
 
 
 def delete_keys(m: StorageManager, keys: list[bytes], targets: list[Tier]) -> dict[str, int]:
     """Remove ``keys`` (and, in prefix-closed tiers, their resident descendants) from each of
     ``targets``; returns ``{"chunks", "bytes"}`` removed."""
-    return _remove(
-        m, targets, lambda: len(m.cpu.delete_tree(keys)), lambda t: m.lower_delete(t, keys), chunks_from_stats=True
-    )
+    return _remove(m, targets, lambda: len(m.cpu.delete_tree(keys)), lambda t: m.reporting(t).delete_many(keys),
+                   chunks_from_stats=True)
 
 
 def _remove(

@@ -157,7 +157,7 @@ def write_staged(m: StorageManager, dst: Tier, staged: Sequence[Staged]) -> None
     close every staged chunk (also when the write raises)."""
     try:
         if dst != "cpu":
-            m.lower_put(dst, [ChunkWrite(st.key, st.parent, st.buffer) for st in staged])
+            m.reporting(dst).put_many([ChunkWrite(st.key, st.parent, st.buffer) for st in staged])
     finally:
         for st in staged:
             st.close()

@@ -13,8 +13,9 @@ with every change of its tiers, exactly once and in order per key:
   ``"c"``. Emitted by the disk tier itself under its lock.
 - other lower tiers (``remote``: Redis, shared filesystem, plug-ins; ``peer``):
   a successful write-behind or operation write is ``"s"``, a delete through the
-  manager is ``"r"``, a clear is ``"c"``, emitted by the manager after the
-  tier's call returns. Removals the store makes by itself (Redis ``maxmemory``
+  manager is ``"r"``, a clear is ``"c"``, emitted after the tier's call returns by
+  the wrapper the manager calls the tier through
+  (:class:`~kvtier.storage.reporting_tier.ReportingTier`). Removals the store makes by itself (Redis ``maxmemory``
   eviction, TTL expiry, a restart without persistence, another machine deleting
   files of a shared filesystem) are reported ``"r"`` when a lookup's answer from
   the store shows them (:mod:`kvtier.storage.stale_remote`), not when they

@@ -8,10 +8,9 @@ is copied). A full queue drops the write (counted); the engine's step never wait
 for a lower tier. Touches of remote tiers (TTL refreshes of a prompt's hit chain)
 ride the same queue, so lookups never wait for them either.
 
-A tier that does not report its own changes (see
-:meth:`kvtier.tiers.base.LowerTier.set_change_hook`) gets a ``reporters[i]``
-hook from the manager while someone listens: each successful write is reported
-to it as ``"s"`` after ``put_many`` returns.
+The storage manager gives the write-behind its lower tiers behind their
+:class:`~kvtier.storage.reporting_tier.ReportingTier`, so each successful write
+is reported (``"s"``) by the tier's wrapper, not here.
 
 Invariants:
 - every CPU reference taken by :meth:`WriteBehind.submit` is released exactly once:
@@ -27,7 +26,7 @@ from functools import partial
 from typing import Sequence, Union
 
 from kvtier.storage.batch_worker import BatchWorker
-from kvtier.tiers.base import ChangeHook, ChunkWrite, LowerTier
+from kvtier.tiers.base import ChunkWrite, LowerTier
 from kvtier.tiers.cpu import CpuTier
 
 log = logging.getLogger(__name__)
@@ -78,8 +77,6 @@ class WriteBehind:
             )
             for i, (tier, size) in enumerate(zip(self.tiers, queue_sizes))
         ]
-        #: Per tier: called with ``("s", keys, parents)`` after successful writes (None: not reported here).
-        self.reporters: list[ChangeHook | None] = [None] * len(self.tiers)
         # Touch only tiers that do something with it: the class overrides touch_many
         # and the instance does not say otherwise (``touch_needed``, e.g. Redis without TTL).
         self._touches = [
@@ -150,12 +147,7 @@ class WriteBehind:
         writes = [item for item in batch if isinstance(item, ChunkWrite)]
         try:
             if writes:
-                ok = tier.put_many(writes)  # failures are dropped and counted by the tier
-                report = self.reporters[i]
-                if report is not None:
-                    done = [w for w, good in zip(writes, ok) if good]
-                    if done:
-                        report("s", [w.key for w in done], [w.parent for w in done])
+                tier.put_many(writes)  # failures are dropped and counted by the tier
             for item in batch:
                 if isinstance(item, TouchChain):
                     tier.touch_many(item.keys)

@@ -132,7 +132,7 @@ class MemoryTier(LowerTier):
         self.spec = spec
         self.decoders = decoders_with(decoders)
         if kind is not None:
-            self.kind = kind  # type: ignore[misc]
+            self.kind = kind
         self.counters = TierCounters()
         #: Cleared: every call waits until it is set again (a hung store).
         self.gate = threading.Event()

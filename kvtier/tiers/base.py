@@ -133,16 +133,18 @@ class LowerTier(ABC):
     - After ``close()`` every call is a miss / no-op.
     """
 
+    # ``name``, ``kind`` and ``local`` are class attributes a subclass sets; an instance may set its own
+    # (a wrapper such as :class:`kvtier.storage.reporting_tier.ReportingTier` takes its inner tier's).
     #: Short tier name for logs and stats, e.g. ``"disk"``, ``"redis"``, ``"fs"``.
-    name: ClassVar[str] = ""
+    name: str = ""
     #: Label lookups report for chunks served from this tier: ``"disk"`` (local,
     #: survives restarts), ``"remote"`` (shared by machines) or ``"peer"``.
-    kind: ClassVar[str] = "remote"
+    kind: str = "remote"
     #: True: the tier is on this machine (the local disk): asking it is a local call, never a network
     #: round trip, so ``where``/``contains``, write refusals and promotion ask it chunk by chunk, its
     #: write queue is ``disk_write_queue`` (else ``remote_write_queue``), and its absences are not
     #: tracked as stale (:mod:`kvtier.storage.stale_remote`). A wrapper forwards its inner tier's.
-    local: ClassVar[bool] = False
+    local: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass of kind ``"disk"`` that does not say otherwise is local (``kind`` labels the
@@ -237,7 +239,8 @@ class LowerTier(ABC):
 
         Returns True if the tier does (it then reports every change, evictions
         included, under its own lock); False (the default) if it cannot, and the
-        storage manager reports the changes made through it instead.
+        storage manager's wrapper of the tier (:class:`kvtier.storage.reporting_tier.ReportingTier`)
+        reports the changes made through it instead.
         """
         return False
 

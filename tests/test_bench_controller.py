@@ -5,6 +5,8 @@ Latencies are not judged here (shared machine); the benchmark's table judges the
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 
+@pytest.mark.slow
 def test_small_controller_bench_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "ctl.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}

@@ -18,6 +18,7 @@ from kvtier.bench.peers_report import build_report
 from kvtier.cli import app
 
 
+@pytest.mark.slow
 def test_peers_without_lmcache_skips_it_and_reports_kvtier(tmp_path: Path) -> None:
     lines: list[str] = []
     doc = run_peers_bench(
@@ -36,6 +37,7 @@ def test_peers_without_lmcache_skips_it_and_reports_kvtier(tmp_path: Path) -> No
     assert not list(tmp_path.glob("bench-peers-*"))  # the work directory is removed
 
 
+@pytest.mark.slow
 def test_cli_reports_the_skip_and_writes_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import kvtier.bench.peers as peers
 

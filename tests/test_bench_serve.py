@@ -310,6 +310,7 @@ def test_answer_mismatch_detection() -> None:
 
 
 # -- the whole run against fakes ------------------------------------------------------------
+@pytest.mark.slow
 def test_run_bench_serve_against_fakes_writes_issue_keys(serving: Any, tmp_path: Any) -> None:
     vllm = serving(fake_app())
     kv = serving(fake_app(corrupt="check-u1001-q1"))
@@ -367,6 +368,7 @@ def test_run_bench_serve_against_fakes_writes_issue_keys(serving: Any, tmp_path:
         assert png.stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_identical_answers_pass(serving: Any, tmp_path: Any) -> None:
     a, b, c = serving(fake_app()), serving(fake_app()), serving(fake_app())
     targets = {"vllm": Target(a.url), "kvtier-cpu": Target(b.url), "vllm@fits": Target(c.url)}
@@ -390,6 +392,7 @@ def test_no_reference_means_answers_not_judged(serving: Any, tmp_path: Any) -> N
     assert data["isolated_hit_ttft_ratio_vs_vllm"] is None and data["no_reuse_throughput_ratio"] is None
 
 
+@pytest.mark.slow
 def test_vllm_alone_is_the_reference_without_fits(serving: Any, tmp_path: Any) -> None:
     """Without vllm@fits, vLLM alone's paired check (engine-resident hits) is the reference:
     a kvtier check answer that differs from it fails, a concurrent-phase difference does not."""
@@ -436,6 +439,7 @@ def test_merge_phases_sums_wall_and_metrics() -> None:
     assert m.summary()["request_throughput"] == pytest.approx(2 / 5.0)
 
 
+@pytest.mark.slow
 def test_fits_phase_interleaved_against_fakes(serving: Any, tmp_path: Any) -> None:
     fits_a, fits_b = serving(fake_app()), serving(fake_app(gap_s=0.002))
     targets = {"vllm@fits": Target(fits_a.url), "kvtier-cpu@fits": Target(fits_b.url)}
@@ -459,6 +463,7 @@ def test_fits_phase_interleaved_against_fakes(serving: Any, tmp_path: Any) -> No
 
 
 # -- the side by side with LMCache (issue 30) ------------------------------------------------
+@pytest.mark.slow
 def test_lmcache_side_by_side_figures_against_fakes(serving: Any, tmp_path: Any) -> None:
     """lmcache-mp given as a running target: the issue's top-level ratios come from the right
     configurations (a slower fake LMCache: its TTFT ratio > 1), its check answers are reported

@@ -61,6 +61,7 @@ def test_copy_helpers_round_trip() -> None:
     assert np.array_equal(paged.storage[:, 5], paged.storage[:, 1])
 
 
+@pytest.mark.slow
 def test_tiers_bench_tiny(tmp_path: Path) -> None:
     path = tmp_path / "out" / "tiers.json"
     assert tiers.run_tiers(json_path=path, sizes=tiers.TierBenchSizes.tiny()) == 0

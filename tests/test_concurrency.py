@@ -367,6 +367,7 @@ def test_threads_on_overlapping_keys_read_exact_bytes_and_leak_nothing(tmp_path:
     print(f"threads: {counts}")
 
 
+@pytest.mark.slow
 def test_threads_with_disk_and_remote_tiers_read_exact_bytes_and_leak_nothing(tmp_path: Path) -> None:
     """Promotion from disk and remote, write-behind to both, eviction everywhere, from 4 threads."""
     from kvtier.storage.lower_tiers import open_storage_tiers

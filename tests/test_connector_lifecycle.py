@@ -197,6 +197,7 @@ def lose_chunks(pair: ConnectorPair, seed: int, p: float) -> Callable[[FakeEngin
     return hook
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "context_dependent",
     [False, True],
@@ -219,6 +220,7 @@ def test_stress_with_chunks_lost_between_lookup_and_load(connectors, context_dep
     assert pair.scheduler.scheduler.ledger.load_failures_total >= 5 and eng.stats.error_blocks >= 10 and eng.stats.rewinds >= 5, eng.stats
 
 
+@pytest.mark.slow
 def test_stress_cpu_and_disk_tiers_keeps_every_promise(connectors, tmp_path: Path) -> None:
     """Nothing is deleted behind the manager's back here, so every leased chunk must load.
 

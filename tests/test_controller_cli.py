@@ -78,6 +78,7 @@ def test_ctl_errors_exit_2_with_a_message(live):
     assert r.exit_code == 2 and "not reachable" in r.output
 
 
+@pytest.mark.slow
 def test_ctl_failed_op_exits_1(live):
     ctl, agent = live
     agent.silent = True

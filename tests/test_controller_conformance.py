@@ -113,6 +113,7 @@ def storm(inst: FleetInstance, c: FleetCluster) -> None:
 # -- instances / lookup ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_instances(fleet: FleetCluster) -> None:
     r = httpx.get(fleet.controller.http_url + "/instances").json()["instances"]
     assert sorted(i["instance"] for i in r) == ["inst-0", "inst-1", "inst-2"]
@@ -124,6 +125,7 @@ def test_instances(fleet: FleetCluster) -> None:
             assert next(t for t in i["tiers"] if t["kind"] == "remote")["shared"] is True
 
 
+@pytest.mark.slow
 def test_lookup(fleet: FleetCluster) -> None:
     a, b, _ = fleet.instances
     p = prompt(8)
@@ -149,6 +151,7 @@ def test_lookup(fleet: FleetCluster) -> None:
 # -- clear -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tier", ["cpu", "lower"])
 def test_clear(fleet: FleetCluster, tier: str) -> None:
     a, b, _ = fleet.instances
@@ -215,6 +218,7 @@ def test_pin(fleet: FleetCluster) -> None:
     assert len(a.manager.cpu) == fleet.cpu_chunks  # the storm really filled the tier
 
 
+@pytest.mark.slow
 def test_unpin(fleet: FleetCluster) -> None:
     p = prompt(4)
     a, keys, _ = _pin(fleet, p)
@@ -229,6 +233,7 @@ def test_unpin(fleet: FleetCluster) -> None:
 # -- move --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_move_local(fleet: FleetCluster) -> None:
     a = fleet.instances[0]
     p = prompt(4)
@@ -263,6 +268,7 @@ def test_move_local(fleet: FleetCluster) -> None:
     converged(fleet, p)
 
 
+@pytest.mark.slow
 def test_move_across_instances(fleet: FleetCluster) -> None:
     a, b, _ = fleet.instances
     p = prompt(4)
@@ -296,6 +302,7 @@ def _evict_cpu(fleet: FleetCluster, inst: FleetInstance, keys: list[bytes]) -> N
     assert not any(inst.held("cpu", keys))
 
 
+@pytest.mark.slow
 def test_compress(fleet: FleetCluster) -> None:
     a = fleet.instances[0]
     p = prompt(4)
@@ -330,6 +337,7 @@ def test_compress(fleet: FleetCluster) -> None:
         assert op(fleet, "/decompress", tokens=p, instance="inst-0", tier=low)["state"] == "done"
 
 
+@pytest.mark.slow
 def test_decompress(fleet: FleetCluster) -> None:
     a = fleet.instances[0]
     p = prompt(4)
@@ -355,6 +363,7 @@ def test_decompress(fleet: FleetCluster) -> None:
 # -- health / check_finish ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_health(fleet: FleetCluster) -> None:
     r = httpx.get(fleet.controller.http_url + "/health", params={"live": "true"}, timeout=30).json()["instances"]
     assert sorted(r) == ["inst-0", "inst-1", "inst-2"]
@@ -390,6 +399,7 @@ def test_health(fleet: FleetCluster) -> None:
         dead.manager.close()
 
 
+@pytest.mark.slow
 def test_check_finish(fleet: FleetCluster) -> None:
     a = fleet.instances[0]
     p = prompt(4)
@@ -426,6 +436,7 @@ def test_check_finish(fleet: FleetCluster) -> None:
 # -- failures: a dead agent, a restarted controller --------------------------------------------------
 
 
+@pytest.mark.slow
 def test_killed_agent_leaves_lookup(fleet: FleetCluster) -> None:
     p = prompt(3)
     for inst in fleet.instances:
@@ -444,6 +455,7 @@ def test_killed_agent_leaves_lookup(fleet: FleetCluster) -> None:
     converged(fleet, p)
 
 
+@pytest.mark.slow
 def test_controller_restart(fleet: FleetCluster) -> None:
     p = prompt(3)
     a, b, _ = fleet.instances

@@ -194,6 +194,7 @@ def test_compress_and_decompress_reach_agent(fleet):
     assert r.status_code == 400 and r.json()["field"] == "tier"
 
 
+@pytest.mark.slow
 def test_killed_agent_disappears_from_lookup_within_a_second(fleet):
     ctl, agents, _ = fleet
     populate(agents)
@@ -224,6 +225,7 @@ def test_restarted_controller_is_consistent_within_a_second(fleet):
         ctl2.stop()
 
 
+@pytest.mark.slow
 def test_dropped_changes_leave_no_stale_answer_after_a_second():
     ctl = Controller(http_port=0, zmq_endpoint="tcp://127.0.0.1:0", op_deadline_s=DEADLINE_S).start()
     shared = SharedStore()
@@ -281,6 +283,7 @@ def test_bad_input_is_4xx_naming_the_field(fleet):
     assert httpx.get(ctl.http_url + "/check_finish/unknown").status_code == 404
 
 
+@pytest.mark.slow
 def test_op_to_silent_agent_fails_with_reason_within_deadline(fleet):
     ctl, agents, _ = fleet
     populate(agents)
@@ -293,6 +296,7 @@ def test_op_to_silent_agent_fails_with_reason_within_deadline(fleet):
     assert elapsed < DEADLINE_S + 1.5
 
 
+@pytest.mark.slow
 def test_op_on_instance_that_dies_fails_fast_with_reason(fleet):
     ctl, agents, _ = fleet
     populate(agents)
@@ -304,6 +308,7 @@ def test_op_on_instance_that_dies_fails_fast_with_reason(fleet):
     assert out["state"] == "failed" and "inst-c" in out["reason"], out
 
 
+@pytest.mark.slow
 def test_check_finish_is_terminal_for_every_op(fleet):
     ctl, agents, _ = fleet
     populate(agents)

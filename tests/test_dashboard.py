@@ -125,6 +125,7 @@ def _open_stream(port: int) -> tuple[socket.socket, bytes]:
     return s, s.recv(200)
 
 
+@pytest.mark.slow
 def test_event_streams_are_bounded_and_end_with_the_server(short_dir: Path) -> None:  # noqa: F811
     srv = start_server(short_dir, metrics_port=0)
     try:

@@ -119,6 +119,7 @@ def test_controller_dashboard_data_needs_the_token(fleet: TokenCluster) -> None:
     assert request(base, "GET", "/dashboard/snapshot", headers={"Cookie": cookie})[0] == 401
 
 
+@pytest.mark.slow
 def test_prompt_text_only_for_a_viewer_holding_the_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     """With a tokenizer configured, hot prefixes as text reach only viewers that presented the
@@ -185,6 +186,7 @@ def test_token_controller_answers_any_host_to_a_token_holder(fleet: TokenCluster
     assert request(base, "GET", "/dashboard/snapshot", headers={"Host": "ctl.example"})[0] == 401
 
 
+@pytest.mark.slow
 def test_server_dashboard_host_check_and_token(short_dir: Path) -> None:  # noqa: F811
     with start_server(short_dir, metrics_port=0) as srv:  # no token: loopback only
         base = f"http://127.0.0.1:{srv.metrics_port}"

@@ -132,6 +132,7 @@ def test_a_miss_is_pulled_from_the_peer_with_the_longest_run(fleet: Fleet) -> No
     assert tier.counters.snapshot()["get_hits"] == 4
 
 
+@pytest.mark.slow
 def test_a_peer_closed_after_registering_is_a_bounded_miss(fleet: Fleet) -> None:
     tokens = list(range(1000, 1000 + 4 * CHUNK + 1))
     a, _b, c, _keys = three(fleet, tokens)

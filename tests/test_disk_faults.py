@@ -149,6 +149,7 @@ def _check_reopened(tier: DiskTier, d: Path, completed: set[bytes]) -> int:
     return len(files)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trial", range(TRIALS))
 def test_sigkill_at_a_random_moment_keeps_every_complete_chunk(trial: int, tmp_path: Path) -> None:
     rng = random.Random(7919 * trial + 1)

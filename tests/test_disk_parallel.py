@@ -158,6 +158,7 @@ def test_a_truncated_record_mid_chain_leaves_a_consistent_tier_after_restart(tmp
         tier.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trial", range(3))
 def test_writer_killed_mid_batch_leaves_a_consistent_tier(trial: int, tmp_path: Path) -> None:
     d, log = tmp_path / "d", tmp_path / "done.log"

@@ -46,6 +46,7 @@ def _flip(path: Path, offset: int) -> None:
         f.write(bytes([b[0] ^ 0x5A]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 @pytest.mark.parametrize("where", ["first", "middle", "last", "truncated"])
 def test_a_fault_in_any_read_step_is_a_miss_and_removed(tmp_path: Path, direct: bool, where: str) -> None:

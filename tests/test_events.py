@@ -409,6 +409,7 @@ def test_gap_without_replay_is_counted_not_waited_for() -> None:
         pub.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replay", [False, True])
 @pytest.mark.parametrize("old_batches", [1, 3])
 def test_a_publisher_restarted_on_the_same_endpoint_is_a_restart_whatever_seq_arrives_first(

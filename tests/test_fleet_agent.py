@@ -484,6 +484,7 @@ def test_embedded_connector_worker_runs_an_agent(tmp_path) -> None:
     assert agent is not None and not agent._thread.is_alive()
 
 
+@pytest.mark.slow
 def test_kvtier_server_process_registers_from_settings(short_dir) -> None:
     """``kvtier server`` (the command) with the ``controller``/``instance_id`` settings registers."""
     import subprocess
@@ -512,6 +513,7 @@ def test_kvtier_server_process_registers_from_settings(short_dir) -> None:
     assert proc.returncode == 0
 
 
+@pytest.mark.slow
 def test_refused_registration_is_logged_once_and_retried_later(manager, caplog, monkeypatch) -> None:
     """A controller that refuses the Register (e.g. no token) says why; the instance logs it
     once (not every retry), waits REFUSED_RETRY_S before the next Register, and registers

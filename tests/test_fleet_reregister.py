@@ -10,6 +10,8 @@ served and its registration time is kept; another epoch (a restart) still starts
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import time
 
@@ -57,6 +59,7 @@ def test_the_same_process_registering_again_keeps_its_index() -> None:
     assert st.index.tier_chunks("A", INFO.digest, "cpu") == 0
 
 
+@pytest.mark.slow
 def test_a_controller_pause_longer_than_the_agents_patience_is_no_outage() -> None:
     """End to end: the controller stalls 2.5 s (past the agent's 1.8 s), the agent reconnects and
     registers again; the instance's record keeps its registration and its indexed chunks."""
@@ -81,6 +84,7 @@ def test_a_controller_pause_longer_than_the_agents_patience_is_no_outage() -> No
         ctl.stop()
 
 
+@pytest.mark.slow
 def test_a_pause_of_the_controller_and_the_agent_together_expires_no_one(monkeypatch) -> None:
     """The fleet soak's other finding: a machine-wide pause (CPU starvation) of about a second stops the
     agent's heartbeats and the controller's endpoint alike; when the endpoint ran again first, its sweep
@@ -117,6 +121,7 @@ def test_a_pause_of_the_controller_and_the_agent_together_expires_no_one(monkeyp
         ctl.stop()
 
 
+@pytest.mark.slow
 def test_a_pause_while_frames_are_handled_expires_no_one(monkeypatch) -> None:
     """The fleet soak's third finding: all three instances dropped off at once while their agents kept
     sending heartbeats. The endpoint had read its frames on time, then was not running (the CPU, the GIL)

@@ -98,6 +98,7 @@ def keyed(tmp_path: Path):
 
 # -- kind 1 --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_connection_claiming_a_live_id_does_not_displace_it(open_ctl) -> None:
     """The issue's input: a DEALER whose identity is the instance's id sends one byte and closes."""
     m = _manager()
@@ -121,6 +122,7 @@ def test_a_connection_claiming_a_live_id_does_not_displace_it(open_ctl) -> None:
         m.close()
 
 
+@pytest.mark.slow
 def test_a_register_or_messages_for_a_live_id_from_a_stranger_change_nothing(open_ctl) -> None:
     m = _manager()
     agent = _agent(open_ctl, "A", m)
@@ -151,6 +153,7 @@ def test_a_register_or_messages_for_a_live_id_from_a_stranger_change_nothing(ope
         m.close()
 
 
+@pytest.mark.slow
 def test_a_restarted_instance_takes_its_id_back_once_the_old_record_expires(open_ctl) -> None:
     """The other side of the coin: without keys, a real restart (new epoch, new connection) is refused
     only while the old record lives, and told when to retry (not the 10 s back-off)."""
@@ -167,6 +170,7 @@ def test_a_restarted_instance_takes_its_id_back_once_the_old_record_expires(open
         m.close()
 
 
+@pytest.mark.slow
 def test_with_keys_a_non_member_cannot_even_connect(keyed) -> None:
     ctl, keys = keyed
     ctx = zmq.Context()
@@ -182,6 +186,7 @@ def test_with_keys_a_non_member_cannot_even_connect(keyed) -> None:
         ctx.destroy(0)
 
 
+@pytest.mark.slow
 def test_with_keys_another_member_cannot_take_a_live_id(keyed) -> None:
     ctl, keys = keyed
     m = _manager()
@@ -206,6 +211,7 @@ def test_with_keys_another_member_cannot_take_a_live_id(keyed) -> None:
         m.close()
 
 
+@pytest.mark.slow
 def test_a_members_ids_and_models_are_enforced(keyed) -> None:
     ctl, keys = keyed
     keys.set_options("M", "ids=M-* models=other/*")
@@ -226,6 +232,7 @@ def test_a_members_ids_and_models_are_enforced(keyed) -> None:
         m.close()
 
 
+@pytest.mark.slow
 def test_a_revoked_member_is_dropped_and_refused(keyed) -> None:
     ctl, keys = keyed
     m = _manager()
@@ -241,6 +248,7 @@ def test_a_revoked_member_is_dropped_and_refused(keyed) -> None:
         m.close()
 
 
+@pytest.mark.slow
 def test_an_agent_reconnects_with_a_new_socket_after_silence(open_ctl) -> None:
     m = _manager()
     agent = _agent(open_ctl, "A", m)
@@ -290,6 +298,7 @@ def _rss_bytes() -> int:
     return 0
 
 
+@pytest.mark.slow
 def test_oversized_frames_are_refused_before_they_are_buffered(open_ctl) -> None:
     """The issue's input: 3 frames of 100 MB raised the controller by 323 MB (here 3 x 20 MiB from another process)."""
     before = _rss_bytes()
@@ -301,6 +310,7 @@ def test_oversized_frames_are_refused_before_they_are_buffered(open_ctl) -> None
     assert open_ctl.state.counters["malformed_frames"] == bad  # never even received
 
 
+@pytest.mark.slow
 def test_a_register_of_20000_namespaces_is_refused_without_stalling(open_ctl) -> None:
     m = _manager()
     agent = _agent(open_ctl, "A", m)

@@ -76,6 +76,7 @@ def test_a_stranger_without_a_key_gets_nothing(serving) -> None:
     assert a.peer_server.connections == 0
 
 
+@pytest.mark.slow
 def test_a_key_not_in_the_members_file_is_refused(serving, fleet) -> None:
     a, keys = serving
     stranger = FleetKey.generate("stranger")
@@ -190,6 +191,7 @@ def test_a_silent_connection_is_closed_after_the_handshake_deadline(serving) -> 
         s.close()
 
 
+@pytest.mark.slow
 def test_idle_connections_hold_no_threads(serving, fleet) -> None:
     """The issue's input: 200 idle connections held 200 threads in the engine process. Now: 150 silent
     ones and 50 authenticated idle links cost no thread each, and a real pull still works."""
@@ -263,6 +265,7 @@ def test_a_stalling_member_cannot_take_every_worker(serving, fleet, stall: str) 
             c.close()
 
 
+@pytest.mark.slow
 def test_a_member_gets_only_its_models(fleet) -> None:
     fleet.set_options("b", "models=test/other-*")
     a = _manager(peer_listen="tcp://127.0.0.1:0", **fleet.config("a"))
@@ -279,6 +282,7 @@ def test_a_member_gets_only_its_models(fleet) -> None:
         a.close()
 
 
+@pytest.mark.slow
 def test_a_member_gets_only_its_salts(fleet) -> None:
     """Salted chains (tenant isolation): a member allowed tenant t1 pulls t1's chains, not t2's nor unsalted."""
     fleet.set_options("b", "salts=t1")
@@ -306,6 +310,7 @@ def test_a_member_gets_only_its_salts(fleet) -> None:
         a.close()
 
 
+@pytest.mark.slow
 def test_a_revoked_member_is_cut_off(serving, fleet) -> None:
     a, keys = serving
     tier = UrlPeerTier(a.peer_server.url, timeout_s=1.0, retry_s=0.05, credentials=fleet.credentials("b"))
@@ -357,6 +362,7 @@ def _events(pub, sub, n: int = 40, timeout_s: float = 3.0) -> int:
     return got
 
 
+@pytest.mark.slow
 def test_a_keyed_event_stream_is_read_by_members_with_the_events_role_only(fleet) -> None:
     from kvtier.events.publisher import EventPublisher
     from kvtier.events.subscriber import EventSubscriber

@@ -36,6 +36,7 @@ def test_gpu_check_runs_its_cpu_steps_and_exits_3_without_cuda(tmp_path: Path) -
     assert json.loads((tmp_path / "copies.json").read_text())["batch_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_gpu_path_tests_need_no_vllm() -> None:
     """The device has no vLLM: the GPU-path test files collect and import without it."""
     code = ("import sys; sys.modules['vllm'] = None; import pytest; "

@@ -63,6 +63,7 @@ class LayerwiseEngine(FakeEngine):
             self.write, w.wait_for_save = orig_write, orig_wait_for_save  # type: ignore[method-assign]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kv_layout", "disk", "engine_cls"), [
     ("stacked", False, FakeEngine), ("separate", True, LayerwiseEngine), ("stacked", True, LayerwiseEngine)])
 def test_stress_torch_path(torch_pair, tmp_path, kv_layout: str, disk: bool, engine_cls: type) -> None:

@@ -50,6 +50,7 @@ def config(**kw: Any) -> KVTierConfig:
     return KVTierConfig(chunk_size=CHUNK, cpu_capacity="64MiB", **kw)
 
 
+@pytest.mark.slow
 def test_greedy_tokens_identical(smol: tuple[Any, Any]) -> None:
     model, tok = smol
     ids = ids_of(tok, "GPL-2.txt", 290, "Who publishes this license?")
@@ -67,6 +68,7 @@ def test_greedy_tokens_identical(smol: tuple[Any, Any]) -> None:
         assert hit.shape[1] > T  # generation went on
 
 
+@pytest.mark.slow
 def test_hit_after_restart_through_disk(smol: tuple[Any, Any], tmp_path: Path) -> None:
     model, tok = smol
     ids = ids_of(tok, "MPL-2.0.txt", 200, "Which law governs this license?")
@@ -83,6 +85,7 @@ def test_hit_after_restart_through_disk(smol: tuple[Any, Any], tmp_path: Path) -
         assert torch.equal(hit, cold_generate_split(model, ids, None, split, prefix_pass_len=ids.shape[1], **GEN))
 
 
+@pytest.mark.slow
 def test_batched_left_padded_prompts(smol: tuple[Any, Any]) -> None:
     model, tok = smol
     a = ids_of(tok, "GPL-2.txt", 200, "What is the license's version?")

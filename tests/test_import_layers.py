@@ -209,6 +209,7 @@ def test_every_module_has_a_layer() -> None:
         layer_of(mod)
 
 
+@pytest.mark.slow
 def test_no_new_import_points_up_the_layers(edges: dict[str, dict[str, int]]) -> None:
     found = {edge_name(e): e for e in upward_edges(edges)}
     new = [e for name, e in found.items() if name not in ALLOWED_UPWARD]

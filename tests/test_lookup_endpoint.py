@@ -129,6 +129,7 @@ def test_no_lease_outlives_a_failed_endpoint_call(endpoint: tuple[LookupServer, 
     client.close()
 
 
+@pytest.mark.slow
 def test_no_lease_outlives_a_client_timeout(endpoint: tuple[LookupServer, str], manager: Any) -> None:
     srv, path = endpoint
     keys = manager.keys(prompt(3, 2 * CHUNK + 1))

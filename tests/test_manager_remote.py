@@ -396,6 +396,7 @@ def test_clear_removes_only_this_namespace_in_a_shared_redis(make_config, shared
                 m.close()
 
 
+@pytest.mark.slow
 def test_remote_ttl_keeps_hot_heads_alive(make_config, shared_redis_url) -> None:
     """A hot head (served from CPU, shared by later prompts) must not expire in Redis before
     its tails: writes refresh the parent's TTL, lookups refresh the whole hit chain."""

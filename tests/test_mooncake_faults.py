@@ -123,6 +123,7 @@ def test_master_killed_mid_load_then_restarted(master):
         tier.close()
 
 
+@pytest.mark.slow
 def test_restarted_master_answers_absent(master):
     """A master restart loses every key: existence is answered (not a failure) and absent."""
     tier = _tier(master.url)
@@ -141,6 +142,7 @@ def test_restarted_master_answers_absent(master):
         tier.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["paused", "silent"])
 def test_master_that_never_answers_never_stalls_a_call(master, how):
     """A master that accepts connections and answers nothing: every call returns a miss
@@ -184,6 +186,7 @@ def test_master_that_never_answers_never_stalls_a_call(master, how):
             master.resume()
 
 
+@pytest.mark.slow
 def test_segment_owner_exits(master):
     """The chunks live in another process's segment; when it exits they are gone: misses,
     answered absent once the master drops the segment, and writes go on in a new owner."""
@@ -211,6 +214,7 @@ def test_segment_owner_exits(master):
         owner.stop()
 
 
+@pytest.mark.slow
 def test_full_store_drops_writes_without_opening_the_breaker(master):
     tier = _tier(master.url, segment_bytes=16 << 20, breaker_failures=1)
     try:
@@ -232,6 +236,7 @@ def test_full_store_drops_writes_without_opening_the_breaker(master):
         tier.close()
 
 
+@pytest.mark.slow
 def test_values_larger_than_the_readers_buffer_are_misses(master):
     """A stored value larger than the destination, and one above max_value_bytes: misses,
     never an exception or a write past the buffer; a sound record of another size is kept."""
@@ -268,6 +273,7 @@ def _raw_client(master):
     return store
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["body", "header"])
 def test_corrupt_value_is_a_miss_and_removed(master, where):
     tier = _tier(master.url)
@@ -293,6 +299,7 @@ def test_corrupt_value_is_a_miss_and_removed(master, where):
         tier.close()
 
 
+@pytest.mark.slow
 def test_reads_take_leases_that_deletes_override(master):
     """Mooncake leases a key for 10 s on every read and refuses plain removal inside it:
     the tier's deletes and clear work anyway; a write of a key being read keeps the record
@@ -317,6 +324,7 @@ def test_reads_take_leases_that_deletes_override(master):
         tier.close()
 
 
+@pytest.mark.slow
 def test_storage_manager_registers_cpu_memory_and_reports_store_removals(master):
     """Through the storage manager: the CPU tier's memory is registered with the client, and
     chunks the store lost (a master restart) are reported removed to listeners (the controller)."""
@@ -360,6 +368,7 @@ def test_storage_manager_registers_cpu_memory_and_reports_store_removals(master)
         mgr.close()
 
 
+@pytest.mark.slow
 def test_bench_remote_measures_the_tier_and_the_raw_client_side_by_side(master):
     """``kvtier bench remote --url mooncake://``: both ratios, from samples of both sides."""
     from kvtier.bench import remote_mooncake

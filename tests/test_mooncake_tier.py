@@ -101,6 +101,7 @@ class TestMooncakeContract(TierContract):
         return _harness(f"mooncake://{CI_MASTER[0]}:{CI_MASTER[1]}", holder)
 
 
+@pytest.mark.slow  # starts a master of its own per test (~1.7 s each)
 class TestMooncakeThrowawayContract(TierContract):
     """A master this class owns, so the failure tests may kill and restart it."""
 

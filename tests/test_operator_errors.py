@@ -156,6 +156,7 @@ def test_tcp_without_a_token_names_the_real_flags(tmp_path: Path) -> None:
     assert "(--token)" not in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

@@ -196,6 +196,7 @@ def decode(side: Side, r: FakeRequest, timeout_s: float = 20.0, sync: bool = Fal
 MODES = {"async": {"pd_sync_load_bytes": 0}, "sync": {}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("length", [5 * CHUNK + 21, 4 * CHUNK, 13, CHUNK + 1])
 def test_decoder_gets_the_whole_prompt_and_prefiller_frees_on_confirm(cluster, length: int, mode: str) -> None:
@@ -307,6 +308,7 @@ def test_decoder_with_missing_kv_computes_and_confirms(cluster) -> None:
     wait_sending(pre, "p-1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_decoder_reports_unreadable_chunks_for_recompute(cluster, mode: str) -> None:
     pre, dec = cluster("prefill", free_port()), cluster("decode", **MODES[mode])

@@ -62,6 +62,7 @@ def test_a_forged_confirm_never_ends_another_requests_hold(cluster) -> None:  # 
     pre.release_blocks("p-1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("known", [None, ["127.0.0.1:{port}"]])
 def test_decoder_never_dials_a_prefiller_it_does_not_know(cluster, known: Any) -> None:  # noqa: F811
     port = free_port()
@@ -113,6 +114,7 @@ FORGED = {"do_remote_prefill": True, "remote_engine_id": "victim", "remote_reque
           "remote_host": "10.6.6.6", "remote_port": 6666, "remote_block_ids": [1]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefill_status", [200, 500])
 def test_proxy_drops_client_kv_transfer_params(prefill_status: int) -> None:
     seen: list[dict[str, Any]] = []

@@ -277,6 +277,7 @@ def test_chain_property_under_pressure(
 # -- cost (counted, not timed) -----------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ALL)
 def test_one_eviction_from_a_large_policy_is_not_a_scan(name: str) -> None:
     """200,000 keys as 4,000 chains of 50: one eviction passes over at most one chain's

@@ -230,6 +230,7 @@ def test_paused_server_calls_return_within_timeout(server):
     tier.close()
 
 
+@pytest.mark.slow
 @needs_server
 def test_debug_sleep_server_calls_return_within_timeout(server):
     tier = _tier(server.url, breaker_failures=10)
@@ -335,6 +336,7 @@ def test_clear_removes_only_this_namespace(server):
     b.close()
 
 
+@pytest.mark.slow
 @needs_server
 def test_ttl_heads_outlive_tails(server):
     """Issue 8, failing input 4 (remote part): a batch is written tail first, each write refreshes

@@ -310,6 +310,7 @@ def test_kv_aware_routes_to_prefix_holder(fleet) -> None:
         assert f'kvtier_router_predicted_hit_tokens_total{{backend="b"}} {6 * 8 * BS}.0' in text
 
 
+@pytest.mark.slow
 def test_paced_no_reuse_requests_spread(fleet) -> None:
     backs, pubs, _ = fleet
     with contextlib.closing(_router(backs, pubs)) as r, httpx.Client(base_url=r.url, timeout=10) as c:
@@ -324,6 +325,7 @@ def test_paced_no_reuse_requests_spread(fleet) -> None:
         assert (len(backs[0].requests), len(backs[1].requests)) == (seen["a"], seen["b"])
 
 
+@pytest.mark.slow
 def test_dead_backend_skipped_and_returns(fleet) -> None:
     backs, pubs, _ = fleet
     with contextlib.closing(_router(backs, pubs)) as r, httpx.Client(base_url=r.url, timeout=10) as c:
@@ -347,6 +349,7 @@ def test_dead_backend_skipped_and_returns(fleet) -> None:
         assert got["a"] >= 2, got
 
 
+@pytest.mark.slow
 def test_hung_backend_does_not_hang_requests(fleet) -> None:
     backs, pubs, _ = fleet
     with contextlib.closing(_router(backs, pubs)) as r, httpx.Client(base_url=r.url, timeout=15) as c:
@@ -362,6 +365,7 @@ def test_hung_backend_does_not_hang_requests(fleet) -> None:
         backs[0].hang = False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["clear", "publisher-restart", "backend-restart"])
 def test_no_stale_routes_after_clear_or_restart(fleet, how: str) -> None:
     backs, pubs, _ = fleet
@@ -423,6 +427,7 @@ def test_chat_uses_template_tokens(fleet) -> None:
         assert c.get("/v1/models").json()["data"][0]["id"] == "fake"
 
 
+@pytest.mark.slow
 def test_round_robin_and_least_loaded(fleet) -> None:
     backs, pubs, _ = fleet
     with contextlib.closing(_router(backs, pubs, policy="round-robin")) as r, \

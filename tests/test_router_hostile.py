@@ -186,6 +186,7 @@ def test_controller_token_from_file_or_env_not_only_argv(tmp_path, monkeypatch, 
 # -- KV event frames are bounded -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_event_frames_beyond_the_bound_are_never_read(fleet) -> None:
     import zmq
 
@@ -334,6 +335,7 @@ def _cutting_app(stream: bool) -> FastAPI:
     return app
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("via", ["router", "pd-proxy"])
 def test_stream_cut_by_the_backend_reaches_the_client_as_an_error(via: str) -> None:
     from kvtier.router.pd_proxy import PDProxyServer
@@ -507,6 +509,7 @@ def test_big_bodies_are_parsed_off_the_event_loop(fleet, monkeypatch) -> None:
         assert out == [200]
 
 
+@pytest.mark.slow
 def test_large_prompts_never_make_small_ones_wait(fleet) -> None:
     """Six 3 MB prompts whose tokenization does not end (until released) and ordinary 8 KiB
     prompts: the small ones are served meanwhile (a lane of their own), the large ones queue
@@ -535,6 +538,7 @@ def test_large_prompts_never_make_small_ones_wait(fleet) -> None:
 # -- a keyed kvtier event stream: the router reads it with its fleet key -------------------------
 
 
+@pytest.mark.slow
 def test_router_reads_a_keyed_event_stream_with_its_fleet_key(tmp_path) -> None:
     from kvtier.router.config import BackendSpec, RouterConfig
     from kvtier.router.server import RouterServer

@@ -102,6 +102,7 @@ def server_maps(proc: subprocess.Popen, path: str) -> bool:
         return path in f.read()
 
 
+@pytest.mark.slow
 def test_store_from_blocks_then_load_into_other_blocks_is_byte_identical(server, shm_kv: ShmKV) -> None:
     proc, sock = server
     c = connect(sock, NS, "bc-engine")
@@ -493,6 +494,7 @@ def test_a_chain_without_room_stores_a_prefix_and_keeps_no_holds(short_dir: Path
         wait_until(lambda: srv._kv.registered() == 0, 10, "registration released")
 
 
+@pytest.mark.slow
 def test_the_shm_stand_in_is_refused_over_tcp(short_dir: Path, shm_kv: ShmKV) -> None:  # noqa: F811
     from service_helpers import start_server
 

@@ -110,6 +110,7 @@ def test_silent_connection_closed_at_handshake_deadline(short_dir: Path) -> None
         wait_until(lambda: srv.num_sessions() == 0, 5, "session dropped")
 
 
+@pytest.mark.slow
 def test_dribbling_bytes_does_not_extend_the_handshake(short_dir: Path) -> None:
     with start_server(short_dir, handshake_timeout_s=0.5, frame_timeout_s=30) as srv:
         s = raw_unix(short_dir / "s.sock")
@@ -232,6 +233,7 @@ def test_tcp_serves_nothing_before_a_valid_token_and_backs_off(short_dir: Path) 
         assert srv._health_state()[1]["connections"]["server_auth_failures"] == 1
 
 
+@pytest.mark.slow
 def test_token_guessing_is_throttled(short_dir: Path) -> None:
     # Before: ~4,800 guesses/s on one connection. Now one guess per back-off per address.
     with start_server(short_dir, tcp_host="127.0.0.1", token=TOKEN, auth_backoff_s=5, auth_backoff_max_s=5) as srv:
@@ -436,6 +438,7 @@ def test_conn_limits_validate() -> None:
         ConnLimits(handshake_frame_bytes=P.MAX_FRAME_BYTES + 1)
 
 
+@pytest.mark.slow
 def test_server_flags_reach_the_listener(short_dir: Path) -> None:
     cb = small_namespace().chunk_bytes
     cmd = [

@@ -29,6 +29,7 @@ def server_cmd(sock: Path, disk: Path) -> list[str]:
             "--no-metrics", "--disk-path", str(disk), "--disk-capacity", str(1 << 20)]
 
 
+@pytest.mark.slow
 def test_second_server_on_the_same_disk_path_exits_2(short_dir: Path) -> None:  # noqa: F811
     first = start_server_process(short_dir)  # disk at short_dir / "disk"
     try:

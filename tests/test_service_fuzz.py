@@ -7,6 +7,8 @@ reference or lease (nothing leaks).
 
 from __future__ import annotations
 
+import pytest
+
 import random
 import socket
 from pathlib import Path
@@ -122,6 +124,7 @@ def open_registered(path: Path) -> socket.socket:
     return s
 
 
+@pytest.mark.slow
 def test_fuzz_server_survives_and_leaks_nothing(short_dir: Path) -> None:
     random.seed(1234)
     ns = small_namespace()

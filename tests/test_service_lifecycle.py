@@ -6,6 +6,8 @@ Child processes run this file as a script (``python tests/test_service_lifecycle
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -114,6 +116,7 @@ def test_sigkilled_client_releases_its_reservations_reads_and_leases(short_dir: 
             _stop(child)
 
 
+@pytest.mark.slow
 def test_two_engine_processes_share_one_server(short_dir: Path) -> None:
     server = start_server_process(short_dir, disk=False)
     try:
@@ -131,6 +134,7 @@ def test_two_engine_processes_share_one_server(short_dir: Path) -> None:
         server.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_server_restart_serves_its_disk_tier_and_clients_reconnect(short_dir: Path) -> None:
     server = start_server_process(short_dir, disk=True)
     c = None

@@ -151,6 +151,7 @@ def test_three_namespaces_storing_at_once_keep_the_budget(short_dir: Path) -> No
             c.close()
 
 
+@pytest.mark.slow
 def test_a_released_namespace_returns_its_share(short_dir: Path) -> None:
     cap = 8 * PAGE
     with start(short_dir, cap, namespace_idle_s=0.05) as srv:
@@ -166,6 +167,7 @@ def test_a_released_namespace_returns_its_share(short_dir: Path) -> None:
         b.close()
 
 
+@pytest.mark.slow
 def test_disk_capacity_follows_the_hosted_namespaces(short_dir: Path) -> None:
     """A lone namespace gets the whole disk tier; a second halves both (evicting leaves); a release grows it back.
 
@@ -256,6 +258,7 @@ def _rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
 def test_server_rss_stays_within_the_cpu_capacity(short_dir: Path) -> None:
     cap = 48 << 20
@@ -293,6 +296,7 @@ def _series(srv: CacheServer, name: str) -> float:
     return float(line.split()[1])
 
 
+@pytest.mark.slow
 def test_counters_never_go_down_when_a_namespace_is_released(short_dir: Path) -> None:
     """/metrics summed the hosted namespaces' counters: releasing an idle one took its counts away,
     which Prometheus reads as a counter reset (a false spike in increase() with two namespaces)."""

@@ -42,6 +42,7 @@ def serving(request, short_dir: Path, fleet):
     srv.close()
 
 
+@pytest.mark.slow
 def test_one_listener_serves_every_hosted_namespace(serving) -> None:
     srv, d = serving
     assert srv.peer_server is not None
@@ -74,6 +75,7 @@ def test_one_listener_serves_every_hosted_namespace(serving) -> None:
                "every peer read's namespace hold released")
 
 
+@pytest.mark.slow
 def test_a_corrupt_slot_is_not_served_to_peers(serving) -> None:
     srv, d = serving
     tokens = list(range(3 * CHUNK + 1))
@@ -144,6 +146,7 @@ def test_server_with_peers_serves_its_clients_from_an_embedded_peer(short_dir: P
         a.close()
 
 
+@pytest.mark.slow
 def test_kvtier_server_cli_takes_peer_settings_as_flags_and_variables(short_dir: Path, fleet) -> None:
     import os
 

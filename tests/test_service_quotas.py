@@ -78,6 +78,7 @@ def test_one_client_id_over_many_connections_stays_within_its_quota(short_dir: P
         assert not any(h.manager.cpu.check_invariants() for h in srv.hosts())
 
 
+@pytest.mark.slow
 def test_hoarded_reservations_expire_then_another_client_stores(short_dir: Path) -> None:
     with start_server(short_dir, cpu_chunks=4, client_hold_share=1.0, reservation_timeout_s=0.3) as srv:
         hoarder = Raw(short_dir / "s.sock")
@@ -120,6 +121,7 @@ def test_leases_beyond_the_client_quota_are_a_miss_not_pinned(short_dir: Path) -
 
 
 # -- 6. namespace squatting ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_squatters_namespace_is_released_once_unused(short_dir: Path) -> None:
     with start_server(short_dir, max_namespaces=1, namespace_idle_s=0.2) as srv:
         squatter = Raw(short_dir / "s.sock")
@@ -182,6 +184,7 @@ def test_namespace_options_are_validated(short_dir: Path) -> None:
 
 
 # -- 7. log flood ------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "ns, chunk_bytes, code",
     [

@@ -146,6 +146,7 @@ def test_holds_per_client_are_bounded(short_dir: Path) -> None:
         wait_until(lambda: srv.total_holds() == 0)
 
 
+@pytest.mark.slow
 def test_other_namespace_or_chunk_bytes_is_refused(short_dir: Path) -> None:
     with start_server(short_dir, max_namespaces=1):  # a full namespace table refuses another model
         a = connect(short_dir / "s.sock")
@@ -183,6 +184,7 @@ def _read_reply(s: socket.socket) -> dict:
     return P.unpack_body(s.recv(n, socket.MSG_WAITALL))
 
 
+@pytest.mark.slow
 def test_tcp_listener_requires_the_token(short_dir: Path) -> None:
     with pytest.raises(RuntimeError, match="token"):
         start_server(short_dir, tcp_host="127.0.0.1")
@@ -337,6 +339,7 @@ def test_concurrent_writer_does_not_drop_the_rest_of_the_chain(short_dir: Path) 
         wait_until(lambda: srv.total_holds() == 0)
 
 
+@pytest.mark.slow
 def test_socket_dir_must_be_private_to_the_server_and_clients(short_dir: Path) -> None:
     """Issue 14, failing input 2: a group/other-writable socket directory is refused on both sides."""
     shared = short_dir / "shared"
@@ -354,6 +357,7 @@ def test_socket_dir_must_be_private_to_the_server_and_clients(short_dir: Path) -
             short_dir.chmod(0o700)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [5000, 16_384, 20_000])
 def test_a_load_of_many_keys_is_a_clean_miss_and_keeps_the_connection(short_dir: Path, n: int) -> None:
     """A load_many of over 4,096 keys was undecodable (arrays were bounded below MAX_KEYS): the

@@ -79,6 +79,7 @@ def test_flow_passes_when_kvtier_serves_the_prefix(stub) -> None:
     assert [s.name for s in res.steps] == ["cold", "from_storage", "after_restart"] and res.disk_records == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken,check", [("hit_tokens", "from_storage_hit"), ("text_after_flush", "from_storage_identical")])
 def test_flow_fails_on_a_miss_or_different_text(stub, broken: str, check: str) -> None:
     st, url = stub

@@ -64,12 +64,14 @@ def _run(tmp_path: Path, require: str | None) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 def test_without_the_variable_every_skip_stays_a_skip(tmp_path: Path) -> None:
     got = _run(tmp_path, None)
     assert set(got.values()) == {"skipped"}, got
     assert len(got) == 8, got  # the 7 cases and the skipped module
 
 
+@pytest.mark.slow
 def test_a_required_dependency_turns_its_skips_into_failures(tmp_path: Path) -> None:
     got = _run(tmp_path, "redis,vllm,chromium,nixl,mooncake")
     for name in ("test_no_redis", "test_no_vllm", "test_no_chromium", "test_no_nixl", "test_no_mooncake"):
@@ -79,6 +81,7 @@ def test_a_required_dependency_turns_its_skips_into_failures(tmp_path: Path) -> 
     assert module == ["error"], got  # the module skipped at import, naming Redis
 
 
+@pytest.mark.slow
 def test_only_the_named_dependencies_are_required(tmp_path: Path) -> None:
     got = _run(tmp_path, "vllm")
     assert got["test_no_vllm"] in ("failure", "error")

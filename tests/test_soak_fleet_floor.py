@@ -68,6 +68,7 @@ def _child_of(pid: int) -> int:
     return kids[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
 def test_a_stopped_or_killed_echo_child_ends_the_probe_with_a_reason(tmp_path, sig):
     """A stopped child used to hang the probe in waitpid; a killed one added a fake 5 s sample."""

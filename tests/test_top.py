@@ -7,6 +7,8 @@ that leaves a traceback.
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import pty
 import select
@@ -53,6 +55,7 @@ def run_in_pty(args: list[str], until: bytes | None = None, timeout_s: float = 6
     return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_top_draws_the_server_tiers_in_a_terminal(short_dir: Path) -> None:  # noqa: F811
     with start_server(short_dir, metrics_port=0) as srv:
         c = connect(short_dir / "s.sock")
@@ -73,6 +76,7 @@ def test_top_draws_the_server_tiers_in_a_terminal(short_dir: Path) -> None:  # n
     assert "Traceback" not in screen
 
 
+@pytest.mark.slow
 def test_top_unreachable_and_ctrl_c() -> None:
     code, screen = run_in_pty(["top", "http://127.0.0.1:9", "--count", "2", "--interval", "0.1"])
     assert code == 2 and "Connection refused" in screen and "Traceback" not in screen, screen

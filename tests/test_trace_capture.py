@@ -102,6 +102,7 @@ def _prompts(rng: random.Random, n: int) -> list[list[int]]:
     return out
 
 
+@pytest.mark.slow
 def test_a_recorded_server_workload_replays_to_its_live_hit_rate(short_dir: Path) -> None:  # noqa: F811
     trace = short_dir / "captured.jsonl"
     cpu_chunks = 40

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 from typer.testing import CliRunner
@@ -9,6 +11,7 @@ from typer.testing import CliRunner
 from kvtier.cli import app
 
 
+@pytest.mark.slow
 def test_bench_transfer_smoke(tmp_path):
     out = tmp_path / "transfer.json"
     res = CliRunner().invoke(app, ["bench", "transfer", "--json", str(out), "--chunks", "3", "--chunk-mb", "0.05",

@@ -134,6 +134,7 @@ def _backed_bytes(seg: SharedSegment) -> int:
     return os.fstat(seg.fd).st_blocks * 512
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_mib", [4, 40])
 def test_shm_batches_reuse_the_first_pages_of_the_staging_ring(pool, chunk_mib):
     """However far the sender could run ahead, a batch cycles through the ring's first
@@ -464,6 +465,7 @@ def test_channels_chosen_by_url(pool, tmp_path):
             urls.connect(bad)
 
 
+@pytest.mark.slow
 def test_nixl_agent_start_is_quiet_unless_asked(tmp_path):
     """NIXL's INFO lines (agent and backend creation) stay off stdout; NIXL_LOG_LEVEL set by the user wins."""
     if _nixl_missing():
@@ -481,6 +483,7 @@ def test_nixl_agent_start_is_quiet_unless_asked(tmp_path):
     assert "NIXL INFO" in loud.stdout + loud.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared", [True, False])
 def test_shm_batch_of_many_chunks_does_not_block_both_ends(pool, shared):
     """Frames one way and one ack per chunk the other: a 12,000-chunk batch used to fill both

@@ -102,6 +102,7 @@ def _served_cleanly(a: PeerProcess) -> None:
 
 
 # -- the sender side fails -----------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill_send:3", "abort_send:3", "corrupt:2", "truncate:3"])
 def test_sender_fault_mid_transfer_is_a_miss_never_wrong_data(url: str, fault: str) -> None:
     """Peer killed (SIGKILL) or aborting mid-transfer, a corrupt chunk, a truncated payload: B gets misses for what
@@ -134,6 +135,7 @@ def test_sender_fault_mid_transfer_is_a_miss_never_wrong_data(url: str, fault: s
 
 
 # -- the receiver side fails ---------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill_recv:2", "abort"])
 def test_receiver_killed_or_aborting_mid_transfer_leaks_nothing(url: str, fault: str) -> None:
     """B killed (SIGKILL) when its 2nd chunk arrives, or B giving up (its timeout) while A is slow: A releases
@@ -171,6 +173,7 @@ def test_receiver_killed_or_aborting_mid_transfer_leaks_nothing(url: str, fault:
 
 
 # -- the peer restarts ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_peer_restarted_between_lookup_and_pull(url: str) -> None:
     """A answers B's lookup, is SIGKILLed, and a new A process (fewer chunks) listens at the same address before
     B pulls: the pull is a miss or correct bytes, never a hang or an error; B then pulls what the new A holds."""

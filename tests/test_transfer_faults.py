@@ -115,6 +115,7 @@ def test_sender_killed_mid_batch(kind):
         listener.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["shm", "tcp", "nixl"])
 def test_receiver_killed_mid_batch(kind):
     listener = _listen(kind)
@@ -133,6 +134,7 @@ def test_receiver_killed_mid_batch(kind):
         listener.close()
 
 
+@pytest.mark.slow
 def test_nixl_sender_killed_before_the_read():
     listener = _listen("nixl")
     child = _child("nixl", "send", listener, kill_at=0)

@@ -152,6 +152,25 @@ def test_a_peer_closed_after_registering_is_a_bounded_miss(fleet: Fleet) -> None
     assert c.peer_server.url not in directed(a).pool_urls
 
 
+def test_a_lookup_asks_the_controller_only_and_a_chunk_the_peer_lost_is_a_pull_miss(fleet: Fleet) -> None:
+    """The lookup trusts the controller's index (no request to the peer, whose link is only checked
+    open); a chunk the peer evicted after the index said so is a miss of the pull, never an error,
+    and nothing is committed in its place."""
+    tokens = list(range(9000, 9000 + 3 * CHUNK + 1))
+    a, _b, c, keys = three(fleet, tokens)
+    assert a.lookup(tokens).num_tokens == 3 * CHUNK  # dials and authenticates C's peer server
+    served = c.peer_server.counters["requests"]
+    assert a.lookup(tokens).num_tokens == 3 * CHUNK
+    assert c.peer_server.counters["requests"] == served, "the lookup sent the peer a request"
+    for k in reversed(keys[1:]):  # C loses chunks 1-2 (children first); A's tier still routes them to C
+        assert c.cpu.delete(k)
+    got = read_chain(a, keys)
+    assert got[0] is not None and np.array_equal(got[0], payload_for(keys[0], CB))
+    assert got[1:] == [None, None]
+    assert a.where(keys[0]) == "cpu" and all(a.where(k) is None for k in keys[1:])
+    assert c.peer_server.counters["requests"] > served
+
+
 def test_a_peer_gone_between_lookup_and_pull_is_a_miss(fleet: Fleet) -> None:
     tokens = list(range(7000, 7000 + 3 * CHUNK + 1))
     a, _b, c, keys = three(fleet, tokens)

@@ -115,6 +115,13 @@ class PeerTier(ReadOnlyTier):
             return None
         return self._chan
 
+    def ready(self) -> bool:
+        """True if a channel to the peer is open now: the pooled one if the peer has not closed it
+        (seen without a request: an idle link that turns readable is the peer's EOF), else one dialled
+        now (outside the backoff after a failure). Sends no request; never raises."""
+        with self._lock:
+            return self._channel() is not None
+
     def _failed(self, exc: Exception) -> None:
         log.info("kvtier peer tier %s: %s (misses for %.1f s)", self._location, exc, self.retry_s)
         self.counters.add(errors=1)

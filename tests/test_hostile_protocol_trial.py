@@ -382,3 +382,33 @@ def test_client_never_hands_out_one_slot_for_two_keys(tmp_short: Path) -> None:
     finally:
         c.close()
         fake.close()
+
+
+# -- 9. with a disk tier, one parent cycle and a clear hang the namespace and grow memory without bound ----
+def test_clear_after_a_parent_cycle_on_disk_answers_and_keeps_the_namespace_serving(tmp_short: Path) -> None:
+    """Two commits (A with parent B, B with parent A) reach the disk tier by write-behind; ``clear`` then
+    runs ``DiskIndex.remove``, whose descendant walk has no visited set: it loops A, B, A, ... under the
+    disk tier's lock, appending to a list (~17 MB/s of server RSS, 100% of a core) and never answers,
+    and every other client's lookup of that namespace times out. Expected: clear answers in seconds."""
+    srv = Server(tmp_short, 16, "--disk-path", str(tmp_short / "disk"), "--disk-capacity", str(1 << 20))
+    try:
+        s, fd = raw_conn(srv.sock_path)
+        os.close(fd)
+        a, b = os.urandom(32), os.urandom(32)
+        r = call(s, {"v": V, "id": 1, "op": "reserve_many", "keys": a + b, "parents": [b, a]})
+        assert r is not None
+        if not r["ok"]:
+            return  # refused: the fix
+        call(s, {"v": V, "id": 2, "op": "commit", "key": a, "parent": b})
+        call(s, {"v": V, "id": 3, "op": "commit", "key": b, "parent": a})
+        r = call(s, {"v": V, "id": 4, "op": "flush", "timeout_s": 5.0}, timeout=10)
+        assert r is not None and r.get("done") is True
+        try:
+            r = call(s, {"v": V, "id": 5, "op": "clear"}, timeout=5)
+        except socket.timeout:
+            r = None
+        assert r is not None and r.get("ok") is True, "clear never answered (the server loops in DiskIndex.remove)"
+        normal_client_works(srv.sock_path)
+    finally:
+        srv.proc.kill()  # a looping server would keep growing
+        srv.close()

@@ -412,3 +412,25 @@ def test_clear_after_a_parent_cycle_on_disk_answers_and_keeps_the_namespace_serv
     finally:
         srv.proc.kill()  # a looping server would keep growing
         srv.close()
+
+
+# -- 10. a field over a msgpack bound gets an error without the request id -----------------------------
+def test_error_for_a_string_over_the_msgpack_bound_names_the_request(server: Server) -> None:
+    """A lookup whose owner has 70,000 characters (inside the 1 MiB frame) fails the fast path, and the
+    fallback's ``unpack_body`` (``max_str_len`` 64 KiB) answers bad_msgpack with id -1 (a 300-character
+    owner gets bad_message with its id and ``$.owner``). The client reads id -1 as a reply for another
+    request and drops its connection, releasing every reservation, read and lease it held (the failure
+    framing.py's MAX_ARRAY_LEN note says was fixed for arrays). Same for an array over 16,384 entries
+    in a request with any other mistake (store_blocks with 20,000 block ids and a duplicate key)."""
+    s, fd = raw_conn(server.sock_path)
+    os.close(fd)
+    r = call(s, {"v": V, "id": 4, "op": "lookup", "keys": os.urandom(32), "owner": "o" * 70_000})
+    assert r is not None and r["ok"] is False
+    assert r["id"] == 4, f"the error reply does not name the request: {r}"
+    c = ServiceClient(server.sock_path, NS, "cl", wait_connected_s=10, timeout_s=2)
+    try:
+        assert c.connected
+        c.lookup_keys([os.urandom(32)], "o" * 70_000)
+        assert c.counters.disconnects == 0, "one over-long lease owner cost the client its connection"
+    finally:
+        c.close()

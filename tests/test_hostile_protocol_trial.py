@@ -434,3 +434,40 @@ def test_error_for_a_string_over_the_msgpack_bound_names_the_request(server: Ser
         assert c.counters.disconnects == 0, "one over-long lease owner cost the client its connection"
     finally:
         c.close()
+
+
+# -- 11. the frame and handshake deadlines are per recv, not per frame: a drip-feeding client outlives them --
+def _drip_then_finish(s: socket.socket, body: bytes, secs: float, step: float = 0.4) -> dict[str, Any] | None:
+    s.sendall(struct.pack(">I", len(body)))
+    t0, i = time.monotonic(), 0
+    try:
+        while time.monotonic() - t0 < secs and i < len(body) - 1:
+            s.send(body[i:i + 1])
+            i += 1
+            time.sleep(step)
+        s.sendall(body[i:])
+        return recv_reply(s, 3)
+    except OSError:
+        return None  # closed: the fix
+
+
+@pytest.mark.parametrize("phase", ["registered", "handshake"])
+def test_a_drip_fed_frame_is_cut_off_at_the_frame_or_handshake_deadline(tmp_short: Path, phase: str) -> None:
+    """``--frame-timeout-s``: 'Seconds to receive a started request'; ``--handshake-timeout-s``: 'Seconds a
+    new connection has to register'. listener.py sets them with ``sock.settimeout`` before ``recv_exact``,
+    which bounds each ``recv`` only: one byte every 0.4 s keeps a frame open indefinitely (here 3 s
+    against deadlines of 1 s), and a register sent that way is accepted long after the handshake deadline."""
+    srv = Server(tmp_short, 64, "--frame-timeout-s", "1", "--handshake-timeout-s", "1")
+    try:
+        if phase == "registered":
+            s, fd = raw_conn(srv.sock_path)
+            os.close(fd)
+            body = msgpack.packb({"v": V, "id": 1, "op": "health"})
+        else:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(srv.sock_path)
+            body = register_body()
+        r = _drip_then_finish(s, body, 3.0)
+        assert r is None, f"a frame drip-fed over 3 s was served despite a 1 s deadline: {str(r)[:100]}"
+    finally:
+        srv.close()

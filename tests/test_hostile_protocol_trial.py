@@ -471,3 +471,37 @@ def test_a_drip_fed_frame_is_cut_off_at_the_frame_or_handshake_deadline(tmp_shor
         assert r is None, f"a frame drip-fed over 3 s was served despite a 1 s deadline: {str(r)[:100]}"
     finally:
         srv.close()
+
+
+# -- 12. --max-clients is exceeded by --max-unauthenticated registered connections -----------------------
+def test_max_clients_bounds_registered_connections(tmp_short: Path) -> None:
+    """``--max-clients 8``: 'Concurrent client connections' (options: 'more are refused'). The session table
+    is sized ``max_clients + max_unauthenticated`` (server.py) so that unregistered sockets cannot keep an
+    engine out, but nothing caps the *registered* ones at ``max_clients``: 24 register (and each may hold a
+    1 MiB frame buffer and a thread), the 25th is refused."""
+    srv = Server(tmp_short, 64, "--max-clients", "8")
+    socks: list[socket.socket] = []
+    try:
+        registered = 0
+        for _ in range(12):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(srv.sock_path)
+            s.settimeout(3)
+            socks.append(s)
+            try:
+                s.sendall(frame(register_body()))
+                head, fds, _, _ = socket.recv_fds(s, 4, 4)
+                for f in fds:
+                    os.close(f)
+                (n,) = struct.unpack(">I", head)
+                body = b""
+                while len(body) < n:
+                    body += s.recv(n - len(body))
+                registered += bool(msgpack.unpackb(body).get("ok"))
+            except OSError:
+                pass
+        assert registered <= 8, f"{registered} connections registered with --max-clients 8"
+    finally:
+        for s in socks:
+            s.close()
+        srv.close()

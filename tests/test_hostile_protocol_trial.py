@@ -505,3 +505,39 @@ def test_max_clients_bounds_registered_connections(tmp_short: Path) -> None:
         for s in socks:
             s.close()
         srv.close()
+
+
+# -- 13. a full-size load_blocks reply does not fit the client's 64 KiB reply buffer -------------------
+def test_client_reads_the_reply_of_a_max_size_load_blocks(tmp_short: Path) -> None:
+    """``load_blocks`` takes up to MAX_KEYS (16,384) keys in one frame (~600 KB here); the server answers
+    ``sources`` with one tier name per loaded chunk: 16,384 x "cpu" is 65,536+ bytes of msgpack, over the
+    client's fixed 64 KiB reply buffer (connection.py ``_RECV_BYTES``). The client raises TOO_LARGE,
+    drops its connection and reports every chunk a miss although the server loaded them all. The fake
+    server here sends exactly the reply the real one would."""
+    from kvtier.protocol.messages import KVRegister, ShmBuffer
+
+    def respond(r: dict[str, Any]) -> dict[str, Any]:
+        if r["op"] == "kv_register":
+            return {"v": V, "id": r["id"], "ok": True, "num_layers": 1, "num_blocks": 4, "page_bytes": 512,
+                    "device": "cpu", "pinned": False}
+        if r["op"] == "load_blocks":
+            n = len(r["keys"]) // 32
+            return {"v": V, "id": r["id"], "ok": True, "sources": ["cpu"] * n}
+        return {"v": V, "id": r["id"], "ok": True}
+
+    fake = FakeServer(tmp_short, respond)
+    c = ServiceClient(fake.path, NS, "c", wait_connected_s=5, timeout_s=2.0)
+    try:
+        assert c.connected
+        req = KVRegister("shm", [ShmBuffer("kvtier-kvtest-x", 4096)], (4, 1, 16, 32), [(0, 0, 2048, 512, 32)])
+        assert c.register_kv(req) is not None
+        n = P.MAX_KEYS
+        ks = [i.to_bytes(32, "big") for i in range(1, n + 1)]
+        got = c.load_blocks(ks, [None, *ks[:-1]], [[i % 4] for i in range(n)])
+        assert got == ["cpu"] * n, (
+            f"a well-formed {n}-chunk load_blocks reply was dropped "
+            f"({sum(g is None for g in got)} misses, disconnects={c.counters.disconnects})"
+        )
+    finally:
+        c.close()
+        fake.close()

@@ -541,3 +541,49 @@ def test_client_reads_the_reply_of_a_max_size_load_blocks(tmp_short: Path) -> No
     finally:
         c.close()
         fake.close()
+
+
+# -- 14. a server that shrinks the segment it passed kills the engine with SIGBUS ------------------------
+_CLIENT_CHILD = r"""
+import os, sys
+sys.path.insert(0, sys.argv[2])
+from conftest import small_namespace
+from kvtier.service.client import ServiceClient
+ns = small_namespace()
+c = ServiceClient(sys.argv[1], ns, "child", wait_connected_s=5, timeout_s=1.0)
+assert c.connected
+print("connected", flush=True)
+sys.stdin.readline()  # the parent shrinks the segment now
+buf = c.open_write(os.urandom(32), None)
+if buf is not None:
+    buf[:] = 7  # the engine's copy into the slot
+print("survived", flush=True)
+c.close()
+"""
+
+
+def test_client_survives_a_server_that_shrinks_the_segment(tmp_short: Path) -> None:
+    """The client maps the fd the server passed after checking its size once (``attach_fd``), and does
+    not require it sealed: a server (or any process holding the fd) that ``ftruncate``s it afterwards
+    makes the engine's next copy into a slot a SIGBUS (exit -7). Expected: the client refuses an
+    unsealed segment (F_SEAL_SHRINK) or otherwise survives."""
+    fake = FakeServer(tmp_short, lambda r: {"v": V, "id": r["id"], "ok": True, "slots": [0], "skips": [0]})
+    tests_dir = str(Path(__file__).resolve().parent)
+    child = subprocess.Popen([sys.executable, "-c", _CLIENT_CHILD, fake.path, tests_dir],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        line = child.stdout.readline()
+        if "connected" not in line:
+            child.wait(10)
+            return  # refused the unsealed segment: the fix
+        os.ftruncate(fake.fd, 0)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        rc = child.wait(20)
+        assert rc == 0, f"the client process died with exit {rc} after the server shrank its segment"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(5)
+        fake.close()

@@ -9,14 +9,13 @@ that order: a bad id is ``BAD_MESSAGE`` without an id; then ``BAD_VERSION``, ``U
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from kvtier.protocol.decoding import decode
 from kvtier.protocol.errors import ErrorCode, ProtocolError
 from kvtier.protocol.fields import INT64_MAX, U64, dec_hook
-from kvtier.protocol.framing import unpack_body
 from kvtier.protocol.messages import ONE_WAY_OPS, PROTOCOL_VERSION, REQUESTS, AnyRequest, Request
 
 _BAD = ErrorCode.BAD_MESSAGE
@@ -30,36 +29,97 @@ class Envelope(msgspec.Struct, frozen=True):
 
 
 class _WireEnvelope(msgspec.Struct, frozen=True):
-    """The envelope as the fast path decodes it (any other field is skipped unread)."""
+    """The envelope fields as raw msgpack (each a view of the body, read on its own below); any
+    other field is skipped unread, so a body's size costs the decoder nothing beyond the frame."""
 
-    id: U64
-    v: int
-    op: str
-    noreply: bool = False
+    id: msgspec.Raw = msgspec.Raw(b"")
+    v: msgspec.Raw = msgspec.Raw(b"")
+    op: msgspec.Raw = msgspec.Raw(b"")
+    noreply: msgspec.Raw = msgspec.Raw(b"")
 
 
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(_WireEnvelope)
 _REQUEST_DECODER = msgspec.msgpack.Decoder(AnyRequest, dec_hook=dec_hook)
+_SKIP_DECODER = msgspec.msgpack.Decoder(msgspec.Raw)  # walks a document without building it
+_ID = msgspec.msgpack.Decoder(U64)
+_VERSION = msgspec.msgpack.Decoder(int)
+_OP = msgspec.msgpack.Decoder(Annotated[str, msgspec.Meta(max_length=64)])
+_FLAG = msgspec.msgpack.Decoder(bool)
+
+
+def _read(decoder: msgspec.msgpack.Decoder[Any], raw: msgspec.Raw) -> Any:
+    """One envelope field's value, or ``_INVALID`` (absent, of the wrong type or out of bounds)."""
+    if not len(raw):
+        return _ABSENT
+    if bytes(memoryview(raw)[:1]) in _EXT_MARKERS:
+        raise ProtocolError(ErrorCode.BAD_MSGPACK, "an envelope field is a msgpack extension type")
+    try:
+        return decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _INVALID
+
+
+_ABSENT, _INVALID = object(), object()
+#: First bytes of msgpack extension values (fixext 1-16, ext 8/16/32).
+_EXT_MARKERS = frozenset(bytes([b]) for b in (0xC7, 0xC8, 0xC9, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8))
 
 
 def decode_request_body(body: bytes | bytearray | memoryview) -> tuple[Envelope, Request]:
-    """Validate a request straight from its frame body (the servers' hot path).
+    """Validate a request straight from its frame body (the servers' only path).
 
-    A well-formed request is decoded by two cached msgspec decoders (envelope, then the
-    op's struct); anything else goes through :func:`decode_request` on the unpacked map,
-    so every invalid body gets the same code and message as there.
+    The envelope is read first, field by field (checks in the module doc's order), then the op's
+    struct by one cached msgspec decoder. Nothing is decoded twice and nothing a field does not
+    hold is built: fields a struct lacks are skipped unread (so a newer client's extra fields reach
+    an older server harmlessly), and every field it has is bounded by its type.
 
     Raises:
-        ProtocolError: as :func:`decode_request`, or ``BAD_MSGPACK`` (not a bounded msgpack map).
+        ProtocolError: ``BAD_MSGPACK`` (not msgpack), ``BAD_MESSAGE`` (not a map, a bad id: no
+            request id then; a bad ``noreply`` or field, naming it), ``BAD_VERSION``,
+            ``UNKNOWN_OP``; ``req_id`` is set once the id was read, and ``noreply`` when the
+            request asked for no reply (the server then sends none, even for the error).
     """
     try:
         env = decode(_ENVELOPE_DECODER, body)
-        if env.v == PROTOCOL_VERSION and (not env.noreply or env.op in ONE_WAY_OPS):
-            req: Request = decode(_REQUEST_DECODER, body)
-            return Envelope(env.id, env.noreply), req
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        pass
-    return decode_request(unpack_body(body))
+    except msgspec.ValidationError:
+        # Every envelope field is optional and raw, so a map fails only for a key that is not a string.
+        if body[:1] and (0x80 <= body[0] <= 0x8F or body[0] in (0xDE, 0xDF)):
+            raise ProtocolError(ErrorCode.BAD_MSGPACK, "body is not a valid msgpack map: a key is not a string") from None
+        try:
+            decode(_SKIP_DECODER, body)  # a complete document of another type, or not one document at all
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(ErrorCode.BAD_MSGPACK, f"body is not a valid msgpack document: {exc}") from None
+        raise ProtocolError(_BAD, "a message must be a msgpack map") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(ErrorCode.BAD_MSGPACK, f"body is not a valid msgpack document: {exc}") from None
+    rid = _read(_ID, env.id)
+    if rid is _ABSENT or rid is _INVALID:
+        raise ProtocolError(_BAD, "id must be a non-negative integer")
+    try:
+        return _after_id(env, rid, body)
+    except ProtocolError as exc:
+        exc.req_id = rid
+        raise
+
+
+def _after_id(env: _WireEnvelope, rid: int, body: bytes | bytearray | memoryview) -> tuple[Envelope, Request]:
+    if _read(_VERSION, env.v) != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.BAD_VERSION, f"protocol version must be {PROTOCOL_VERSION}", rid)
+    op = _read(_OP, env.op)
+    if not isinstance(op, str) or op not in REQUESTS:
+        shown = repr(op[:40]) if isinstance(op, str) else "of the wrong type or missing"
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {shown}", rid)
+    noreply = _read(_FLAG, env.noreply)
+    if noreply is _ABSENT:
+        noreply = False
+    if noreply is _INVALID or (noreply and op not in ONE_WAY_OPS):
+        raise ProtocolError(_BAD, f"noreply is only allowed for {sorted(ONE_WAY_OPS)}", rid)
+    try:
+        req: Request = decode(_REQUEST_DECODER, body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        err = ProtocolError(_BAD, f"bad {op} request: {exc}", rid)
+        err.noreply = noreply
+        raise err from None
+    return Envelope(rid, noreply), req
 
 
 def decode_request(obj: dict[str, Any]) -> tuple[Envelope, Request]:
@@ -74,7 +134,8 @@ def decode_request(obj: dict[str, Any]) -> tuple[Envelope, Request]:
     rid = obj.get("id")
     if type(rid) is not int or not 0 <= rid <= INT64_MAX:
         raise ProtocolError(_BAD, "id must be a non-negative integer")
-    if obj.get("v") != PROTOCOL_VERSION:
+    v = obj.get("v")
+    if type(v) is not int or v != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.BAD_VERSION, f"protocol version must be {PROTOCOL_VERSION}", rid)
     op = obj.get("op")
     cls = REQUESTS.get(op) if isinstance(op, str) else None

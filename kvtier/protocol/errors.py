@@ -70,9 +70,12 @@ class ProtocolError(BaseProtocolError, ValueError):
         code: short machine-readable reason (an :class:`ErrorCode` value, or the
             code string a peer sent).
         req_id: the request id if it could be read, else -1.
+        noreply: the request asked for no reply (``"noreply": true``, a one-way op): a server
+            sends none for this error either, so the stream stays in step.
     """
 
     def __init__(self, code: str, message: str, req_id: int = -1):
         super().__init__(message)
         self.code = str(code)
         self.req_id = req_id
+        self.noreply = False

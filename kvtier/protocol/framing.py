@@ -1,7 +1,11 @@
 """Framing of the control plane: a 4-byte big-endian body length, then a msgpack body.
 
-Bodies are msgpack maps (https://github.com/msgpack/msgpack/blob/master/spec.md),
-never pickle, decoded with hard bounds on every container and string.
+Bodies are msgpack maps (https://github.com/msgpack/msgpack/blob/master/spec.md), never pickle.
+A server reads a request straight into its typed struct
+(:func:`kvtier.protocol.envelope.decode_request_body`): every field it has is bounded by its type,
+and a field no request has is skipped unread (nothing of it is built, whatever it holds: a newer
+client's extra field reaches an older server harmlessly). :func:`unpack_body` decodes the other
+bodies (untyped replies, maps in tests) with hard bounds on every container and string.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ class LookupServer:
             env, req = P.decode_request_body(body)
         except ProtocolError as exc:
             self.errors += 1
-            return P.error_reply(exc.req_id, exc.code, str(exc)), None
+            return (None if exc.noreply else P.error_reply(exc.req_id, exc.code, str(exc))), None
         try:
             if isinstance(req, P.Lookup):
                 _, codes = lookup_op(self.manager, holds, "", req)

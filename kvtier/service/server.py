@@ -277,7 +277,7 @@ class CacheServer:
         except ProtocolError as exc:
             self.protocol_errors += 1
             self.metrics.observe("invalid", False, time.perf_counter() - t0)
-            return P.error_reply(exc.req_id, exc.code, str(exc)), None
+            return (None if exc.noreply else P.error_reply(exc.req_id, exc.code, str(exc))), None
         op = req.OP
         fd = None
         try:

@@ -38,6 +38,16 @@ class _WireEnvelope(msgspec.Struct, frozen=True):
     noreply: msgspec.Raw = msgspec.Raw(b"")
 
 
+class _TypedEnvelope(msgspec.Struct, frozen=True):
+    """The envelope of a well-formed request (the fast path: one typed decode, other fields skipped)."""
+
+    id: U64
+    v: int
+    op: Annotated[str, msgspec.Meta(max_length=64)]
+    noreply: bool = False
+
+
+_TYPED_ENVELOPE_DECODER = msgspec.msgpack.Decoder(_TypedEnvelope)
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(_WireEnvelope)
 _REQUEST_DECODER = msgspec.msgpack.Decoder(AnyRequest, dec_hook=dec_hook)
 _SKIP_DECODER = msgspec.msgpack.Decoder(msgspec.Raw)  # walks a document without building it
@@ -67,10 +77,11 @@ _EXT_MARKERS = frozenset(bytes([b]) for b in (0xC7, 0xC8, 0xC9, 0xD4, 0xD5, 0xD6
 def decode_request_body(body: bytes | bytearray | memoryview) -> tuple[Envelope, Request]:
     """Validate a request straight from its frame body (the servers' only path).
 
-    The envelope is read first, field by field (checks in the module doc's order), then the op's
-    struct by one cached msgspec decoder. Nothing is decoded twice and nothing a field does not
-    hold is built: fields a struct lacks are skipped unread (so a newer client's extra fields reach
-    an older server harmlessly), and every field it has is bounded by its type.
+    A well-formed request costs two cached msgspec decodes of the body (its typed envelope, then
+    its op's struct); a body whose envelope does not decode is read again field by field, from raw
+    msgpack, to say what is wrong (checks in the module doc's order). Nothing a field does not hold
+    is built: fields a struct lacks are skipped unread (so a newer client's extra fields reach an
+    older server harmlessly), and every field it has is bounded by its type.
 
     Raises:
         ProtocolError: ``BAD_MSGPACK`` (not msgpack), ``BAD_MESSAGE`` (not a map, a bad id: no
@@ -78,6 +89,19 @@ def decode_request_body(body: bytes | bytearray | memoryview) -> tuple[Envelope,
             ``UNKNOWN_OP``; ``req_id`` is set once the id was read, and ``noreply`` when the
             request asked for no reply (the server then sends none, even for the error).
     """
+    try:  # the fast path: a well-formed envelope (the slow one below names what is wrong)
+        typed = decode(_TYPED_ENVELOPE_DECODER, body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        typed = None
+    if typed is not None and typed.v == PROTOCOL_VERSION and typed.op in REQUESTS and (
+            not typed.noreply or typed.op in ONE_WAY_OPS):
+        try:
+            req: Request = decode(_REQUEST_DECODER, body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            err = ProtocolError(_BAD, f"bad {typed.op} request: {exc}", typed.id)
+            err.noreply = typed.noreply
+            raise err from None
+        return Envelope(typed.id, typed.noreply), req
     try:
         env = decode(_ENVELOPE_DECODER, body)
     except msgspec.ValidationError:

@@ -201,12 +201,17 @@ class ServiceConnection:
             raise ProtocolError(ErrorCode.BAD_REPLY, "register reply has a non-positive segment geometry")
         if slot_bytes != self.register.chunk_bytes or size < slot_bytes * num_slots:
             raise ProtocolError(ErrorCode.BAD_REPLY, "server slots do not match this namespace's chunk_bytes")
-        if fds:
-            segment = SharedSegment.attach_fd(fds.pop(0), size)
-        elif seg.path is not None:
-            segment = SharedSegment.attach_path(seg.path, size)
-        else:
-            raise ProtocolError(ErrorCode.BAD_REPLY, "no shared segment received")
+        try:  # a segment it cannot map safely (unsealed, short): a failed connect, never a SIGBUS later
+            if fds:
+                segment = SharedSegment.attach_fd(fds.pop(0), size)
+            elif seg.path is not None:
+                segment = SharedSegment.attach_path(seg.path, size)
+            else:
+                raise ProtocolError(ErrorCode.BAD_REPLY, "no shared segment received")
+        except ProtocolError:
+            raise
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.BAD_REPLY, f"unusable shared segment: {exc}") from None
         self.server_pid = reply.server_pid
         return Conn(sock, segment, slot_bytes, num_slots)
 

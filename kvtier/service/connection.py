@@ -36,11 +36,13 @@ from kvtier import protocol as P
 from kvtier.protocol import Backoff, ErrorCode, ProtocolError, UnsafeSocketDir, check_socket_dir
 from kvtier.protocol.framing import read_reply_body
 from kvtier.protocol.replies import RegisterReply, Reply, decode_reply
+from kvtier.protocol.reply_bounds import MAX_REPLY_BYTES
 from kvtier.memory.shared_segment import SharedSegment
 
 log = logging.getLogger(__name__)
 
-_RECV_BYTES = 64 * 1024
+#: The reply buffer: a header plus the largest legitimate reply of any op (kvtier.protocol.reply_bounds).
+_RECV_BYTES = P.HEADER.size + MAX_REPLY_BYTES
 T = TypeVar("T")
 R = TypeVar("R", bound=Reply)
 

@@ -32,8 +32,9 @@ from kvtier.index.keys import KeyNamespace
 from kvtier.protocol import Backoff, parse_address
 from kvtier.protocol.messages import KVRegister, KVRelease, LoadBlocks, StoreBlocks
 from kvtier.protocol.replies import LoadBlocksReply, LoadManyReply, LookupReply, ReserveManyReply, StoreBlocksReply
-from kvtier.service.connection import ClientCounters, ServiceConnection
+from kvtier.service.connection import ClientCounters, Conn, ServiceConnection
 from kvtier.service.load_verifier import BAD, GOOD, PENDING, LoadVerifier
+from kvtier.service.reply_checks import check_loaded, check_reserved
 from kvtier.service.request_split import fits_one_frame
 from kvtier.storage.types import ChunkUnavailable, LookupResult, WriteSkip
 
@@ -291,7 +292,8 @@ class ServiceClient:
                 return first + [WriteSkip.NO_ROOM] * (len(keys) - h)
             return first + self.open_write_many(keys[h:], parents[h:])
         req = _request(lambda: P.ReserveMany(list(keys), list(parents)))
-        reply, conn = (None, None) if req is None else self._link.call_typed(req, _RESERVE_MANY)
+        reply, conn = (None, None) if req is None else self._link.call_typed(req, _RESERVE_MANY,
+                                                                             check=_check_reserved)
         slots = None if reply is None else reply.slots
         if reply is None or conn is None or slots is None or len(slots) != len(keys):
             return [WriteSkip.NO_ROOM] * len(keys)
@@ -344,7 +346,9 @@ class ServiceClient:
             return [*self.open_read_many(items[:LOAD_BATCH]), *self.open_read_many(items[LOAD_BATCH:])]
         mine = self.verify == "client"
         req = _request(lambda: P.LoadMany([k for k, _ in items], [p for _, p in items], mine))
-        reply, conn = (None, None) if req is None else self._link.call_typed(req, _LOAD_MANY)
+        keys = [k for k, _ in items]
+        reply, conn = (None, None) if req is None else self._link.call_typed(
+            req, _LOAD_MANY, check=lambda r, c: check_loaded(r.handles or [], keys, c.num_slots))
         out: list[ServiceReadHandle | None] = [None] * len(items)
         got = reply.handles if reply is not None else None
         if conn is None or got is None or len(got) != len(items):
@@ -524,6 +528,11 @@ def _request(make: Callable[[], Rq]) -> Rq | None:
     except ValueError as exc:
         log.warning("kvtier: request not sent (%s); treated as a failed call", exc)
         return None
+
+
+def _check_reserved(reply: ReserveManyReply, conn: Conn) -> None:
+    """Refuse (BAD_REPLY, a miss) a ``reserve_many`` reply granting a slot out of range or twice."""
+    check_reserved(reply.slots or [], conn.num_slots)
 
 
 def _skip(v: object) -> WriteSkip:

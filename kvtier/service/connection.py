@@ -4,9 +4,10 @@ Failure rule (the engine never waits on a sick server):
 
 - Every call returns within ``timeout_s`` (waiting for another thread's call on
   the same connection included). A call that cannot finish in time, a broken
-  connection, an unreachable server or a reply that does not fit its typed
-  struct (:mod:`kvtier.protocol.replies`, ``BAD_REPLY``) gives ``None`` (the
-  caller's miss).
+  connection, an unreachable server, a reply that does not fit its typed
+  struct (:mod:`kvtier.protocol.replies`, ``BAD_REPLY``) or hands out a slot or
+  handle out of range or twice (:mod:`kvtier.service.reply_checks`, ``BAD_REPLY``,
+  the connection dropped) gives ``None`` (the caller's miss).
 - A failed connection is closed (the server then releases everything this
   client held) and a background thread reconnects with the control plane's one
   back-off policy (:class:`kvtier.protocol.Backoff`), registering again and
@@ -243,19 +244,23 @@ class ServiceConnection:
 
     def call_typed(
         self, req: P.Request, decoder: "msgspec.msgpack.Decoder[R]", gen: int | None = None,
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, check: Callable[[R, Conn], None] | None = None,
     ) -> tuple[R | None, Conn | None]:
         """:meth:`call` whose reply is decoded by ``decoder`` into a typed reply
         (:mod:`kvtier.protocol.replies`); a reply that does not fit drops the connection
-        (``BAD_REPLY``: the server releases what it granted)."""
-        return self._call(req, False, gen, timeout_s, lambda body: _typed_reply(decoder, body), None)
+        (``BAD_REPLY``: the server releases what it granted). ``check(reply, conn)`` runs on
+        an ok reply and refuses it the same way by raising ``ProtocolError`` (e.g.
+        :mod:`kvtier.service.reply_checks`: slots out of range or granted twice)."""
+        return self._call(req, False, gen, timeout_s, lambda body: _typed_reply(decoder, body), None, check)
 
     def _call(
         self, req: P.Request, noreply: bool, gen: int | None, timeout_s: float | None,
         read: Callable[[memoryview], tuple[T, object, bool]], sent: T | None,
+        check: Callable[[T, Conn], None] | None = None,
     ) -> tuple[T | None, Conn | None]:
         """The call; ``read`` decodes a reply body into (reply, its id, ok); ``sent`` is what a
-        one-way request (``noreply``) returns once sent."""
+        one-way request (``noreply``) returns once sent; ``check`` vets an ok reply (raising
+        ``ProtocolError`` drops the connection: a miss)."""
         if self.conn is None:
             self.counters.skipped_calls += 1
             return None, None
@@ -288,6 +293,8 @@ class ServiceConnection:
                 reply, reply_id, ok = read(body)
                 if reply_id != rid:
                     raise ProtocolError(ErrorCode.DESYNC, "reply for another request")
+                if ok and check is not None:
+                    check(reply, conn)
             except (OSError, ValueError) as exc:  # timeouts are OSError; ProtocolError is a ValueError
                 if isinstance(exc, socket.timeout):
                     self.counters.timeouts += 1

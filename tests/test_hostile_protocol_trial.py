@@ -7,6 +7,7 @@ timeouts; the server tests start a real ``kvtier server`` process (so a crash is
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
@@ -324,15 +325,19 @@ def test_stalled_connections_do_not_lock_the_scheduler_out_of_the_lookup_endpoin
 class FakeServer:
     """Registers clients with a memfd segment, then answers each request with ``respond(request)``."""
 
-    def __init__(self, d: Path, respond: Callable[[dict[str, Any]], dict[str, Any]], num_slots: int = 8):
+    def __init__(self, d: Path, respond: Callable[[dict[str, Any]], dict[str, Any]], num_slots: int = 8,
+                 sealed: bool = True):
         self.path = str(d / "fake.sock")
         self.respond = respond
         self.num_slots = num_slots
         self.ls = socket.socket(socket.AF_UNIX)
         self.ls.bind(self.path)
         self.ls.listen(4)
-        self.fd = os.memfd_create("fake-kvtier")
+        # sealed against resizing as a real server's segment is (clients refuse an unsealed one)
+        self.fd = os.memfd_create("fake-kvtier", os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if sealed else 0))
         os.ftruncate(self.fd, CB * num_slots)
+        if sealed:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         self.conns: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -569,7 +574,8 @@ def test_client_survives_a_server_that_shrinks_the_segment(tmp_short: Path) -> N
     not require it sealed: a server (or any process holding the fd) that ``ftruncate``s it afterwards
     makes the engine's next copy into a slot a SIGBUS (exit -7). Expected: the client refuses an
     unsealed segment (F_SEAL_SHRINK) or otherwise survives."""
-    fake = FakeServer(tmp_short, lambda r: {"v": V, "id": r["id"], "ok": True, "slots": [0], "skips": [0]})
+    fake = FakeServer(tmp_short, lambda r: {"v": V, "id": r["id"], "ok": True, "slots": [0], "skips": [0]},
+                      sealed=False)
     tests_dir = str(Path(__file__).resolve().parent)
     child = subprocess.Popen([sys.executable, "-c", _CLIENT_CHILD, fake.path, tests_dir],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -20,11 +20,25 @@ sizes. Clients never populate (that would back every page of every segment)
 nor ask for huge pages (one would back 2 MiB where one slot is charged); a
 client's first copy into a page takes a minor fault.
 
-Invariant: the segment's size is fixed at creation (``num_slots * slot_bytes``).
+Invariant: the segment's size is fixed at creation (``num_slots * slot_bytes``), and on
+Linux the kernel enforces it: the memfd is created with ``MFD_ALLOW_SEALING``, sized, then
+sealed ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`` before any other process can hold it.
+Whoever receives the fd (a hostile client included) cannot ``ftruncate`` it, so no mapping
+of it (the server's, other engines') can SIGBUS on a page cut off the end. Hole punching
+(:meth:`SharedSegment.release`) stays allowed: it keeps the size. Attaching
+(:meth:`SharedSegment.attach_fd`) refuses a segment without ``F_SEAL_SHRINK``, so a server
+or peer that could shrink it later cannot kill the client either.
+
+The path-based fallback (no ``memfd_create``: not Linux) cannot be sealed (file seals exist
+only on memfds); what protects it there is only that the file is unlinked at once, 0600,
+and handed only to processes of the same user over the owner-only socket, any of which
+could still truncate it. Where the platform has no sealing at all (no ``F_GET_SEALS``),
+attaching cannot check it either and maps the segment as before.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import tempfile
@@ -39,6 +53,9 @@ if TYPE_CHECKING:
     from kvtier.memory.numa import NumaReport
     from kvtier.memory.numa_topology import Placement
 
+#: The seals of every segment this module creates (where the platform has them).
+SEALS = (getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
+         | getattr(fcntl, "F_SEAL_SEAL", 0))
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _PAGE = mmap.PAGESIZE
 
@@ -64,7 +81,8 @@ class SharedSegment:
     @classmethod
     def create(cls, size: int, name: str = "kvtier", sparse: bool = False,
                numa: "Placement | None" = None) -> "SharedSegment":
-        """A new segment (server side): pre-touched, or ``sparse`` (pages backed on first write).
+        """A new segment (server side) of ``size`` bytes: pre-touched, or ``sparse`` (pages backed
+        on first write); sealed against any size change where the platform has seals.
 
         ``numa``: the segment's NUMA policy, set before any page is touched (a shared
         memory policy: pages backed later, by any process, follow it too), checked
@@ -77,9 +95,8 @@ class SharedSegment:
         """
         if size <= 0:
             raise ValueError(f"segment size must be positive, got {size}")
-        fd = _anonymous_fd(name)
+        fd = _sized_fd(name, size)
         try:
-            os.ftruncate(fd, size)
             # with a placement, no MAP_POPULATE: the policy must be set before the pages exist
             flags = mmap.MAP_SHARED if sparse or numa is not None else _MAP_FLAGS
             mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -113,14 +130,19 @@ class SharedSegment:
         ``writable=False`` maps it read-only (``array`` is then read-only too): a peer that
         only copies out of another process's memory cannot corrupt it.
 
+        The segment must be sealed against shrinking (``F_SEAL_SHRINK``, as :meth:`create`
+        seals it) where the platform has seals: a file its sender (or anyone holding it)
+        could truncate later would make any touch of the mapping past the new end a SIGBUS.
+
         Raises:
-            ValueError: the file is smaller than ``size``.
-            OSError: mapping failed.
+            ValueError: the file is smaller than ``size`` (bytes), or not sealed against shrinking.
+            OSError: reading its seals or mapping failed.
         """
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         try:
+            check_sealed(fd)
             if os.fstat(fd).st_size < size:
-                raise ValueError("shared segment is smaller than announced")
+                raise ValueError(f"shared segment has {os.fstat(fd).st_size} B, smaller than the {size} B announced")
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             os.close(fd)
@@ -128,7 +150,13 @@ class SharedSegment:
 
     @classmethod
     def attach_path(cls, path: str, size: int) -> "SharedSegment":
-        """Map a segment by path (``/proc/<pid>/fd/<n>``, for TCP clients)."""
+        """Map a segment by path (``/proc/<pid>/fd/<n>``, for TCP clients), ``size`` bytes.
+
+        The same checks as :meth:`attach_fd` (the seals belong to the file, not the fd).
+
+        Raises:
+            ValueError, OSError: as :meth:`attach_fd`; OSError also when the path cannot be opened.
+        """
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         return cls.attach_fd(fd, size)
 
@@ -187,12 +215,46 @@ def _advise_huge(mm: mmap.mmap) -> None:
             pass
 
 
-def _anonymous_fd(name: str) -> int:
+def check_sealed(fd: int) -> None:
+    """Refuse a segment file that can still shrink (no ``F_SEAL_SHRINK``).
+
+    A no-op where the platform has no file seals (no ``fcntl.F_GET_SEALS``: not Linux).
+
+    Raises:
+        ValueError: the file is not sealed against shrinking (also a file that cannot carry
+            seals, e.g. a regular tmpfs file: ``EINVAL``).
+    """
+    get = getattr(fcntl, "F_GET_SEALS", None)
+    if get is None:
+        return
+    try:
+        seals = fcntl.fcntl(fd, get)
+    except OSError as exc:
+        raise ValueError(f"shared segment cannot carry seals ({exc.strerror}); a sealed memfd is required") from None
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise ValueError("shared segment is not sealed against shrinking (F_SEAL_SHRINK); refusing to map it")
+
+
+def _sized_fd(name: str, size: int) -> int:
+    """A new anonymous file of ``size`` bytes: a sealed memfd on Linux (see the module docstring),
+    else an unlinked 0600 file in ``/dev/shm`` (no seals there).
+
+    Raises:
+        OSError: the file cannot be created, sized or sealed.
+    """
     if hasattr(os, "memfd_create"):
-        return os.memfd_create(name, os.MFD_CLOEXEC)
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    fd, path = tempfile.mkstemp(prefix=f"{name}-", dir=base)  # 0600
-    os.unlink(path)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    else:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        fd, path = tempfile.mkstemp(prefix=f"{name}-", dir=base)  # 0600
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, size)
+        if hasattr(os, "memfd_create"):
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 

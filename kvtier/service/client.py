@@ -32,8 +32,10 @@ from kvtier.index.keys import KeyNamespace
 from kvtier.protocol import Backoff, parse_address
 from kvtier.protocol.messages import KVRegister, KVRelease, LoadBlocks, StoreBlocks
 from kvtier.protocol.replies import LoadBlocksReply, LoadManyReply, LookupReply, ReserveManyReply, StoreBlocksReply
-from kvtier.service.connection import ClientCounters, ServiceConnection
+from kvtier.service.connection import ClientCounters, Conn, ServiceConnection
 from kvtier.service.load_verifier import BAD, GOOD, PENDING, LoadVerifier
+from kvtier.service.reply_checks import check_loaded, check_reserved
+from kvtier.service.request_split import fits_one_frame
 from kvtier.storage.types import ChunkUnavailable, LookupResult, WriteSkip
 
 __all__ = ["ClientCounters", "ServiceClient", "ServiceReadHandle", "ServiceUnavailable", "parse_address"]
@@ -267,7 +269,8 @@ class ServiceClient:
     def open_write_many(
         self, keys: Sequence[bytes], parents: Sequence[bytes | None]
     ) -> list[np.ndarray | WriteSkip]:
-        """Reserve slots for many distinct keys in one round trip.
+        """Reserve slots for many distinct keys in one round trip (two or more when the request
+        would not fit one frame, :mod:`kvtier.service.request_split`).
 
         ``parents`` (required, one per key; None for a prompt's first chunk): each
         chunk's chain parent, so making room never evicts it.
@@ -282,8 +285,15 @@ class ServiceClient:
                              "pass each chunk's parent (None for a prompt's first chunk)")
         if not keys:
             return []
+        if len(keys) > 1 and not fits_one_frame(len(keys)):  # in two frames: the first half's skips stop the rest
+            h = len(keys) // 2
+            first = self.open_write_many(keys[:h], parents[:h])
+            if WriteSkip.NO_ROOM in first:
+                return first + [WriteSkip.NO_ROOM] * (len(keys) - h)
+            return first + self.open_write_many(keys[h:], parents[h:])
         req = _request(lambda: P.ReserveMany(list(keys), list(parents)))
-        reply, conn = (None, None) if req is None else self._link.call_typed(req, _RESERVE_MANY)
+        reply, conn = (None, None) if req is None else self._link.call_typed(req, _RESERVE_MANY,
+                                                                             check=_check_reserved)
         slots = None if reply is None else reply.slots
         if reply is None or conn is None or slots is None or len(slots) != len(keys):
             return [WriteSkip.NO_ROOM] * len(keys)
@@ -336,7 +346,9 @@ class ServiceClient:
             return [*self.open_read_many(items[:LOAD_BATCH]), *self.open_read_many(items[LOAD_BATCH:])]
         mine = self.verify == "client"
         req = _request(lambda: P.LoadMany([k for k, _ in items], [p for _, p in items], mine))
-        reply, conn = (None, None) if req is None else self._link.call_typed(req, _LOAD_MANY)
+        keys = [k for k, _ in items]
+        reply, conn = (None, None) if req is None else self._link.call_typed(
+            req, _LOAD_MANY, check=lambda r, c: check_loaded(r.handles or [], keys, c.num_slots))
         out: list[ServiceReadHandle | None] = [None] * len(items)
         got = reply.handles if reply is not None else None
         if conn is None or got is None or len(got) != len(items):
@@ -426,6 +438,12 @@ class ServiceClient:
         fail: list[WriteSkip | None] = [WriteSkip.NO_ROOM] * len(keys)
         if gen is None or not keys:
             return fail
+        if len(keys) > 1 and not fits_one_frame(len(keys), blocks):  # in two frames, as open_write_many
+            h = len(keys) // 2
+            first = self.store_blocks(keys[:h], blocks[:h], parents[:h], timeout_s)
+            if WriteSkip.NO_ROOM in first:
+                return first + fail[h:]
+            return first + self.store_blocks(keys[h:], blocks[h:], parents[h:], timeout_s)
         req = _request(lambda: StoreBlocks(list(keys), [list(map(int, b)) for b in blocks], list(parents)))
         reply, _ = (None, None) if req is None else self._link.call_typed(req, _STORE_BLOCKS, gen=gen,
                                                                           timeout_s=timeout_s)
@@ -439,13 +457,20 @@ class ServiceClient:
         """Load chunks the server copies into engine blocks (after :meth:`register_kv`).
 
         ``blocks[i]`` receive chunk ``i``'s blocks from ``offsets[i]`` (default 0) on.
-        Returns per key the tier it came from, None from the first miss on; all None
+        Returns per key the tier it came from, None from the first miss on (a request too
+        large for one frame goes as several, a failed one a miss from its first key on); all None
         on any failure (then the blocks' contents are undefined: recompute them).
         """
         gen = self._kv_gen_now()
         if gen is None or not keys:
             return [None] * len(keys)
         offs = [0] * len(keys) if offsets is None else list(offsets)
+        if len(keys) > 1 and not fits_one_frame(len(keys), blocks):  # in two frames; a miss ends the prefix
+            h = len(keys) // 2
+            first = self.load_blocks(keys[:h], parents[:h], blocks[:h], offs[:h], timeout_s)
+            if None in first:
+                return first + [None] * (len(keys) - h)
+            return first + self.load_blocks(keys[h:], parents[h:], blocks[h:], offs[h:], timeout_s)
         req = _request(lambda: LoadBlocks(list(keys), list(parents), [list(map(int, b)) for b in blocks], offs))
         reply, _ = (None, None) if req is None else self._link.call_typed(req, _LOAD_BLOCKS, gen=gen,
                                                                           timeout_s=timeout_s)
@@ -503,6 +528,11 @@ def _request(make: Callable[[], Rq]) -> Rq | None:
     except ValueError as exc:
         log.warning("kvtier: request not sent (%s); treated as a failed call", exc)
         return None
+
+
+def _check_reserved(reply: ReserveManyReply, conn: Conn) -> None:
+    """Refuse (BAD_REPLY, a miss) a ``reserve_many`` reply granting a slot out of range or twice."""
+    check_reserved(reply.slots or [], conn.num_slots)
 
 
 def _skip(v: object) -> WriteSkip:

@@ -4,9 +4,10 @@ Failure rule (the engine never waits on a sick server):
 
 - Every call returns within ``timeout_s`` (waiting for another thread's call on
   the same connection included). A call that cannot finish in time, a broken
-  connection, an unreachable server or a reply that does not fit its typed
-  struct (:mod:`kvtier.protocol.replies`, ``BAD_REPLY``) gives ``None`` (the
-  caller's miss).
+  connection, an unreachable server, a reply that does not fit its typed
+  struct (:mod:`kvtier.protocol.replies`, ``BAD_REPLY``) or hands out a slot or
+  handle out of range or twice (:mod:`kvtier.service.reply_checks`, ``BAD_REPLY``,
+  the connection dropped) gives ``None`` (the caller's miss).
 - A failed connection is closed (the server then releases everything this
   client held) and a background thread reconnects with the control plane's one
   back-off policy (:class:`kvtier.protocol.Backoff`), registering again and
@@ -36,11 +37,13 @@ from kvtier import protocol as P
 from kvtier.protocol import Backoff, ErrorCode, ProtocolError, UnsafeSocketDir, check_socket_dir
 from kvtier.protocol.framing import read_reply_body
 from kvtier.protocol.replies import RegisterReply, Reply, decode_reply
+from kvtier.protocol.reply_bounds import MAX_REPLY_BYTES
 from kvtier.memory.shared_segment import SharedSegment
 
 log = logging.getLogger(__name__)
 
-_RECV_BYTES = 64 * 1024
+#: The reply buffer: a header plus the largest legitimate reply of any op (kvtier.protocol.reply_bounds).
+_RECV_BYTES = P.HEADER.size + MAX_REPLY_BYTES
 T = TypeVar("T")
 R = TypeVar("R", bound=Reply)
 
@@ -201,12 +204,17 @@ class ServiceConnection:
             raise ProtocolError(ErrorCode.BAD_REPLY, "register reply has a non-positive segment geometry")
         if slot_bytes != self.register.chunk_bytes or size < slot_bytes * num_slots:
             raise ProtocolError(ErrorCode.BAD_REPLY, "server slots do not match this namespace's chunk_bytes")
-        if fds:
-            segment = SharedSegment.attach_fd(fds.pop(0), size)
-        elif seg.path is not None:
-            segment = SharedSegment.attach_path(seg.path, size)
-        else:
-            raise ProtocolError(ErrorCode.BAD_REPLY, "no shared segment received")
+        try:  # a segment it cannot map safely (unsealed, short): a failed connect, never a SIGBUS later
+            if fds:
+                segment = SharedSegment.attach_fd(fds.pop(0), size)
+            elif seg.path is not None:
+                segment = SharedSegment.attach_path(seg.path, size)
+            else:
+                raise ProtocolError(ErrorCode.BAD_REPLY, "no shared segment received")
+        except ProtocolError:
+            raise
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.BAD_REPLY, f"unusable shared segment: {exc}") from None
         self.server_pid = reply.server_pid
         return Conn(sock, segment, slot_bytes, num_slots)
 
@@ -236,19 +244,23 @@ class ServiceConnection:
 
     def call_typed(
         self, req: P.Request, decoder: "msgspec.msgpack.Decoder[R]", gen: int | None = None,
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, check: Callable[[R, Conn], None] | None = None,
     ) -> tuple[R | None, Conn | None]:
         """:meth:`call` whose reply is decoded by ``decoder`` into a typed reply
         (:mod:`kvtier.protocol.replies`); a reply that does not fit drops the connection
-        (``BAD_REPLY``: the server releases what it granted)."""
-        return self._call(req, False, gen, timeout_s, lambda body: _typed_reply(decoder, body), None)
+        (``BAD_REPLY``: the server releases what it granted). ``check(reply, conn)`` runs on
+        an ok reply and refuses it the same way by raising ``ProtocolError`` (e.g.
+        :mod:`kvtier.service.reply_checks`: slots out of range or granted twice)."""
+        return self._call(req, False, gen, timeout_s, lambda body: _typed_reply(decoder, body), None, check)
 
     def _call(
         self, req: P.Request, noreply: bool, gen: int | None, timeout_s: float | None,
         read: Callable[[memoryview], tuple[T, object, bool]], sent: T | None,
+        check: Callable[[T, Conn], None] | None = None,
     ) -> tuple[T | None, Conn | None]:
         """The call; ``read`` decodes a reply body into (reply, its id, ok); ``sent`` is what a
-        one-way request (``noreply``) returns once sent."""
+        one-way request (``noreply``) returns once sent; ``check`` vets an ok reply (raising
+        ``ProtocolError`` drops the connection: a miss)."""
         if self.conn is None:
             self.counters.skipped_calls += 1
             return None, None
@@ -281,6 +293,8 @@ class ServiceConnection:
                 reply, reply_id, ok = read(body)
                 if reply_id != rid:
                     raise ProtocolError(ErrorCode.DESYNC, "reply for another request")
+                if ok and check is not None:
+                    check(reply, conn)
             except (OSError, ValueError) as exc:  # timeouts are OSError; ProtocolError is a ValueError
                 if isinstance(exc, socket.timeout):
                     self.counters.timeouts += 1

@@ -8,6 +8,12 @@ The only step where a CUDA registration and its CPU stand-in differ:
   a file ``/dev/shm/kvtier-kvtest-*`` (a POSIX shared-memory name) that the test's "engine"
   created and maps too. Accepted only over the Unix socket, only for a regular file owned by
   the server's user, never through a symlink. Real vLLM CPU engines keep the slot copies.
+  Unlike the service's own segments (sealed memfds, :mod:`kvtier.memory.shared_segment`),
+  this path-based file cannot be sealed (a named tmpfs file carries no seals): the engine
+  that made it could still truncate it under the server's mapping (a SIGBUS). What protects
+  it is only that it is a test stand-in, opened for a client of the server's own user on the
+  owner-only socket; making it a sealed memfd passed over ``SCM_RIGHTS`` would change the
+  ``kv_register`` wire format, so it stays a named file.
 
 After opening, both kinds go through :func:`layer_views` (bounds-checked ``as_strided``).
 """

@@ -1,0 +1,35 @@
+"""When a client's per-key request must be split to fit one frame.
+
+A request of ``MAX_KEYS`` keys with their parents (and engine block ids) is over
+``MAX_FRAME_BYTES`` (16,384 x (32 B key + 35 B parent) alone is 1.1 MB), and one that
+does not fit is refused before it is sent. :func:`fits_one_frame` bounds a request's
+encoded size from its counts (each value at its widest msgpack encoding); the client
+sends one that does not fit as two halves, recursively (a lone key always goes as is).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from kvtier.protocol.framing import MAX_FRAME_BYTES
+from kvtier.protocol.messages import MAX_BLOCK_IDS
+
+#: Bytes of one key (in the joined key binary), a parent (bin 8 header + 32 B, or nil), an
+#: integer (block id, offset, at most uint64), an array header; and room for the envelope.
+_KEY, _PARENT, _INT, _ARRAY, _ENVELOPE = 32, 34, 9, 5, 4096
+
+
+def fits_one_frame(n_keys: int, blocks: Sequence[Sequence[int]] | None = None) -> bool:
+    """Whether a request of ``n_keys`` keys, each with a parent, and (``store_blocks`` /
+    ``load_blocks``) per key its ``blocks`` ids and an offset surely fits one frame and the
+    per-request block-id bound (``MAX_BLOCK_IDS``)."""
+    size = _ENVELOPE + n_keys * (_KEY + _PARENT)
+    if blocks is not None:
+        n_ids = sum(map(len, blocks))
+        if n_ids > MAX_BLOCK_IDS:
+            return False
+        size += n_keys * (_ARRAY + _INT) + n_ids * _INT
+    return size <= MAX_FRAME_BYTES
+
+
+__all__ = ["fits_one_frame"]

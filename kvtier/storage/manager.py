@@ -393,12 +393,14 @@ class StorageManager:
         ``parent``: key of the previous chunk of the prompt (None or a lineage
         marker for the first), as given to :meth:`open_write_many`.
         Never waits for lower-tier I/O: each queue holds a CPU read reference until
-        its write is done; a full queue drops the write (counted).
+        its write is done; a full queue drops the write (counted). A parent that would
+        close a parent cycle is recorded nowhere (:meth:`CpuTier.commit
+        <kvtier.tiers.cpu.CpuTier.commit>`): the lower tiers get the parent the CPU tier kept.
 
         Raises:
             RuntimeError: ``key`` has no reservation of this caller (a programming error).
         """
-        self.cpu.commit(key, parent)
+        parent = self.cpu.commit(key, parent)
         self.counters.add(stored_chunks=1, stored_bytes=self.chunk_bytes)
         self.write_behind.submit(key, parent)
 

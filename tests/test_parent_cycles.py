@@ -283,6 +283,20 @@ def test_an_embedded_self_parent_commit_costs_no_write_behind_batch(tmp_path: Pa
         m.close()
 
 
+def test_lineage_walk_ends_on_a_cycle_across_tiers(tmp_path: Path) -> None:
+    """Each tier keeps a forest, but the disk's A -> B and the CPU's B -> A together make a cycle
+    for a walk that asks every tier (a peer server's lineage check): it ends at the repeat."""
+    m = manager(tmp_path, cpu_chunks=4, disk_chunks=4)
+    try:
+        disk: Any = m.disk
+        assert disk.put_many([ChunkWrite(A, B, payload_for(A, CB))]) == [True]  # B absent on disk
+        store(m, [B], [A])  # A absent in CPU: the CPU keeps B -> A
+        assert m.cpu.policy.parent_of(B) == A and disk.parent_of(A) == B
+        assert ends(lambda: m.lineage_of(B, max_steps=1 << 40), 5.0) is None
+    finally:
+        m.close()
+
+
 # -- the disk tier -------------------------------------------------------------------------------------
 def test_one_disk_batch_naming_a_cycle_is_indexed_as_a_forest(tmp_path: Path) -> None:
     t = DiskTier(tmp_path, 4 * FILE, NS.digest())

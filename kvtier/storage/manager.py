@@ -221,20 +221,24 @@ class StorageManager:
         """The lineage marker (:meth:`KeyNamespace.lineage`: which ``cache_salt``) ``key``'s chain starts
         from, following the parents the CPU and disk tiers recorded; None when an ancestor is not held
         locally or a chain was stored without a marker (a peer server then refuses a salt-restricted member).
-        Cost: one dictionary lookup per ancestor."""
+        Each tier's links form a forest, but one tier's may close a cycle with another's (A's parent B in
+        one, B's A in the other): a key met again ends the walk (None). Cost: one dictionary lookup per
+        ancestor, at most ``max_steps``."""
         parent_of = [self.cpu.policy.parent_of] + [getattr(t, "parent_of") for t in self._local
                                                     if hasattr(t, "parent_of")]
-        k: bytes | None = key
+        k: bytes = key
+        seen = {key}
         for _ in range(max_steps):
             parent: bytes | None = None
             for fn in parent_of:
                 parent = fn(k)
                 if parent is not None:
                     break
-            if parent is None:
+            if parent is None or parent in seen:
                 return None
             if is_lineage(parent):
                 return parent
+            seen.add(parent)
             k = parent
         return None
 

@@ -9,8 +9,9 @@ One smallest test per input that could form a cycle: one request (refused by the
 and by the operations' argument checks; the tiers drop the link if it gets through, as
 on the embedded connector's direct calls), two requests (a commit naming an absent parent
 that later names it back), ``store_blocks``, promotion into the CPU tier, write-behind and
-promotion into the disk tier, a disk batch, and cycle headers found on disk at open. Then
-every walk is shown to end even on a cycle made behind the tiers' backs.
+promotion into the disk tier, a disk batch, cycle headers found on disk at open, a direct
+caller's self-parent reaching write-behind, and two tiers' forests that make a cycle together
+(the lineage walk). Then every walk is shown to end even on a cycle made behind the tiers' backs.
 """
 
 from __future__ import annotations

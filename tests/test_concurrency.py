@@ -80,9 +80,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.promised: dict[str, list[int]] = {}  # owner -> leased keys that must load (until clear)
 
     # -- helpers --
-    def _store(self, i: int, commit: bool = True) -> bool:
+    def _store(self, i: int, commit: bool = True, parent: int | None = None) -> bool:
         key = key_of(i)
-        buf = self.m.open_write(key, None)
+        pkey = None if parent is None else key_of(parent)
+        buf = self.m.open_write(key, pkey)
         if buf is None:
             return False
         assert self.m.where(key) is None, "open_write gave a slot for a chunk a tier already holds"
@@ -92,7 +93,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.m.abort(key)
             assert self.m.where(key) is None, "an aborted store became visible"
             return False
-        self.m.commit(key, None)
+        self.m.commit(key, pkey)
         # Wait for write-behind: the disk writer thread's timing must not change what the
         # next rule sees (hypothesis needs reproducible runs; threads are tested below).
         assert self.m.flush(10)
@@ -128,6 +129,11 @@ class ManagerMachine(RuleBasedStateMachine):
     def store(self, keys: list[int]) -> None:
         for i in keys:
             self._store(i)
+
+    @rule(i=st.sampled_from(MAIN_KEYS), parent=st.sampled_from(MAIN_KEYS))
+    def store_naming_any_parent(self, i: int, parent: int) -> None:
+        # A caller may name any key (itself, a descendant: a cycle) as parent; the tiers keep a forest.
+        self._store(i, parent=parent)
 
     @rule(i=st.sampled_from(MAIN_KEYS))
     def store_aborted(self, i: int) -> None:

@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_
 
 import msgspec
 
+from kvtier.index.chains import request_cycle
 from kvtier.index.keys import KeyNamespace
 from kvtier.protocol.decoding import decode
 from kvtier.protocol.errors import ErrorCode, ProtocolError
@@ -132,7 +133,8 @@ def encode_request(req: Request, req_id: int, noreply: bool = False) -> bytes:
 
 
 def _check_parents(keys: list[bytes], parents: list[bytes | None] | None, required: bool) -> None:
-    """One parent per key (each nil or 32 bytes, by type), none equal to its own key."""
+    """One parent per key (each nil or 32 bytes, by type), none equal to its own key, and no
+    cycle among the request's own links (:func:`kvtier.index.chains.request_cycle`)."""
     if parents is None:
         if required:
             raise ValueError("field 'parents' must be a list with one entry per key")
@@ -141,6 +143,9 @@ def _check_parents(keys: list[bytes], parents: list[bytes | None] | None, requir
         raise ValueError("field 'parents' must be a list with one entry per key")
     if any(map(operator.eq, keys, parents)):
         raise ValueError("field 'parents': a chunk cannot be its own parent")
+    at = request_cycle(keys, parents)
+    if at is not None:
+        raise ValueError(f"field 'parents': keys[{at}] is its own ancestor (the parents form a cycle)")
 
 
 def _check_distinct(keys: list[bytes]) -> None:

@@ -221,20 +221,24 @@ class StorageManager:
         """The lineage marker (:meth:`KeyNamespace.lineage`: which ``cache_salt``) ``key``'s chain starts
         from, following the parents the CPU and disk tiers recorded; None when an ancestor is not held
         locally or a chain was stored without a marker (a peer server then refuses a salt-restricted member).
-        Cost: one dictionary lookup per ancestor."""
+        Each tier's links form a forest, but one tier's may close a cycle with another's (A's parent B in
+        one, B's A in the other): a key met again ends the walk (None). Cost: one dictionary lookup per
+        ancestor, at most ``max_steps``."""
         parent_of = [self.cpu.policy.parent_of] + [getattr(t, "parent_of") for t in self._local
                                                     if hasattr(t, "parent_of")]
-        k: bytes | None = key
+        k: bytes = key
+        seen = {key}
         for _ in range(max_steps):
             parent: bytes | None = None
             for fn in parent_of:
                 parent = fn(k)
                 if parent is not None:
                     break
-            if parent is None:
+            if parent is None or parent in seen:
                 return None
             if is_lineage(parent):
                 return parent
+            seen.add(parent)
             k = parent
         return None
 
@@ -393,12 +397,14 @@ class StorageManager:
         ``parent``: key of the previous chunk of the prompt (None or a lineage
         marker for the first), as given to :meth:`open_write_many`.
         Never waits for lower-tier I/O: each queue holds a CPU read reference until
-        its write is done; a full queue drops the write (counted).
+        its write is done; a full queue drops the write (counted). A parent that would
+        close a parent cycle is recorded nowhere (:meth:`CpuTier.commit
+        <kvtier.tiers.cpu.CpuTier.commit>`): the lower tiers get the parent the CPU tier kept.
 
         Raises:
             RuntimeError: ``key`` has no reservation of this caller (a programming error).
         """
-        self.cpu.commit(key, parent)
+        parent = self.cpu.commit(key, parent)
         self.counters.add(stored_chunks=1, stored_bytes=self.chunk_bytes)
         self.write_behind.submit(key, parent)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from kvtier.index.chains import request_cycle
 from kvtier.serde.base import Codec
 from kvtier.serde.registry import make_codec
 from kvtier.storage.manager import StorageManager
@@ -87,7 +88,7 @@ def check_parents(parents: object, keys: list[bytes]) -> list[bytes | None]:
 
     Raises:
         OpError: not a sequence, a length other than ``len(keys)``, a parent that is not
-            a 32-byte key, or a chunk its own parent.
+            a 32-byte key, a chunk its own parent, or parents that form a cycle.
     """
     if parents is None:
         return [keys[i - 1] if i else None for i in range(len(keys))]
@@ -105,6 +106,9 @@ def check_parents(parents: object, keys: list[bytes]) -> list[bytes | None]:
             raise OpError(f"parents[{i}]: a chunk cannot be its own parent")
         else:
             out.append(bytes(p))
+    at = request_cycle(keys, out)
+    if at is not None:
+        raise OpError(f"parents[{at}]: keys[{at}] is its own ancestor (the parents form a cycle)")
     return out
 
 

@@ -145,7 +145,7 @@ def stage_via_cpu(m: StorageManager, src: LowerTier, items: Sequence[tuple[bytes
         if not ok:
             cpu.abort(key)
             continue
-        cpu.commit(key, parent)
+        parent = cpu.commit(key, parent)  # the parent kept (none that closes a cycle)
         view = cpu.acquire(key)
         if view is not None:
             out.append(Staged(key, parent, view, partial(cpu.release, key), added_to_cpu=True))

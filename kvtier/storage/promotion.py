@@ -128,7 +128,7 @@ class Promoter:
                 with self._lock:
                     self.unpromoted += 1
                 continue
-            self.cpu.commit(key, parent)
+            parent = self.cpu.commit(key, parent)  # the parent kept (none that closes a cycle)
             with self._lock:
                 self.promoted[t] += 1
             self.write_behind.submit(key, parent, upto=t)

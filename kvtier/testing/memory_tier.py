@@ -59,7 +59,7 @@ class MemoryStore:
                 policy.remove(victim)
                 self.evicted += 1
             values[key] = value
-            policy.insert(key, parent if parent != key else None)
+            policy.insert(key, None if policy.closes_cycle(key, parent) else parent)
             return True
 
     def get(self, namespace: bytes, key: bytes) -> bytes | None:

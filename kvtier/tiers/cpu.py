@@ -16,6 +16,12 @@ Invariants (kept under ``self._lock``):
   never dropped (the chain-aware policy never offers it for eviction; ``delete``
   refuses it; ``clear`` keeps the ancestors of chunks it must keep), so the tier
   never holds a chunk whose parent it dropped, whatever its capacity.
+- Acyclic: the recorded parents form a forest (:mod:`kvtier.index.chains`).
+  ``commit`` records a parent only if it is neither the chunk itself nor one of
+  its resident descendants; otherwise the chunk is published as a chain head
+  (the link is dropped: it could only come from a malformed or hostile caller,
+  and a cycle's chunks would never become leaves, so never evicted). ``clear``
+  and ``delete_tree`` still remove a cycle's chunks if one ever formed.
 
 :meth:`CpuTier.check_invariants` checks all of these (tests call it from their
 state machines); cheap asserts guard each transition.
@@ -24,14 +30,18 @@ state machines); cheap asserts guard each transition.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from kvtier.index.chains import descendants
 from kvtier.memory.pool import ChunkPool, PoolExhausted
 from kvtier.tiers.base import ChangeHook
 from kvtier.tiers.policies import EvictionPolicy, LRUPolicy
+
+log = logging.getLogger(__name__)
 
 WRITING = 0
 READY = 1
@@ -176,24 +186,32 @@ class CpuTier:
             self._refs[slot] = 1
             return self.pool.view(slot)
 
-    def commit(self, key: bytes, parent: bytes | None = None) -> None:
-        """Publish a reserved chunk; it becomes visible to readers.
+    def commit(self, key: bytes, parent: bytes | None = None) -> bytes | None:
+        """Publish a reserved chunk; it becomes visible to readers. Returns the parent recorded.
 
         ``parent`` is the key of the previous chunk of the same prompt (None for
-        the first): chain-aware policies evict a chain's tail before its head.
+        the first): chain-aware policies evict a chain's tail before its head. A
+        parent that is ``key`` itself or one of its resident descendants (which
+        would close a parent cycle) is not recorded: the chunk is published as a
+        chain head (see the module doc), and None is returned: callers pass the
+        returned parent on (write-behind), so every tier gets the same forest.
+
+        Raises:
+            RuntimeError: ``key`` is not reserved (nothing changes).
         """
         with self._lock:
             slot = self._entries.get(key)
             if slot is None or self._state[slot] != WRITING:
                 raise RuntimeError("commit of a chunk that is not being written")
             assert self._refs[slot] >= 1, "a WRITING entry holds its writer's reference"
-            if parent == key:
-                parent = None  # a chunk cannot be its own parent (malformed caller input)
+            if self.policy.closes_cycle(key, parent):
+                parent = None  # malformed caller input: the link would make a parent cycle
             self.policy.insert(key, parent)  # first: if it raises, the chunk stays unpublished
             self._state[slot] = READY
             self._refs[slot] -= 1
             if self._on_change is not None:
                 self._on_change("s", (key,), (parent,))
+            return parent
 
     def abort(self, key: bytes) -> None:
         """Drop a reserved chunk (the copy failed)."""
@@ -241,30 +259,11 @@ class CpuTier:
         """Remove every chunk that is not in use; returns how many were removed.
 
         Chunks being read or written stay, and so do their ancestors (the tier
-        stays prefix-closed).
+        stays prefix-closed). O(entries x chain depth).
         """
         with self._lock:
-            refs, state = self._refs, self._state
-            keep = {k for k, slot in self._entries.items() if refs[slot] or state[slot] != READY}
-            for k in list(keep):
-                parent = self.policy.parent_of(k)
-                while parent is not None and parent in self._entries and parent not in keep:
-                    keep.add(parent)
-                    parent = self.policy.parent_of(parent)
-            victims = [k for k in self._entries if k not in keep]
-            # Leaf-first: drop a chunk only after every resident child of it.
-            dropped: list[bytes] = []
-            while victims:
-                rest = []
-                for k in victims:
-                    if self.policy.num_children(k):
-                        rest.append(k)
-                    else:
-                        self._drop_locked(k, self._entries[k], report=False)
-                        dropped.append(k)
-                if len(rest) == len(victims):  # pragma: no cover - a parent cycle; cannot happen
-                    break
-                victims = rest
+            keep = self._in_use_and_ancestors_locked(self._entries)
+            dropped = self._drop_leaf_first_locked([k for k in self._entries if k not in keep])
             if self._on_change is not None:
                 if len(self.policy) == 0:  # nothing committed is left (reservations are not resident)
                     self._on_change("c", (), ())
@@ -284,39 +283,53 @@ class CpuTier:
                 p = self.policy.parent_of(k)
                 if p is not None:
                     kids.setdefault(p, []).append(k)
-            order: list[bytes] = []
-            seen: set[bytes] = set()
-            stack = [k for k in keys if k in self._entries]
-            while stack:
-                k = stack.pop()
-                if k in seen:
-                    continue
-                seen.add(k)
-                order.append(k)
-                stack.extend(kids.get(k, ()))
-            removed: list[bytes] = []
-            pending = order
-            while pending:  # leaves first, until no chunk of the subtrees can go
-                rest = []
-                for k in pending:
-                    slot = self._entries[k]
-                    if self._refs[slot] or self._state[slot] != READY:
-                        continue  # in use: it stays (and so do its ancestors)
-                    if self.policy.num_children(k):
-                        rest.append(k)
-                        continue
-                    self._drop_locked(k, slot, report=False)
-                    removed.append(k)
-                if len(rest) == len(pending):
-                    break
-                pending = rest
+            order = descendants([k for k in keys if k in self._entries], lambda k: kids.get(k, ()))
+            keep = self._in_use_and_ancestors_locked(order)
+            removed = self._drop_leaf_first_locked([k for k in order if k not in keep])
             if removed and self._on_change is not None:
                 self._on_change("r", removed, ())
             return removed
 
-    def _drop_locked(self, key: bytes, slot: int, report: bool = True) -> None:
+    def _in_use_and_ancestors_locked(self, keys: Iterable[bytes]) -> set[bytes]:
+        """Those of ``keys`` being read or written (or not committed), with their resident ancestors."""
+        refs, state = self._refs, self._state
+        keep = {k for k in keys if refs[self._entries[k]] or state[self._entries[k]] != READY}
+        for k in list(keep):
+            parent = self.policy.parent_of(k)
+            while parent is not None and parent in self._entries and parent not in keep:  # ends: keep grows
+                keep.add(parent)
+                parent = self.policy.parent_of(parent)
+        return keep
+
+    def _drop_leaf_first_locked(self, victims: list[bytes]) -> list[bytes]:
+        """Drop ``victims`` (committed, unreferenced; no resident child of one stays), each after its
+        resident children; returns them in the order dropped (unreported: the caller reports).
+
+        When no victim is a leaf any more, those left lie on parent cycles (``commit`` refuses the
+        links that close one, so only a bug elsewhere could make one): they go too, so no cycle can
+        outlive a clear.
+        """
+        dropped: list[bytes] = []
+        while victims:
+            rest = []
+            for k in victims:
+                if self.policy.num_children(k):
+                    rest.append(k)
+                else:
+                    self._drop_locked(k, self._entries[k], report=False)
+                    dropped.append(k)
+            if len(rest) == len(victims):
+                log.error("kvtier CPU tier: %d chunks on parent cycles; removing them anyway", len(rest))
+                for k in rest:
+                    self._drop_locked(k, self._entries[k], report=False, on_cycle=True)
+                dropped.extend(rest)
+                break
+            victims = rest
+        return dropped
+
+    def _drop_locked(self, key: bytes, slot: int, report: bool = True, on_cycle: bool = False) -> None:
         assert self._refs[slot] == 0, "dropping a chunk in use"
-        assert self.policy.num_children(key) == 0, "dropping the parent of a resident chunk"
+        assert on_cycle or self.policy.num_children(key) == 0, "dropping the parent of a resident chunk"
         del self._entries[key]
         self.policy.remove(key)
         self.pool.free(slot)

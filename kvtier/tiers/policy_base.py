@@ -10,6 +10,8 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Iterator
 
+from kvtier.index.chains import closes_cycle, first_cycle
+
 
 class EvictionPolicy(ABC):
     """Orders resident keys for eviction."""
@@ -26,6 +28,10 @@ class EvictionPolicy(ABC):
                 not it is resident in this tier), or None for a prompt's first
                 chunk or when unknown. Inserting a resident key again counts as
                 a use of it.
+
+        Raises:
+            ValueError: a chain-aware policy's new key whose ``parent`` is the key itself or
+                one of its resident descendants (:meth:`closes_cycle`); nothing is recorded.
         """
 
     @abstractmethod
@@ -57,6 +63,14 @@ class EvictionPolicy(ABC):
         """The parent recorded when ``key`` was inserted (None: a head, or unknown)."""
         return None
 
+    def closes_cycle(self, key: bytes, parent: bytes | None) -> bool:
+        """True if inserting ``key`` (not resident) with ``parent`` would close a parent cycle:
+        ``parent`` is ``key`` or a resident descendant of it (:mod:`kvtier.index.chains`).
+        O(1) unless resident keys already name ``key`` as parent; then O(ancestors of ``parent``)."""
+        if parent is None or (parent != key and not self.num_children(key)):
+            return False
+        return closes_cycle(key, parent, self.parent_of, len(self))
+
     def check_invariants(self) -> None:
         """Assert the policy's bookkeeping is consistent (tests; O(keys))."""
 
@@ -74,6 +88,9 @@ class ChainAwarePolicy(EvictionPolicy):
       (``p`` resident or not); zero counts are not stored.
     - Each resident key is either in the subclass order or in ``_deferred``.
     - ``candidates`` yields only keys absent from ``_children`` (leaves).
+    - Acyclic: the recorded parents form a forest. ``insert`` refuses a parent that would
+      close a cycle (:meth:`closes_cycle`; the tiers drop such a link first), since the keys
+      on a cycle would never become leaves: never evicted, and pinning their slots for good.
     """
 
     def __init__(self) -> None:
@@ -92,8 +109,8 @@ class ChainAwarePolicy(EvictionPolicy):
         if key in self._parent:
             self._use_resident(key)
             return
-        if parent == key:
-            raise ValueError("a chunk cannot be its own parent")
+        if self.closes_cycle(key, parent):
+            raise ValueError("a chunk cannot be its own parent nor the child of its descendant (a parent cycle)")
         self._parent[key] = parent
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
@@ -151,6 +168,7 @@ class ChainAwarePolicy(EvictionPolicy):
         order = self._members()
         assert not (order & self._deferred), "a key is both deferred and in the order"
         assert order | self._deferred == self._parent.keys(), "a resident key is in neither the order nor deferred"
+        assert first_cycle(self._parent) is None, "the recorded parents form a cycle"
 
     # -- chain rule ------------------------------------------------------------
     def _use_resident(self, key: bytes) -> None:

@@ -12,6 +12,14 @@ or its waiting children, and a chunk written before its parent evicts nothing
 (it takes free room only). So chains are given up tail first and no chunk is
 kept, or stored, at the price of its parent.
 
+Acyclic (kept by ``_add``, checked by :meth:`ChunkIndex.check_invariants`): the
+recorded parents form a forest (:mod:`kvtier.index.chains`). A chunk is indexed
+with its parent only if that parent is neither the chunk itself nor one of its
+resident descendants; otherwise it is indexed as a chain head (the link would
+close a cycle, whose chunks eviction and ``remove`` could never order; only a
+malformed or hostile writer names such a parent). :meth:`ChunkIndex.remove`
+visits each descendant once, so even a cycle could not make it loop.
+
 Byte accounting: ``used_bytes`` = file bytes of resident chunks + bytes reserved
 by writes in flight, and never exceeds ``capacity_bytes`` except after a load
 of an over-full directory, which :meth:`make_room` trims at once.
@@ -24,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from kvtier.index.chains import closes_cycle, descendants, first_cycle
 from kvtier.index.keys import chain_parent
 from kvtier.tiers.base import ChangeHook
 from kvtier.tiers.policies import EvictionPolicy
@@ -152,11 +161,16 @@ class ChunkIndex:
         self._add(key, size, parent)
 
     def _add(self, key: bytes, size: int, parent: bytes | None) -> None:
+        link = chain_parent(parent)
+        if link is not None and (link == key or self.children.get(key)) and closes_cycle(
+            key, link, self._link_of, len(self.entries)
+        ):
+            parent = link = None  # a parent cycle (see the module doc): indexed as a chain head
         if self.on_change is not None:
             self.on_change("s", (key,), (parent,))
         self.entries[key] = Entry(size, parent)
         self.used_bytes += size
-        parent = chain_parent(parent)
+        parent = link
         self.policy.insert(key, parent)
         if parent is not None:
             self.children.setdefault(parent, set()).add(key)
@@ -191,15 +205,16 @@ class ChunkIndex:
         """Remove ``key`` and its resident descendants (deepest first); returns chunks removed."""
         if key not in self.entries:
             return 0
-        order: list[bytes] = []
-        stack = [key]
-        while stack:
-            k = stack.pop()
-            order.append(k)
-            stack.extend(c for c in self.children.get(k, ()) if c in self.entries)
+        entries = self.entries
+        order = descendants([key], lambda k: [c for c in self.children.get(k, ()) if c in entries])
         for k in reversed(order):
             self._remove_one(k)
         return len(order)
+
+    def _link_of(self, key: bytes) -> bytes | None:
+        """``key``'s parent as a link (None: a first chunk, or not resident)."""
+        e = self.entries.get(key)
+        return None if e is None else chain_parent(e.parent)
 
     def _remove_one(self, key: bytes) -> int:
         entry = self.entries.pop(key)
@@ -223,7 +238,7 @@ class ChunkIndex:
 
     # -- checks ------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Assert byte accounting, the child map and prefix closure (see the module doc)."""
+        """Assert byte accounting, the child map, prefix closure and acyclicity (see the module doc)."""
         assert self.used_bytes == sum(e.size for e in self.entries.values()) + sum(self.reserved.values())
         kids: dict[bytes, set[bytes]] = {}
         for key, entry in self.entries.items():
@@ -233,6 +248,7 @@ class ChunkIndex:
                 if parent not in self.entries:
                     assert key in self.early, f"chunk {key.hex()[:16]} kept without its parent"
         assert kids == self.children, "child map out of date"
+        assert first_cycle({k: chain_parent(e.parent) for k, e in self.entries.items()}) is None, "a parent cycle"
         assert self.early <= self.entries.keys()
         assert len(self.policy) == len(self.entries)
         for key, children in kids.items():

@@ -147,7 +147,7 @@ def server(
     metrics_host: str = typer.Option("127.0.0.1", help="Address of the Prometheus /metrics and /health endpoint."),
     metrics_port: int = typer.Option(9477, help="Port of the metrics endpoint (0: any free port)."),
     no_metrics: bool = typer.Option(False, "--no-metrics", help="Do not serve metrics over HTTP."),
-    max_clients: int = typer.Option(256, min=1, help="Concurrent client connections."),
+    max_clients: int = typer.Option(256, min=1, help="Registered client connections at once; a register beyond them is refused (busy)."),
     max_namespaces: int = typer.Option(8, min=1, help="Key namespaces (model/layout/rank) hosted at once; they share --cpu-capacity dynamically."),
     allow_remote: bool = typer.Option(
         False, "--allow-remote", help="Allow a --tcp-host that is not loopback (other machines can connect)."

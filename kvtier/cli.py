@@ -166,11 +166,11 @@ def server(
     verify_loads: bool = typer.Option(
         True, "--verify-loads/--no-verify-loads", help="Check each CPU chunk's commit checksum before serving it."
     ),
-    handshake_timeout_s: float = typer.Option(5.0, min=0.001, help="Seconds a new connection has to register."),
+    handshake_timeout_s: float = typer.Option(5.0, min=0.001, help="Seconds a new connection has to register (the whole handshake)."),
     idle_timeout_s: float = typer.Option(
         600.0, min=0.0, help="Seconds a registered connection may stay silent before it is closed (0: never)."
     ),
-    frame_timeout_s: float = typer.Option(10.0, min=0.001, help="Seconds to receive a started request and send its reply."),
+    frame_timeout_s: float = typer.Option(10.0, min=0.001, help="Seconds to receive a whole started request (not per read) and to send its reply."),
     max_unauthenticated: int = typer.Option(
         16, min=1, help="Connections waiting to register at once; beyond, the oldest is closed."
     ),

@@ -147,7 +147,7 @@ def server(
     metrics_host: str = typer.Option("127.0.0.1", help="Address of the Prometheus /metrics and /health endpoint."),
     metrics_port: int = typer.Option(9477, help="Port of the metrics endpoint (0: any free port)."),
     no_metrics: bool = typer.Option(False, "--no-metrics", help="Do not serve metrics over HTTP."),
-    max_clients: int = typer.Option(256, min=1, help="Concurrent client connections."),
+    max_clients: int = typer.Option(256, min=1, help="Registered client connections at once; a register beyond them is refused (busy)."),
     max_namespaces: int = typer.Option(8, min=1, help="Key namespaces (model/layout/rank) hosted at once; they share --cpu-capacity dynamically."),
     allow_remote: bool = typer.Option(
         False, "--allow-remote", help="Allow a --tcp-host that is not loopback (other machines can connect)."
@@ -166,11 +166,11 @@ def server(
     verify_loads: bool = typer.Option(
         True, "--verify-loads/--no-verify-loads", help="Check each CPU chunk's commit checksum before serving it."
     ),
-    handshake_timeout_s: float = typer.Option(5.0, min=0.001, help="Seconds a new connection has to register."),
+    handshake_timeout_s: float = typer.Option(5.0, min=0.001, help="Seconds a new connection has to register (the whole handshake)."),
     idle_timeout_s: float = typer.Option(
         600.0, min=0.0, help="Seconds a registered connection may stay silent before it is closed (0: never)."
     ),
-    frame_timeout_s: float = typer.Option(10.0, min=0.001, help="Seconds to receive a started request and send its reply."),
+    frame_timeout_s: float = typer.Option(10.0, min=0.001, help="Seconds to receive a whole started request (not per read) and to send its reply."),
     max_unauthenticated: int = typer.Option(
         16, min=1, help="Connections waiting to register at once; beyond, the oldest is closed."
     ),

@@ -73,15 +73,40 @@ def unpack_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     return obj
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; False on a clean EOF before it is full.
+def time_left(sock: socket.socket, deadline: float | None) -> None:
+    """Set ``sock``'s timeout to the seconds left before ``deadline`` (``time.monotonic``; None: no deadline).
+
+    Call it before each ``recv``/``send`` of a message: the deadline then bounds the
+    whole message, not each call (a peer dripping one byte at a time cannot outlive it).
 
     Raises:
-        OSError: the socket failed or timed out.
+        socket.timeout: ``deadline`` has passed.
+    """
+    if deadline is None:
+        sock.settimeout(None)
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("message not complete within its deadline")
+    sock.settimeout(left)
+
+
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> bool:
+    """Fill ``view`` from ``sock``; False on a clean EOF before it is full.
+
+    ``deadline`` (``time.monotonic`` seconds): the whole of ``view`` must arrive by
+    then (each ``recv`` gets the time left, :func:`time_left`); None: the socket's
+    own timeout applies to each ``recv``.
+
+    Raises:
+        OSError: the socket failed; ``socket.timeout`` (``TimeoutError``) when it or
+            ``deadline`` timed out.
     """
     got = 0
     n = len(view)
     while got < n:
+        if deadline is not None:
+            time_left(sock, deadline)
         k = sock.recv_into(view[got:])
         if k == 0:
             return False
@@ -128,10 +153,7 @@ def read_reply_body(sock: socket.socket, buf: bytearray, deadline: float) -> tup
                 raise ProtocolError(ErrorCode.TOO_LARGE, "reply larger than the client's buffer")
             need = HEADER.size + body_len
         if got < need:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise socket.timeout("reply not complete within the timeout")
-            sock.settimeout(left)
+            time_left(sock, deadline)
             retimed = True
     if got > need:
         raise ProtocolError(ErrorCode.DESYNC, "unexpected bytes after the reply")

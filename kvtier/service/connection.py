@@ -35,7 +35,7 @@ import numpy as np
 
 from kvtier import protocol as P
 from kvtier.protocol import Backoff, ErrorCode, ProtocolError, UnsafeSocketDir, check_socket_dir
-from kvtier.protocol.framing import read_reply_body
+from kvtier.protocol.framing import read_reply_body, time_left
 from kvtier.protocol.replies import RegisterReply, Reply, decode_reply
 from kvtier.protocol.reply_bounds import MAX_REPLY_BYTES
 from kvtier.memory.shared_segment import SharedSegment
@@ -169,16 +169,20 @@ class ServiceConnection:
             sock = socket.socket(socket.AF_INET6 if ":" in self.addr[0] else socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
+            # One deadline for connect + register + its reply (each recv gets the time left).
+            deadline = time.monotonic() + self.connect_timeout_s
             sock.settimeout(self.connect_timeout_s)
             sock.connect(self.addr)
+            time_left(sock, deadline)
             sock.sendall(P.encode_request(self.register, 0))
             fds: list[int] = []
+            time_left(sock, deadline)
             if self.family == "unix":
                 head, fds, _, _ = socket.recv_fds(sock, P.HEADER.size, 4)
             else:
                 head = sock.recv(P.HEADER.size)
             try:
-                conn = self._registered(sock, head, fds)
+                conn = self._registered(sock, head, fds, deadline)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -188,12 +192,12 @@ class ServiceConnection:
             sock.close()
             raise
 
-    def _registered(self, sock: socket.socket, head: bytes, fds: list[int]) -> Conn:
-        head = head + _recv_n(sock, P.HEADER.size - len(head))
+    def _registered(self, sock: socket.socket, head: bytes, fds: list[int], deadline: float) -> Conn:
+        head = head + _recv_n(sock, P.HEADER.size - len(head), deadline)
         (n,) = P.HEADER.unpack(head)
         if n > P.MAX_FRAME_BYTES:
             raise ProtocolError(ErrorCode.TOO_LARGE, "register reply too large")
-        reply = decode_reply(_REGISTER_REPLY, _recv_n(sock, n))
+        reply = decode_reply(_REGISTER_REPLY, _recv_n(sock, n, deadline))
         if not reply.ok:
             raise ProtocolError(reply.code, reply.error)
         seg = reply.segment
@@ -343,9 +347,15 @@ def _refusal(reply: object) -> str:
     return f"{reply.get('code')} {reply.get('error')}" if isinstance(reply, dict) else ""
 
 
-def _recv_n(sock: socket.socket, n: int) -> bytes:
+def _recv_n(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes from ``sock`` by ``deadline`` (``time.monotonic`` seconds).
+
+    Raises:
+        socket.timeout: not all in time. ConnectionResetError: the server closed the connection.
+    """
     out = bytearray()
     while len(out) < n:
+        time_left(sock, deadline)
         chunk = sock.recv(n - len(out))
         if not chunk:
             raise ConnectionResetError("server closed the connection")

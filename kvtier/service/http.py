@@ -9,8 +9,11 @@ retransmits (seconds). Here:
   connection that has waited longest without sending its request is closed to
   make room (idle sockets can never crowd out a real scrape), and when every
   connection is busy serving, the new one is closed at once;
-- each connection has ``request_timeout_s`` seconds (socket timeout) to send its
-  request and read the reply (HTTP/1.0: one request per connection);
+- each connection has ``request_timeout_s`` seconds to send its whole request
+  (request line, headers and body: a deadline, each ``recv`` gets the time left,
+  so a client dripping one byte at a time is cut off), and each write of the
+  reply has ``request_timeout_s`` seconds (socket timeout; HTTP/1.0: one request
+  per connection);
 - the listen backlog is ``backlog`` (128 by default);
 - an accept failing for lack of fds or memory backs off (10 ms .. 1 s) instead
   of spinning;
@@ -23,6 +26,7 @@ retransmits (seconds). Here:
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import socket
@@ -33,6 +37,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvtier.protocol.framing import time_left
 
 if TYPE_CHECKING:
     from kvtier.service.metrics import ServerMetrics
@@ -117,6 +123,22 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
             return len(self._open)
 
 
+class _RequestReader(io.RawIOBase):
+    """Reads a connection's request by ``deadline`` (``time.monotonic`` seconds): each ``recv``
+    gets the time left (raises ``socket.timeout`` once it passed); closing it leaves the socket open."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        time_left(self._sock, self._deadline)
+        return self._sock.recv_into(b)
+
+
 class MetricsHTTPServer:
     """Serves ``/metrics`` and ``/health`` on ``host:port`` in a daemon thread.
 
@@ -168,7 +190,16 @@ class MetricsHTTPServer:
         access = self.access
 
         class Handler(BaseHTTPRequestHandler):
-            timeout = request_timeout_s  # socket timeout: request line, headers, reply
+            timeout = request_timeout_s  # socket timeout of each reply write
+
+            def setup(self) -> None:
+                super().setup()
+                self.rfile.close()  # the whole request by one deadline instead of per recv
+                self.rfile = io.BufferedReader(_RequestReader(self.connection, time.monotonic() + request_timeout_s))
+
+            def end_headers(self) -> None:
+                self.connection.settimeout(request_timeout_s)  # reply writes: not what the request left
+                super().end_headers()
 
             def parse_request(self) -> bool:
                 self.server.mark_busy(self.request)  # type: ignore[attr-defined]

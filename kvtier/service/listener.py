@@ -7,8 +7,11 @@ connection ends for whatever reason calls the endpoint's ``drop`` exactly once,
 before the socket is closed.
 
 Hostile or broken peers are bounded (:class:`ConnLimits`): a deadline to
-authenticate, a cap on connections not yet authenticated, an idle timeout, a
-per-frame timeout and a small frame bound before authentication. Resource
+authenticate (the whole handshake), a cap on connections not yet authenticated,
+a cap on connections open at once (the oldest one waiting for a frame makes
+room), an idle timeout, a deadline for each whole frame (header and body: every
+``recv`` gets the time left, so a peer dripping one byte at a time is cut off)
+and a small frame bound before authentication. Resource
 exhaustion in ``accept`` (EMFILE...) backs off and retries; it never ends the
 loop (see :meth:`FrameServer.degraded_reason`).
 """
@@ -74,9 +77,17 @@ class ConnLimits:
         handshake_timeout_s: seconds from accept until the endpoint reports the
             connection authenticated (:attr:`Phase.READY`); then it is closed.
         idle_timeout_s: seconds an authenticated connection may wait between
-            frames; then it is closed (the endpoint's ``drop`` releases its holds).
-        frame_timeout_s: seconds to receive the rest of a frame once its header
-            arrived, and to send its reply (slow readers and writers are closed).
+            frames (for a frame's first byte); then it is closed (the endpoint's
+            ``drop`` releases its holds).
+        frame_timeout_s: seconds to receive the whole of a frame (header and
+            body) once its first byte arrived, and to send its reply; a deadline
+            for the frame, not per ``recv`` (slow readers and writers are closed).
+            Before authentication the handshake deadline also bounds the frame.
+        max_connections: connections served at once; a new connection beyond it
+            closes the oldest one that is waiting for (or in the middle of) a
+            frame rather than being refused; refused (``busy``) only while every
+            connection is busy handling a request. Bounds the serving threads to
+            ``2 * max_connections`` (closed ones still leaving included).
         max_unauthenticated: connections not yet authenticated at once; a new
             connection beyond it closes the oldest unauthenticated one, so idle
             sockets can never keep an engine (which registers at once) out, nor
@@ -90,14 +101,17 @@ class ConnLimits:
     frame_timeout_s: float | None = None
     max_unauthenticated: int | None = None
     handshake_frame_bytes: int = MAX_FRAME_BYTES
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("handshake_timeout_s", "idle_timeout_s", "frame_timeout_s"):
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"connection limit {name} must be > 0 seconds (or None: off), got {v}")
-        if self.max_unauthenticated is not None and self.max_unauthenticated < 1:
-            raise ValueError(f"connection limit max_unauthenticated must be >= 1, got {self.max_unauthenticated}")
+        for name in ("max_unauthenticated", "max_connections"):
+            n = getattr(self, name)
+            if n is not None and n < 1:
+                raise ValueError(f"connection limit {name} must be >= 1, got {n}")
         if not 64 <= self.handshake_frame_bytes <= MAX_FRAME_BYTES:
             raise ValueError(
                 f"connection limit handshake_frame_bytes must be in 64..{MAX_FRAME_BYTES}, got {self.handshake_frame_bytes}"
@@ -158,9 +172,12 @@ class FrameServer(Generic[S]):
         self._conns: dict[int, socket.socket] = {}
         self._conns_lock = threading.Lock()
         self._pending: dict[int, socket.socket] = {}  # unauthenticated, oldest first; guarded by _conns_lock
+        self._waiting: dict[int, None] = {}  # keys reading a frame (evictable), with max_connections; same lock
+        self._evicted: set[int] = set()  # keys closed to make room whose thread has not left yet; same lock
         self._keys = itertools.count(1)
         self._degraded: dict[str, str] = {}  # listener kind -> reason; guarded by _conns_lock
         self.evicted_unauthenticated = 0
+        self.evicted_connections = 0
         self.accept_failures = 0
         self.thread_start_failures = 0
         self.timeouts = 0
@@ -262,15 +279,18 @@ class FrameServer(Generic[S]):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         key = next(self._keys)
+        if not self._add_conn(key, conn):
+            _refuse(conn, "too many connections, all busy")
+            return
         if self._phase is not None:
             self._add_pending(key, conn)
         try:
             session = self.endpoint.open(conn, kind)
         except BaseException:
-            self._authenticated_or_gone(key)
+            self._gone(key)
             raise
         if session is None:
-            self._authenticated_or_gone(key)
+            self._gone(key)
             _refuse(conn, "too many clients")
             return
         try:
@@ -278,11 +298,51 @@ class FrameServer(Generic[S]):
         except RuntimeError as exc:  # "can't start new thread": close this one, keep accepting
             self.thread_start_failures += 1
             log.warning("%s: cannot start a connection thread (%s); connection closed", self.name, exc)
-            self._authenticated_or_gone(key)
+            self._gone(key)
             try:
                 self.endpoint.drop(session)
             finally:
                 _quiet(conn.close)
+
+    def _add_conn(self, key: int, conn: socket.socket) -> bool:
+        """Count ``conn`` as served; at ``max_connections``, close the oldest connection reading a frame.
+
+        False (refuse ``conn``): every connection is busy handling a request, or
+        ``2 * max_connections`` threads are still serving (closed ones leaving included).
+        """
+        cap = self.limits.max_connections
+        victim = None
+        with self._conns_lock:
+            if cap is not None and len(self._conns) - len(self._evicted) >= cap:
+                candidates = [k for k in self._waiting if k not in self._evicted]
+                if not candidates or len(self._conns) >= 2 * cap:
+                    return False
+                oldest = min(candidates)  # keys grow with accept order
+                self._evicted.add(oldest)
+                victim = self._conns[oldest]
+            self._conns[key] = conn
+        if victim is not None:
+            self.evicted_connections += 1
+            _quiet(lambda: victim.shutdown(socket.SHUT_RDWR))  # its thread sees EOF and drops it
+        return True
+
+    def _set_waiting(self, key: int, waiting: bool) -> None:
+        """Mark connection ``key`` as reading a frame (evictable) or handling one (with ``max_connections``)."""
+        if self.limits.max_connections is None:
+            return
+        with self._conns_lock:
+            if waiting:
+                self._waiting[key] = None
+            else:
+                self._waiting.pop(key, None)
+
+    def _gone(self, key: int) -> None:
+        """Forget connection ``key`` entirely (its thread left, or never started)."""
+        with self._conns_lock:
+            self._conns.pop(key, None)
+            self._pending.pop(key, None)
+            self._waiting.pop(key, None)
+            self._evicted.discard(key)
 
     def _add_pending(self, key: int, conn: socket.socket) -> None:
         """Count ``conn`` as unauthenticated, closing the oldest such connection if at the cap."""
@@ -309,36 +369,29 @@ class FrameServer(Generic[S]):
 
     # -- serving ------------------------------------------------------------------------------
     def _serve(self, key: int, sock: socket.socket, session: S) -> None:
-        with self._conns_lock:
-            self._conns[key] = sock
         lim = self.limits
         phase = Phase.READY if self._phase is None else Phase.HANDSHAKE
         handshake_deadline = None if lim.handshake_timeout_s is None else time.monotonic() + lim.handshake_timeout_s
         header = bytearray(HEADER.size)
         try:
             while not self._stop.is_set():
-                if phase is Phase.HANDSHAKE:
-                    bound = lim.handshake_frame_bytes
-                    wait = None if handshake_deadline is None else max(handshake_deadline - time.monotonic(), 0.001)
-                else:
-                    bound, wait = MAX_FRAME_BYTES, lim.idle_timeout_s
-                sock.settimeout(wait)
+                handshake = phase is Phase.HANDSHAKE
+                bound = lim.handshake_frame_bytes if handshake else MAX_FRAME_BYTES
+                self._set_waiting(key, True)
                 try:
-                    if not recv_exact(sock, memoryview(header)):
-                        return
+                    body = self._read_frame(sock, header, bound, handshake_deadline if handshake else None)
                 except TimeoutError:
                     self.timeouts += 1
                     return
-                sock.settimeout(lim.frame_timeout_s)
-                (n,) = HEADER.unpack(header)
-                if n > bound:
+                if body is None:
+                    return
+                if isinstance(body, int):
                     # The stream cannot be resynchronised: answer and hang up.
                     self.endpoint.frame_too_large(session)
-                    sock.sendall(pack(error_reply(-1, ErrorCode.TOO_LARGE, f"frame of {n} B exceeds the bound of {bound} B")))
+                    sock.settimeout(lim.frame_timeout_s)
+                    sock.sendall(pack(error_reply(-1, ErrorCode.TOO_LARGE, f"frame of {body} B exceeds the bound of {bound} B")))
                     return
-                body = bytearray(n)
-                if not recv_exact(sock, memoryview(body)):
-                    return
+                self._set_waiting(key, False)
                 reply, fd = self.endpoint.handle(session, body)
                 del body
                 if reply is not None:
@@ -346,6 +399,7 @@ class FrameServer(Generic[S]):
                         frame = pack(reply)
                     except ProtocolError as exc:  # a reply over the frame bound: say so, keep the stream in step
                         frame = pack(error_reply(reply.get("id", -1), exc.code, str(exc)))
+                    sock.settimeout(lim.frame_timeout_s)  # sendall: a bound on the whole reply
                     if fd is not None:
                         socket.send_fds(sock, [frame], [fd])
                     else:
@@ -360,13 +414,49 @@ class FrameServer(Generic[S]):
         except OSError:
             return  # connection reset, timed out, or the server is closing
         finally:
-            with self._conns_lock:
-                self._conns.pop(key, None)
-            self._authenticated_or_gone(key)
+            self._gone(key)
             try:
                 self.endpoint.drop(session)  # before the close: a peer that sees EOF finds its holds released
             finally:
                 _quiet(sock.close)
+
+    def _read_frame(
+        self, sock: socket.socket, header: bytearray, bound: int, handshake_deadline: float | None
+    ) -> bytearray | int | None:
+        """The next frame's body; its length if over ``bound`` (body unread); None on EOF.
+
+        The first byte waits for the idle timeout (authenticated) or the handshake
+        deadline; from then the whole frame must arrive within ``frame_timeout_s``
+        seconds (and by ``handshake_deadline``, a ``time.monotonic`` point, if given).
+
+        Raises:
+            TimeoutError: a deadline passed. OSError: the socket failed.
+        """
+        lim = self.limits
+        view = memoryview(header)
+        if handshake_deadline is not None:
+            first: float | None = handshake_deadline
+        else:
+            first = None if lim.idle_timeout_s is None else time.monotonic() + lim.idle_timeout_s
+        if not _recv_by(sock, view[:1], first):
+            return None
+        deadline = None if lim.frame_timeout_s is None else time.monotonic() + lim.frame_timeout_s
+        if handshake_deadline is not None:
+            deadline = handshake_deadline if deadline is None else min(deadline, handshake_deadline)
+        if not _recv_by(sock, view[1:], deadline):
+            return None
+        (n,) = HEADER.unpack(header)
+        if n > bound:
+            return int(n)
+        body = bytearray(n)
+        return body if _recv_by(sock, memoryview(body), deadline) else None
+
+
+def _recv_by(sock: socket.socket, view: memoryview, deadline: float | None) -> bool:
+    """:func:`recv_exact` of ``view`` by ``deadline`` (``time.monotonic`` seconds; None: no bound)."""
+    if deadline is None:
+        sock.settimeout(None)
+    return recv_exact(sock, view, deadline)
 
 
 def _refuse(conn: socket.socket, why: str) -> None:

@@ -33,14 +33,18 @@ from kvtier import protocol as P
 from kvtier.protocol import Backoff, ErrorCode, ProtocolError
 from kvtier.protocol.transport import check_socket_dir, private_runtime_dir
 from kvtier.service.lease_ops import LeaseManager, lookup_op, release_op
-from kvtier.service.listener import FrameServer, bind_unix
+from kvtier.service.listener import ConnLimits, FrameServer, bind_unix
 from kvtier.service.session import Holds
 from kvtier.storage.types import LookupResult
 
 log = logging.getLogger(__name__)
 
-#: Concurrent connections to one endpoint (a scheduler needs one; more are refused).
-_MAX_CONNECTIONS = 16
+#: Connections served at once (a scheduler needs one); a new one beyond closes the oldest one
+#: waiting for a frame (stalled or idle), so stalled sockets cannot lock the scheduler out.
+MAX_CONNECTIONS = 16
+#: Seconds a started frame (header and body) has to arrive, and its reply to be sent; a peer
+#: that sends part of a frame and stalls is closed after it.
+FRAME_TIMEOUT_S = 2.0
 
 
 def socket_path(instance: str) -> str:
@@ -63,31 +67,36 @@ class LookupServer:
             ``release`` and ``abort``).
         path: Unix socket path; its directory is created 0700 and must be
             private to this user.
+        frame_timeout_s: seconds a started frame (header and body) has to arrive
+            and its reply to be sent; the connection is closed after it.
+        max_connections: connections served at once (one thread each); a new one
+            beyond closes the oldest connection waiting for a frame (stalled or
+            idle; its leases end), and is refused only while all are busy.
 
     Raises:
         UnsafeSocketDir: the directory is another user's or group/other-writable.
+        ValueError: a non-positive frame_timeout_s or max_connections.
         RuntimeError: ``path`` exists: it is never replaced (the name is unique per engine
             instance, so it is another process's socket, or this instance's twice).
         OSError: the socket cannot be bound.
     """
 
-    def __init__(self, manager: LeaseManager, path: str):
+    def __init__(
+        self, manager: LeaseManager, path: str, frame_timeout_s: float = FRAME_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+    ):
         self.manager = manager
         self.path = path
         self.errors = 0
-        self._lock = threading.Lock()
-        self._open = 0
-        self._frames: FrameServer[Holds] = FrameServer(self, "kvtier-lookup")
+        # No idle timeout: the scheduler keeps its one connection open between calls.
+        limits = ConnLimits(frame_timeout_s=frame_timeout_s, max_connections=max_connections)
+        self._frames: FrameServer[Holds] = FrameServer(self, "kvtier-lookup", limits)
         self._unix = bind_unix(path, replace_stale=False)
         self._frames.listen(self._unix.sock)
 
     # -- Endpoint --------------------------------------------------------------------------
     def open(self, sock: socket.socket, kind: str) -> Holds | None:
-        with self._lock:
-            if self._open >= _MAX_CONNECTIONS:
-                return None
-            self._open += 1
-        return Holds(max_holds=0)
+        return Holds(max_holds=0)  # the FrameServer bounds the connections (max_connections)
 
     def frame_too_large(self, session: Holds) -> None:
         self.errors += 1
@@ -122,11 +131,7 @@ class LookupServer:
         return (None if env.noreply else reply), None
 
     def drop(self, holds: Holds) -> None:
-        try:
-            holds.release_all(self.manager)
-        finally:
-            with self._lock:
-                self._open -= 1
+        holds.release_all(self.manager)
 
     def close(self) -> None:
         """Stop serving (ending every lease granted over a connection still open) and remove the socket."""

@@ -28,7 +28,9 @@ class ServerOptions:
             when TCP is on; compared in constant time).
         metrics_host: address of the HTTP metrics/health endpoint.
         metrics_port: its port (None: off; 0: any free port).
-        max_clients: concurrent connections; more are refused.
+        max_clients: registered connections at once; a register beyond them
+            gets ``busy`` and its connection is closed (connections still
+            registering are bounded by ``max_unauthenticated``).
         max_namespaces: key namespaces hosted at once; they share
             ``cpu_capacity`` dynamically (a namespace alone may fill it; each
             gets back at least its fair share when others need room), while

@@ -112,8 +112,10 @@ class CacheServer:
                                      released=lambda: dict(self._namespaces.released_counters))
         self.instance = os.urandom(8)
         self.started_at = time.monotonic()
-        # Registered connections reach max_clients even while max_unauthenticated wait to register.
-        self.sessions = SessionTable(options.max_clients + options.max_unauthenticated, options.max_holds_per_client)
+        # Registered connections reach max_clients even while max_unauthenticated wait to register;
+        # registered ones are capped at max_clients when they register (_register).
+        self.sessions = SessionTable(options.max_clients + options.max_unauthenticated, options.max_holds_per_client,
+                                     max_registered=options.max_clients)
         limits = ConnLimits(
             handshake_timeout_s=options.handshake_timeout_s,
             idle_timeout_s=options.idle_timeout_s,
@@ -363,8 +365,23 @@ class CacheServer:
 
     # -- register ----------------------------------------------------------------------------
     def _register(self, s: Session, r: P.Register) -> tuple[dict[str, Any], int | None]:
-        """Registration (validation, allow-list, namespace table, quotas): :mod:`kvtier.service.namespaces`."""
-        out = self._namespaces.register(s, r, self.options.token, self.instance)
+        """Registration (validation, allow-list, namespace table, quotas): :mod:`kvtier.service.namespaces`.
+
+        Raises:
+            ProtocolError: ``BUSY`` when ``max_clients`` connections are registered
+                (the connection is closed after the reply), or the table's refusal.
+        """
+        first = s.registered is None
+        if first and not self.sessions.claim_registration(s):
+            self._close_after_reply(s)
+            raise ProtocolError(ErrorCode.BUSY, f"too many clients: {self.options.max_clients} connections are "
+                                "registered (--max-clients); retry later")
+        try:
+            out = self._namespaces.register(s, r, self.options.token, self.instance)
+        except BaseException:
+            if first and s.registered is None:
+                self.sessions.unclaim_registration(s)
+            raise
         if self.fleet is not None:
             try:
                 self.fleet.sync()  # a new namespace host reports from its first store

@@ -226,12 +226,21 @@ class Session:
 
 
 class SessionTable:
-    """Live sessions by id, bounded by ``max_clients`` (thread-safe)."""
+    """Live sessions by id (thread-safe).
 
-    def __init__(self, max_clients: int, max_holds: int):
+    Args:
+        max_clients: sessions open at once, registered or not (more are refused).
+        max_holds: each session's bound on reservations plus read references.
+        max_registered: sessions that may have registered (or be registering) at
+            once (:meth:`claim_registration`); default ``max_clients``.
+    """
+
+    def __init__(self, max_clients: int, max_holds: int, max_registered: int | None = None):
         self.max_clients = max_clients
         self.max_holds = max_holds
+        self.max_registered = max_clients if max_registered is None else max_registered
         self._sessions: dict[int, Session] = {}
+        self._registered: set[int] = set()  # sids holding a registration place
         self._lock = threading.Lock()
         self._next_sid = 1
 
@@ -245,11 +254,32 @@ class SessionTable:
             self._sessions[s.sid] = s
             return s
 
+    def claim_registration(self, s: Session) -> bool:
+        """Take a registration place for ``s`` (True if it has one); False when
+        ``max_registered`` other sessions hold theirs."""
+        with self._lock:
+            if s.sid not in self._registered:
+                if len(self._registered) >= self.max_registered:
+                    return False
+                self._registered.add(s.sid)
+            return True
+
+    def unclaim_registration(self, s: Session) -> None:
+        """Give back ``s``'s registration place (its register failed)."""
+        with self._lock:
+            self._registered.discard(s.sid)
+
+    def registered(self) -> int:
+        """Sessions holding a registration place."""
+        with self._lock:
+            return len(self._registered)
+
     def remove(self, s: Session) -> None:
-        """Take ``s`` out of the table (after its holds are released)."""
+        """Take ``s`` out of the table (after its holds are released), with its registration place."""
         assert s.holds.count == 0 and not s.holds.owners, "session removed while holding"
         with self._lock:
             self._sessions.pop(s.sid, None)
+            self._registered.discard(s.sid)
 
     def snapshot(self) -> list[Session]:
         with self._lock:
@@ -263,9 +293,10 @@ class SessionTable:
         return sum(s.holds.count for s in self.snapshot())
 
     def check_invariants(self) -> None:
-        """Assert every session's holds invariants and the client bound."""
+        """Assert every session's holds invariants and the client bounds."""
         sessions = self.snapshot()
         assert len(sessions) <= self.max_clients
+        assert self.registered() <= self.max_registered, "registered sessions over max_registered"
         for s in sessions:
             s.holds.check_invariants()
 

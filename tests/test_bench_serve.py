@@ -211,6 +211,7 @@ async def _one(url: str, model: str = "fake", **kw: Any) -> RequestRecord:
         return await stream_request(c, url, model, "t-1", **kw)
 
 
+@pytest.mark.slow
 def test_client_ttft_itl_tpot_math(serving: Any) -> None:
     srv = serving(fake_app(first_s=0.15, gap_s=0.05, tokens=5))
     rec = asyncio.run(_one(srv.url, messages=[{"role": "user", "content": "hello there"}]))
@@ -381,6 +382,7 @@ def test_identical_answers_pass(serving: Any, tmp_path: Any) -> None:
     assert data["router_hit_rate_vs_oracle"] is None and data["fits_throughput_ratio"] is None
 
 
+@pytest.mark.slow
 def test_no_reference_means_answers_not_judged(serving: Any, tmp_path: Any) -> None:
     b = serving(fake_app(corrupt="check-u1000-q1"))
     opts = ServeBenchOptions(users=2, rounds=2, concurrency=1, system_tokens=20, context_tokens=(30, 40),
@@ -600,6 +602,7 @@ def test_lmcache_cli_configs_must_name_side_by_side_configurations(tmp_path: Any
                             options=opts, lmcache_cli_configs=bad)
 
 
+@pytest.mark.slow
 def test_no_reuse_requests_override(serving: Any, tmp_path: Any) -> None:
     """--no-reuse-requests overrides the preset's count of the no-reuse control's prompts."""
     vllm, kv = serving(fake_app()), serving(fake_app())

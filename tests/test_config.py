@@ -349,6 +349,7 @@ def test_capacity_below_one_real_chunk_is_refused_when_the_chunk_size_is_known(c
     assert "cpu_capacity" in caplog.text and "4096 B" in caplog.text
 
 
+@pytest.mark.slow
 def test_server_refuses_bad_settings_and_never_says_ready(tmp_path: Path) -> None:
     """``kvtier server --disk-path /proc/x`` reported ready; ``KVTIER_CPU_CAPACITY=12`` was accepted."""
     import os

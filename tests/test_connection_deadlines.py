@@ -123,6 +123,7 @@ def test_recv_exact_deadline_bounds_the_whole_view() -> None:
 
 
 # -- FrameServer -------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("part", ["header", "body"])
 def test_a_drip_fed_frame_is_closed_at_the_frame_deadline(echo_server: Any, part: str) -> None:
     path, frames, _ = echo_server
@@ -231,6 +232,7 @@ def test_a_register_beyond_max_clients_is_refused_and_its_place_comes_back(short
             b.close()
 
 
+@pytest.mark.slow
 def test_a_drip_fed_handshake_is_closed_at_its_deadline(short_dir: Path) -> None:
     with start_server(short_dir, handshake_timeout_s=0.8, frame_timeout_s=30) as srv:
         s = dial(str(short_dir / "s.sock"))
@@ -241,6 +243,7 @@ def test_a_drip_fed_handshake_is_closed_at_its_deadline(short_dir: Path) -> None
         s.close()
 
 
+@pytest.mark.slow
 def test_a_drip_fed_http_request_is_closed_at_the_request_deadline(short_dir: Path) -> None:
     with start_server(short_dir, metrics_port=0, http_timeout_s=0.8) as srv:
         assert srv.metrics_port is not None

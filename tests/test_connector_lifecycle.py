@@ -154,6 +154,7 @@ def test_stress_cpu_tier_10k_requests(connectors) -> None:
     assert pair.scheduler.scheduler.ledger.load_failures_total == 0 and eng.stats.error_blocks == 0  # nothing was lost: every promise kept
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_layout", ["padded", "separate"])
 def test_stress_other_kv_layouts(connectors, kv_layout: str) -> None:
     """Layers at uneven offsets of one storage, or in separate allocations (per-layer copies)."""

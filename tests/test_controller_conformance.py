@@ -209,6 +209,7 @@ def _pin(fleet: FleetCluster, p: list[int]) -> tuple[FleetInstance, list[bytes],
     return a, keys, res["event_id"]
 
 
+@pytest.mark.slow
 def test_pin(fleet: FleetCluster) -> None:
     p = prompt(4)
     a, keys, _ = _pin(fleet, p)

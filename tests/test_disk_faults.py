@@ -234,6 +234,7 @@ def _try_open(d: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_second_process_is_refused_then_takes_over_after_sigkill(tmp_path: Path) -> None:
     d, log = tmp_path / "disk", tmp_path / "completed.log"
     owner = _spawn_writer(d, log, 99, 1 << 30)

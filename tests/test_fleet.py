@@ -84,6 +84,7 @@ def test_engine_block_cache_evicts_free_blocks_least_recently_freed_first() -> N
     assert not c.can_admit([5], 0, 2)
 
 
+@pytest.mark.slow
 def test_bench_fleet_writes_the_issue_keys_without_dynamo(tmp_path: Path) -> None:
     from kvtier.bench.fleet import run_bench_fleet
 
@@ -143,6 +144,7 @@ def test_dynamo_driver_imports_dynamo_not_its_sibling_module(tmp_path: Path) -> 
     assert "fake failure" in got[(3, "round_robin")]["error"]  # one cell failing leaves the others
 
 
+@pytest.mark.slow
 def test_bench_fleet_refuses_a_dynamo_that_fails_every_cell(tmp_path: Path) -> None:
     from kvtier.bench.common import BenchUsageError
     from kvtier.bench.fleet import run_bench_fleet

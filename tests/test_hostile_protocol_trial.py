@@ -167,6 +167,7 @@ V = P.PROTOCOL_VERSION
 
 
 # -- 1. a client truncates the shared segment it was handed: SIGBUS kills the server -----------------
+@pytest.mark.slow
 def test_client_truncating_the_passed_segment_does_not_crash_the_server(server: Server) -> None:
     """The register reply passes the namespace's memfd (read-write, unsealed); ``ftruncate(fd, 0)`` on it
     makes every later touch of the pool a SIGBUS: the server's commit checksum dies on it (exit -7),
@@ -192,6 +193,7 @@ def test_client_truncating_the_passed_segment_does_not_crash_the_server(server: 
 
 
 # -- 2. a parent cycle pins the CPU pool for good ----------------------------------------------------
+@pytest.mark.slow
 def test_parent_cycle_cannot_pin_the_pool_forever(tmp_short: Path) -> None:
     """``reserve_many`` refuses a chunk that is its own parent, but not two chunks that are each other's
     (A's parent B, B's parent A): both then have a resident child, so leaf-first eviction never offers
@@ -225,6 +227,7 @@ def test_parent_cycle_cannot_pin_the_pool_forever(tmp_short: Path) -> None:
 
 
 # -- 3. a one-way request with a bad field is answered ----------------------------------------------
+@pytest.mark.slow
 def test_noreply_request_with_a_bad_field_gets_no_reply(server: Server) -> None:
     """messages.py: 'Requests with "noreply": true ... get no reply, even on error, so the stream stays
     in step.' A one-way commit whose key is 31 bytes (or whose parent is its key) is answered with a
@@ -239,6 +242,7 @@ def test_noreply_request_with_a_bad_field_gets_no_reply(server: Server) -> None:
 
 
 # -- 4. v = 2.0 accepted -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_float_version_is_refused(server: Server) -> None:
     """The envelope's ``v`` is an int (``_WireEnvelope.v: int``); 2.0 fails the fast path, and the
     fallback's ``obj.get("v") != PROTOCOL_VERSION`` lets it through (2.0 == 2)."""
@@ -250,6 +254,7 @@ def test_float_version_is_refused(server: Server) -> None:
 
 
 # -- 5. msgpack extension types slip through the fast path -------------------------------------------
+@pytest.mark.slow
 def test_extension_type_in_a_request_is_refused_where_it_is_read(server: Server) -> None:
     """An ext value where the server reads a field (``op``) is BAD_MSGPACK naming the request; in a field
     no request has, it is skipped unread (the design, envelope.py: a newer client's extra fields reach an
@@ -288,6 +293,7 @@ def test_one_frame_cannot_make_the_server_allocate_fifty_times_its_size() -> Non
 
 
 # -- 7. the lookup endpoint has no timeouts: 16 stalled sockets lock the scheduler out ----------------
+@pytest.mark.slow
 def test_stalled_connections_do_not_lock_the_scheduler_out_of_the_lookup_endpoint(tmp_short: Path) -> None:
     """``LookupServer`` builds its ``FrameServer`` without ``ConnLimits`` (no handshake, idle or frame
     timeout) and refuses connections past 16: 16 sockets that each sent half a header hold every slot
@@ -422,6 +428,7 @@ def test_clear_after_a_parent_cycle_on_disk_answers_and_keeps_the_namespace_serv
 
 
 # -- 10. a field over a msgpack bound gets an error without the request id -----------------------------
+@pytest.mark.slow
 def test_error_for_a_string_over_the_msgpack_bound_names_the_request(server: Server) -> None:
     """A lookup whose owner has 70,000 characters (inside the 1 MiB frame) fails the fast path, and the
     fallback's ``unpack_body`` (``max_str_len`` 64 KiB) answers bad_msgpack with id -1 (a 300-character
@@ -458,6 +465,7 @@ def _drip_then_finish(s: socket.socket, body: bytes, secs: float, step: float = 
         return None  # closed: the fix
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["registered", "handshake"])
 def test_a_drip_fed_frame_is_cut_off_at_the_frame_or_handshake_deadline(tmp_short: Path, phase: str) -> None:
     """``--frame-timeout-s``: 'Seconds to receive a started request'; ``--handshake-timeout-s``: 'Seconds a
@@ -481,6 +489,7 @@ def test_a_drip_fed_frame_is_cut_off_at_the_frame_or_handshake_deadline(tmp_shor
 
 
 # -- 12. --max-clients is exceeded by --max-unauthenticated registered connections -----------------------
+@pytest.mark.slow
 def test_max_clients_bounds_registered_connections(tmp_short: Path) -> None:
     """``--max-clients 8``: 'Concurrent client connections' (options: 'more are refused'). The session table
     is sized ``max_clients + max_unauthenticated`` (server.py) so that unregistered sockets cannot keep an
@@ -569,6 +578,7 @@ c.close()
 """
 
 
+@pytest.mark.slow
 def test_client_survives_a_server_that_shrinks_the_segment(tmp_short: Path) -> None:
     """The client maps the fd the server passed after checking its size once (``attach_fd``), and does
     not require it sealed: a server (or any process holding the fd) that ``ftruncate``s it afterwards

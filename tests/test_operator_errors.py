@@ -275,6 +275,7 @@ def test_dead_redis_is_warned_at_open(caplog) -> None:
     assert "does not answer" in caplog.text and "127.0.0.1:1" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_port_in_use_names_the_flag_and_leaves_no_socket(tmp_path: Path) -> None:
     """A metrics port another process holds: one line naming the flag and port; nothing left bound."""
     import socket

@@ -192,6 +192,7 @@ def test_cross_request_cycles_through_the_server_leave_the_pool_usable(short_dir
             victim.close()
 
 
+@pytest.mark.slow
 def test_store_blocks_across_requests_cannot_pin_the_pool(short_dir: Path) -> None:
     """``store_blocks`` commits with the parents it is given, one request at a time."""
     pytest.importorskip("torch")

@@ -173,6 +173,7 @@ def code(reply: dict[str, Any]) -> str:
     return reply["code"]
 
 
+@pytest.mark.slow
 def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, shm_kv: ShmKV) -> None:
     proc, sock = server
     k = keys("errors", 2)
@@ -476,6 +477,7 @@ def test_worker_steps_use_server_copies_and_keep_the_slot_layout(server, shm_kv:
         c.close()
 
 
+@pytest.mark.slow
 def test_a_chain_without_room_stores_a_prefix_and_keeps_no_holds(short_dir: Path, shm_kv: ShmKV) -> None:  # noqa: F811
     from service_helpers import start_server
 

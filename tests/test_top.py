@@ -84,6 +84,7 @@ def test_top_unreachable_and_ctrl_c() -> None:
     assert code == 0 and "Traceback" not in screen, screen
 
 
+@pytest.mark.slow
 def test_top_through_a_pipe_prints_every_frame_uncut(short_dir: Path) -> None:  # noqa: F811
     """Batch mode: piped, every frame is printed (a Live view would print only the last) and
     the tiers table keeps its last column (a pipe's default 80 columns cut it)."""

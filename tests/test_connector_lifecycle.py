@@ -382,7 +382,9 @@ def test_corrupt_disk_chunk_reports_exactly_the_unfilled_blocks(connectors, tmp_
     assert set(rec.block_ids[bpc : 2 * bpc]) <= rec.reported
     assert not rec.reported & set(rec.block_ids[:bpc])
     st = assert_quiescent(pair)
-    assert pair.scheduler.scheduler.ledger.load_failures_total == 1 and st["disk_corrupt_reads"] == 1
+    # One failed load reaches the engine; the disk may count the corrupt file more than once when a
+    # promotion read races the load's read before the file is dropped (seen once in a fast loop).
+    assert pair.scheduler.scheduler.ledger.load_failures_total == 1 and st["disk_corrupt_reads"] >= 1
 
 
 def test_failed_sync_load_does_not_store_chunks_computed_over_the_gap(connectors) -> None:

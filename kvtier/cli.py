@@ -518,6 +518,9 @@ def router(
         "member there has its events read over CURVE."),
 ) -> None:
     """OpenAI-compatible KV-aware proxy in front of N vLLM servers (routes each prompt to the best cached prefix net of load)."""
+    from kvtier.malloc_arenas import limit_arenas
+
+    limit_arenas()  # before any thread: worker threads tokenizing large bodies keep their arenas' high-water
     from kvtier.router.server import RouterServer
     from kvtier.router.config import (
         RouterConfig,

@@ -7,7 +7,7 @@ threads that ever held a large body, not with what it holds now
 (https://www.gnu.org/software/libc/manual/html_node/Memory-Allocation-Tunables.html,
 ``glibc.malloc.arena_max``). Measured in ``kvtier bench soak-fleet`` (10 minutes, the router loading
 SmolLM2's tokenizer, the hostile client's 16 MiB bodies and huge prompts): the router's RSS rose
-from 556 MiB warm to 726 MiB with glibc's default, and stayed at 519-537 MiB with two arenas.
+from 556 MiB warm to 726 MiB with glibc's default, and stayed between 497 and 566 MiB with two arenas.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ get_mempolicy and the pages' node asked of move_pages).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -89,6 +91,23 @@ def test_the_setting_is_checked_and_normalised(monkeypatch: pytest.MonkeyPatch) 
         load_config({"cpu_numa_node": "near"}, environ={})
 
 
+@contextlib.contextmanager
+def recorded_binds() -> Iterator[list[str]]:
+    """The placement mode of every ``numa.bind`` call made inside the block (each still applied)."""
+    modes: list[str] = []
+    real_bind = numa.bind
+
+    def recording_bind(addr: int, length: int, placement: Placement) -> None:
+        modes.append(placement.mode)
+        real_bind(addr, length, placement)
+
+    numa.bind = recording_bind  # type: ignore[assignment]
+    try:
+        yield modes
+    finally:
+        numa.bind = real_bind  # type: ignore[assignment]
+
+
 # -- mechanism, on this machine ----------------------------------------------------------------------
 @needs_calls
 def test_the_pool_is_bound_before_the_pretouch_and_verified_after() -> None:
@@ -102,14 +121,9 @@ def test_the_pool_is_bound_before_the_pretouch_and_verified_after() -> None:
     assert f"{len(rep.pages)} of {len(rep.pages)} sampled pages" in rep.describe()
     # A pool without a placement makes no mbind call. (Its pages' policy is not asserted: freed heap
     # memory that an earlier bound pool used comes back with that policy, as full runs showed.)
-    calls: list[Placement] = []
-    real_bind = numa.bind
-    numa.bind = lambda addr, length, placement: calls.append(placement)  # type: ignore[assignment]
-    try:
+    with recorded_binds() as modes:
         plain = ChunkPool(1 << 20, 2)
-    finally:
-        numa.bind = real_bind  # type: ignore[assignment]
-    assert plain.numa is None and plain.numa_stats() == {} and calls == []
+    assert plain.numa is None and plain.numa_stats() == {} and modes == []
 
 
 @needs_calls
@@ -140,18 +154,8 @@ def test_the_storage_manager_places_its_cpu_tier_and_reports_it() -> None:
     # 'none' sets no policy: kvtier makes no mbind call and reports nothing bound. (What policy the
     # pool's pages then have is the allocator's business: freed memory an earlier bound pool used can
     # come back with that pool's policy, as a run of the whole suite showed, so it is not asserted.)
-    modes: list[str] = []
-    real_bind = numa.bind
-
-    def recording_bind(addr: int, length: int, placement: Placement) -> None:
-        modes.append(placement.mode)
-        real_bind(addr, length, placement)
-
-    numa.bind = recording_bind  # type: ignore[assignment]
-    try:
+    with recorded_binds() as modes:
         off = manager("none", chunks=(40 << 20) // ns.chunk_bytes)
-    finally:
-        numa.bind = real_bind  # type: ignore[assignment]
     try:
         assert off.stats()["cpu_numa_bound"] == 0 and set(modes) <= {"none"}  # bind() is a no-op for none
         assert off.cpu.pool.numa is not None and not off.cpu.pool.numa.applied

@@ -95,13 +95,7 @@ def decode_request_body(body: bytes | bytearray | memoryview) -> tuple[Envelope,
         typed = None
     if typed is not None and typed.v == PROTOCOL_VERSION and typed.op in REQUESTS and (
             not typed.noreply or typed.op in ONE_WAY_OPS):
-        try:
-            req: Request = decode(_REQUEST_DECODER, body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            err = ProtocolError(_BAD, f"bad {typed.op} request: {exc}", typed.id)
-            err.noreply = typed.noreply
-            raise err from None
-        return Envelope(typed.id, typed.noreply), req
+        return _with_op(body, typed.op, typed.id, typed.noreply)
     try:
         env = decode(_ENVELOPE_DECODER, body)
     except msgspec.ValidationError:
@@ -137,6 +131,12 @@ def _after_id(env: _WireEnvelope, rid: int, body: bytes | bytearray | memoryview
         noreply = False
     if noreply is _INVALID or (noreply and op not in ONE_WAY_OPS):
         raise ProtocolError(_BAD, f"noreply is only allowed for {sorted(ONE_WAY_OPS)}", rid)
+    return _with_op(body, op, rid, noreply)
+
+
+def _with_op(body: bytes | bytearray | memoryview, op: str, rid: int, noreply: bool) -> tuple[Envelope, Request]:
+    """The request of a valid envelope: its op's struct, or ``BAD_MESSAGE`` naming the field (no reply
+    is sent for it when the request asked for none)."""
     try:
         req: Request = decode(_REQUEST_DECODER, body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

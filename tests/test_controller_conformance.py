@@ -490,3 +490,49 @@ def test_shared_tier_late_clear(fleet: FleetCluster, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(b.agent, "_send_changes", held)  # B's late clear arrives ...
     fleet.settle(10.0)  # ... and is applied (every agent's queue sent, the controller at its seq)
     converged(fleet, p, 1.5)
+
+
+
+@pytest.mark.parametrize("lost", ["folded", "dropped"])
+def test_shared_tier_removal_that_never_came_as_a_change(fleet: FleetCluster, monkeypatch: pytest.MonkeyPatch,
+                                                          lost: str) -> None:
+    """CI's failure of test_move_local[redis]: A's clear of the shared tier never reached the
+    controller as a change, so the other sharers' views kept the cleared chunks and every
+    instance's lookup said REMOTE for chunks no store held. Two ways to lose it: ``folded`` (A's
+    next snapshot, read after the clear, discards A's pending changes) and ``dropped`` (the send
+    failed; A's heartbeat then shows the gap and A resyncs). Either way A's snapshot drops keys
+    from its view, which makes the other sharers resync; their listings of the store repair them."""
+    if fleet.kind not in ("fs", "redis"):
+        pytest.skip("no shared tier: the case does not apply")
+    a, b, _ = fleet.instances
+    assert a.agent is not None and b.agent is not None
+    index = fleet.controller.state.index
+    p = prompt(4)
+    a.store(p)
+    fleet.settle()
+    snaps = b.agent.stats.snapshots
+    with fleet.controller.state.lock:  # B lists the store while it holds p: B's view has p too
+        index.needs_resync.add("inst-1")
+    wait_until(lambda: b.agent.stats.snapshots > snaps)
+    fleet.settle()
+    drops = index.shared_drops
+    if lost == "folded":
+        held = a.agent._send_changes
+        monkeypatch.setattr(a.agent, "_send_changes", lambda sock: None)
+        a.ops.clear("remote")  # A's "cleared" change is queued ...
+        assert len(a.agent.changes) >= 1
+        snaps = a.agent.stats.snapshots
+        with fleet.controller.state.lock:  # ... and folded into A's next snapshot (the store is empty)
+            index.needs_resync.add("inst-0")
+        wait_until(lambda: a.agent.stats.snapshots > snaps)
+        assert len(a.agent.changes) == 0
+        monkeypatch.setattr(a.agent, "_send_changes", held)
+    else:
+        lost_sends = a.agent.stats.injected_drops
+        monkeypatch.setattr(a.agent, "drop_fraction", 1.0)
+        a.ops.clear("remote")
+        wait_until(lambda: a.agent.stats.injected_drops > lost_sends)
+        monkeypatch.setattr(a.agent, "drop_fraction", 0.0)
+    fleet.settle()
+    converged(fleet, p, 1.5)
+    assert index.shared_drops > drops

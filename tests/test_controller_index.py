@@ -102,6 +102,27 @@ def test_shared_tier_is_one_table_and_survives_one_instance_drop():
     assert idx._tables == {}
 
 
+
+def test_a_shared_view_that_a_snapshot_shrinks_makes_the_other_sharers_resync():
+    """A removal that reaches the controller only as a smaller snapshot (folded, overflowed, a
+    lost send) must not leave it in the other sharers' views: they are asked to list the store."""
+    idx = FleetIndex()
+    for inst in ("a", "b", "c"):
+        idx.add_instance(inst, tiers(shared=True), [D])
+    ks = chain(3)
+    idx.apply_changes(Changes("a", "e", 1, [Change("s", D, "remote", blob(ks), parents(ks))]))
+    idx.apply_snapshot(Snapshot("b", "e", 1, D, "remote", blob(ks), b"", last=True), "remote")
+    idx.needs_resync.clear()
+    # A snapshot that only grows a view (or a local tier's that shrinks) asks nobody.
+    idx.apply_snapshot(Snapshot("a", "e", 1, D, "remote", blob(ks), parents(ks), last=True, seq=1), "remote")
+    idx.apply_snapshot(Snapshot("a", "e", 2, D, "cpu", b"", b"", last=True, seq=1), "cpu")
+    assert idx.needs_resync == set() and idx.shared_drops == 0
+    idx.apply_snapshot(Snapshot("a", "e", 3, D, "remote", blob(ks[:1]), parents(ks)[:32], last=True, seq=1), "remote")
+    assert idx.needs_resync == {"b", "c"} and idx.shared_drops == 1
+    assert idx.longest_prefix("c", D, ks)["remote"] == 3  # b's view still says 3 until b lists the store
+    idx.apply_snapshot(Snapshot("b", "e", 2, D, "remote", blob(ks[:1]), b"", last=True), "remote")
+    assert idx.longest_prefix("c", D, ks)["remote"] == 1
+
 def test_bad_key_lists_and_unknown_tiers_raise_protocol_errors():
     idx = FleetIndex()
     idx.add_instance("a", tiers(), [D])

@@ -7,7 +7,10 @@ filesystem on several instances) keeps one *view* per sharer, keyed by its ``Tie
 every sharer sees the union of the views. A sharer's snapshot replaces its own view only, so
 one member's empty (or lying) snapshot never erases what the others report; a removal or clear
 in the shared store applies to every view and makes the other sharers resync, whose snapshots
-(listings of the real store) then repair their views.
+(listings of the real store) then repair their views. A sharer's snapshot that drops keys from its
+view makes the others resync too: the removal may never arrive as a change (the agent folds pending
+changes into a snapshot; an overflowing queue or a failed send loses them), and without it the other
+views would keep chunks no store holds (counted in :attr:`FleetIndex.shared_drops`).
 
 Claims are bounded (issue 24): a table holds at most the chunks its tier's declared capacity
 fits (``capacity_bytes // chunk_bytes``, plus 1/16 slack for index lag; :data:`UNBOUNDED_TIER_KEYS`
@@ -132,6 +135,8 @@ class FleetIndex:
         self.snapshots_applied = 0
         self.changes_applied = 0
         self.claims_dropped = 0
+        #: Snapshots of a shared tier that dropped keys from their view (the other sharers resynced).
+        self.shared_drops = 0
 
     # -- membership ---------------------------------------------------------------
 
@@ -281,6 +286,7 @@ class FleetIndex:
         table = pending.entries
         last_seq = self._seq.get(inst)
         log = self._log[inst]
+        before = self._tables.get(tid) or {}
         self._tables[tid] = {}  # while replaying, the old table no longer counts
         self._held[inst] = self._held.get(inst, 0) - old + len(table)
         if last_seq is not None and last_seq > pending.seq:
@@ -294,6 +300,12 @@ class FleetIndex:
         else:
             self._seq[inst] = pending.seq
         self._tables[tid] = table
+        if tid[0] == "s" and any(k not in table for k in before):
+            # The store lost chunks this view held, and the removal may never have come as a change
+            # (folded into this snapshot, lost to a queue overflow or a failed send): the other sharers'
+            # views may still hold them, so they list the store again.
+            self.shared_drops += 1
+            self._resync_sharers(inst, msg.namespace, label)
         self._pins.setdefault((inst, msg.namespace), {})[label] = pending.pinned
         self._pins[(inst, msg.namespace)].pop("_ops", None)
         self.snapshots_applied += 1

@@ -25,7 +25,8 @@ The pool holds at most ``max_peers`` peer tiers keyed by URL (least recently use
 an entry unused for ``idle_s`` seconds, or whose URL the controller's last answer no longer
 lists (the instance expired or restarted elsewhere), is closed. Every failure (controller
 down or slow, a refused token, a peer gone, a timeout, a malformed answer) is a miss, never an
-exception: a controller call is bounded by ``timeout_s`` (httpx's per-phase timeouts), a failed
+exception: a controller call is bounded by ``timeout_s`` (connect, each read, and the reply body's
+deadline; :mod:`~kvtier.transfer.keepalive_http`, a kept-alive connection on the lookup path), a failed
 controller is not asked again for ``retry_s`` seconds; each peer call is bounded and backed off
 by its :class:`~kvtier.transfer.peer_tier.PeerTier`. The tier is read-only (``writable`` False).
 """
@@ -40,7 +41,8 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
-import httpx
+import http.client
+
 import msgspec
 
 from kvtier.protocol.decoding import decode
@@ -48,6 +50,7 @@ from kvtier.protocol.decoding import decode
 from kvtier.protocol.fleet import MAX_LOCATE_KEYS, LocateReply, PeerLocation
 from kvtier.serde.base import Buffer
 from kvtier.tiers.base import TierCounters, check_key
+from kvtier.transfer.keepalive_http import KeepAliveClient
 from kvtier.transfer.peer_open import UrlPeerTier
 from kvtier.transfer.peer_tier import PeerTier, ReadOnlyTier
 
@@ -103,7 +106,7 @@ class DirectedPeerTier(ReadOnlyTier):
         self._open_peer = open_peer or (lambda url, key: UrlPeerTier(
             url, timeout_s=timeout_s, retry_s=retry_s, credentials=credentials, expect=key or None))
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.controller_url, timeout=timeout_s, headers=headers)
+        self._http = KeepAliveClient(self.controller_url, headers=headers, timeout_s=timeout_s)
         self._exclude: dict[str, Any] = (
             {"exclude_instance": instance_id} if instance_id
             else {"exclude_host": socket.gethostname(), "exclude_pid": os.getpid()})
@@ -131,11 +134,11 @@ class DirectedPeerTier(ReadOnlyTier):
         body = {"keys": [k.hex() for k in keys[:MAX_LOCATE_KEYS]], "namespace": self.namespace.hex(), **self._exclude}
         self.locates += 1
         try:
-            r = self._http.post("/locate", json=body)
-            if r.status_code != 200:
-                raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
-            reply = decode(self._reply, r.content)
-        except (httpx.HTTPError, ValueError, msgspec.DecodeError, RuntimeError) as exc:
+            status, content = self._http.post("/locate", msgspec.json.encode(body))
+            if status != 200:
+                raise ValueError(f"HTTP {status}: {content[:200].decode('utf-8', 'replace')}")
+            reply = decode(self._reply, content)
+        except (OSError, http.client.HTTPException, ValueError, msgspec.DecodeError, RuntimeError) as exc:
             self.locate_failures += 1
             self.counters.add(errors=1)
             self._down_until = time.monotonic() + self.retry_s

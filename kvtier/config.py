@@ -21,7 +21,7 @@ key is an error). A YAML file is an LMCache config: its keys are translated
 is not LMCache's, is an error naming it (see :mod:`kvtier.config_lmcache`).
 Naming both a kvtier file and an LMCache file is an error.
 Environment variables that start with ``KVTIER_`` but are not settings are
-refused too, except the tooling variables in :data:`NON_SETTING_ENV`.
+refused too, except the tooling variables in :data:`kvtier.config_sources.NON_SETTING_ENV`.
 
 Values that cannot work are refused with the key and its source named:
 durations must be positive and finite; addresses and URLs must parse; a tier
@@ -36,10 +36,8 @@ warning).
 from __future__ import annotations
 
 import difflib
-import json
 import logging
 import os
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
@@ -56,21 +54,13 @@ from pydantic import (
     model_validator,
 )
 
-from kvtier.config_base import ConfigError, parse_address, read_config_text
-from kvtier.hosts import canonical_host, check_host
+from kvtier.config_base import ConfigError, parse_address
+from kvtier.config_sources import ENV_PREFIX, env_values, file_source
+from kvtier.config_urls import check_host_of, check_ports, check_transfer_url, is_loopback
 from kvtier.sizes import SIZE_FORMS, parse_size
 from kvtier.urls import mask_url
 from kvtier.tiers.policies import POLICIES
 
-ENV_PREFIX = "KVTIER_"
-#: ``KVTIER_*`` environment variables used by kvtier's own tooling, not settings (never refused).
-NON_SETTING_ENV = frozenset({
-    "KVTIER_REDIS_STATE", "KVTIER_TEST_FAULTS_JSON_OUT",  # test tooling
-    "KVTIER_TEST_REQUIRE",  # tests/skip_guard.py: dependencies whose skips fail the run (.ci/run sets it)
-    "KVTIER_DASHBOARD_TOKENIZER",  # the dashboard's hot-prefix text (kvtier.dashboard.source)
-    "KVTIER_TEST_ARTIFACTS", "KVTIER_UPDATE_DOCS",  # browser tests' screenshots
-    "KVTIER_GPU_MODEL",  # scripts/gpu-check.sh: the model folder of its TTFT demo
-})
 #: Log levels ``log_level`` accepts.
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Settings a ``kvtier server`` uses; the others only matter in an engine process.
@@ -341,7 +331,7 @@ class KVTierConfig(BaseModel):
         host, colon, port = rest.rpartition(":")
         if scheme != "tcp" or not sep or not colon or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise ValueError(f"controller address {v!r} must be tcp://HOST:PORT with a port in 1-65535")
-        _host_of("controller address", v, host, wildcard=False)
+        check_host_of("controller address", v, host, wildcard=False)
         return v
 
     @field_validator("instance_id")
@@ -363,13 +353,13 @@ class KVTierConfig(BaseModel):
             host, colon, port = rest.rpartition(":")
             if not colon or not host or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
                 raise ValueError(f"{info.field_name} {v!r}: expected tcp://HOST:PORT with a port in 0-65535")
-            _host_of(str(info.field_name), v, host)
+            check_host_of(str(info.field_name), v, host)
         return v
 
     @field_validator("peer_listen")
     @classmethod
     def _peer_listen_url(cls, v: str | None) -> str | None:
-        return v if v is None else _check_transfer_url("peer_listen", v, listen=True)
+        return v if v is None else check_transfer_url("peer_listen", v, listen=True)
 
     @field_validator("peer_discovery")
     @classmethod
@@ -381,7 +371,7 @@ class KVTierConfig(BaseModel):
         if scheme not in ("http", "https") or not sep or not colon or not host or "/" in host or not (port.isascii() and port.isdigit()) \
                 or not 0 < int(port) < 65536:
             raise ValueError(f"peer_discovery {v!r} must be the controller's HTTP API, http://HOST:PORT (port 1-65535)")
-        _host_of("peer_discovery", v, host, wildcard=False)
+        check_host_of("peer_discovery", v, host, wildcard=False)
         return v
 
     @field_validator("peers", mode="before")
@@ -397,7 +387,7 @@ class KVTierConfig(BaseModel):
         # Each URL in its canonical form (no trailing '/', lowercased host, port without leading
         # zeros), so one peer written two ways is caught as named twice, and this instance's own
         # peer_listen is recognised however it is written.
-        v = tuple(_check_transfer_url("peers", url, listen=False) for url in v)
+        v = tuple(check_transfer_url("peers", url, listen=False) for url in v)
         if len(set(v)) != len(v):
             seen: set[str] = set()
             dup = ""
@@ -446,7 +436,7 @@ class KVTierConfig(BaseModel):
                              "user's processes)")
         if self.peer_listen and not self.peer_listen.startswith("shm://") and not self.peer_allow_remote:
             host = self.peer_listen.split("://", 1)[1].rstrip("/").rpartition(":")[0]
-            if not _is_loopback(host):
+            if not is_loopback(host):
                 raise ValueError(f"peer_listen {self.peer_listen}: {host or 'every interface'} is beyond loopback; "
                                  "set peer_allow_remote to serve other machines")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
@@ -477,7 +467,7 @@ class KVTierConfig(BaseModel):
         known = available_tiers()
         if scheme.lower() not in known:
             raise ValueError(f"no remote tier for scheme {scheme!r}; available: {', '.join(sorted(known))}")
-        _check_ports(v, rest)
+        check_ports(v, rest)
         check_tier_url(v)
         return v
 
@@ -520,203 +510,10 @@ def _size_floor(v: ByteSize, floor: int, info: ValidationInfo) -> ByteSize:
     return v
 
 
-def _check_ports(url: str, rest: str) -> None:
-    """Every ``host:port`` of the URL's authority has a port in 1-65535 (cluster URLs list several)."""
-    netloc = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0].rpartition("@")[2]
-    for part in filter(None, netloc.split(",")):
-        host, sep, port = part.rpartition(":") if not part.endswith("]") else ("", "", "")
-        if sep and (not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536):
-            raise ValueError(f"remote_url {mask_url(url)!r}: port {port!r} is not a number in 1-65535")
-
-
 def _key_named_by(msg: str) -> str:
     """The setting a cross-setting error names first (its message starts with it), or "?"."""
     first = msg.removeprefix("Value error, ").split(" ", 1)[0]
     return first if first in KVTierConfig.model_fields else "?"
-
-
-def _is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (a wildcard or another host is not)."""
-    import ipaddress
-
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-#: Transfer channel schemes a peer URL may name (see :mod:`kvtier.transfer.urls`).
-PEER_SCHEMES = ("tcp", "shm", "nixl")
-
-
-def _check_transfer_url(key: str, url: str, listen: bool) -> str:
-    """``url`` if it is ``tcp://HOST:PORT``, ``nixl://HOST:PORT`` or ``shm:///ABSOLUTE/PATH``, else ValueError.
-
-    Ports are 1-65535 (0 too when ``listen``: any free port). A TCP/NIXL URL is returned in its
-    canonical form, ``SCHEME://host:PORT`` (host lowercased but for an IPv6 zone id, no trailing
-    ``/``, the port in decimal without leading zeros); an ``shm://`` URL as given.
-    """
-    scheme, sep, rest = url.partition("://")
-    if scheme not in PEER_SCHEMES or not sep:
-        raise ValueError(f"{key} {url!r}: scheme must be one of {', '.join(s + '://' for s in PEER_SCHEMES)}")
-    shown = url if len(url) <= 200 else url[:200] + "..."
-    if scheme == "shm":
-        if not rest.startswith("/") or len(rest) < 2:
-            raise ValueError(f"{key} {shown!r}: shm:// needs an absolute socket path, e.g. shm:///run/kvtier-peer.sock")
-        if any(c in rest for c in "\0?#"):
-            raise ValueError(f"{key} {shown!r}: a socket path holds no NUL, '?' or '#'")
-        path = os.path.normpath(rest)  # lexical: // and /./ and a trailing / go
-        path = "/" + path.lstrip("/")  # (POSIX keeps a leading '//')
-        if len(os.fsencode(path)) > MAX_UNIX_PATH_BYTES:
-            raise ValueError(f"{key} {shown!r}: a Unix socket path is at most {MAX_UNIX_PATH_BYTES} bytes")
-        return f"shm://{path}"
-    host, colon, port = rest.rstrip("/").rpartition(":")
-    low = 0 if listen else 1
-    if not colon or not host or "/" in host or not (port.isascii() and port.isdigit() and len(port) <= 5) \
-            or not low <= int(port) < 65536:
-        raise ValueError(f"{key} {shown!r}: expected {scheme}://HOST:PORT with a port in {low}-65535")
-    _host_of(key, url, host, wildcard=False)  # (a socket binds 0.0.0.0, not ZeroMQ's *)
-    canonical = _canonical_host(key, shown, host)
-    if not listen and canonical in ("0.0.0.0", "[::]"):
-        raise ValueError(f"{key} {shown!r}: a peer is dialled at an address, not a wildcard")
-    return f"{scheme}://{canonical}:{int(port)}"
-
-
-#: Longest Unix socket path (``sun_path`` is 108 bytes with its terminating NUL).
-MAX_UNIX_PATH_BYTES = 107
-
-
-def _canonical_host(key: str, shown: str, host: str) -> str:
-    """:func:`kvtier.hosts.canonical_host` with the setting and its URL in the error."""
-    try:
-        return canonical_host(host)
-    except ValueError as exc:
-        raise ValueError(f"{key} {shown!r}: {exc}") from None
-
-
-def _host_of(key: str, url: str, host: str, wildcard: bool = True) -> None:
-    """:func:`kvtier.hosts.check_host` with the setting and its (masked) URL in the error."""
-    try:
-        check_host(host, wildcard=wildcard)
-    except ValueError as exc:
-        raise ValueError(f"{key} {mask_url(url)!r}: {exc}") from None
-
-
-def is_yaml(path: Path | str) -> bool:
-    """True for a ``.yaml``/``.yml`` file: an LMCache config, translated rather than read as kvtier's."""
-    return Path(path).suffix.lower() in (".yaml", ".yml")
-
-
-def _read_file(path: Path) -> dict[str, Any]:
-    text = read_config_text(path)
-    kind = "JSON" if path.suffix.lower() == ".json" else "TOML"
-    try:
-        data = json.loads(text) if kind == "JSON" else tomllib.loads(text)
-    except RecursionError:  # json and tomllib recurse per nesting level and give up past the limit
-        raise ConfigError(f"kvtier config file {path} is not valid {kind}: nested too deeply") from None
-    except (ValueError, tomllib.TOMLDecodeError) as exc:
-        hint = ""
-        if kind == "JSON":
-            try:
-                tomllib.loads(text)
-                hint = "; it reads as TOML: name it .toml"
-            except (ValueError, RecursionError):
-                pass
-        raise ConfigError(
-            f"kvtier config file {path} is not valid {kind} (kvtier reads TOML, or JSON for a .json file): {exc}{hint}"
-        ) from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"kvtier config file {path} must hold a table/object of settings")
-    if "kvtier" in data:  # a [kvtier] table: then it holds every setting
-        others = sorted(k for k in data if k != "kvtier")
-        if others:
-            raise ConfigError(
-                f"kvtier config file {path}: keys outside the [kvtier] table would be ignored: "
-                f"{', '.join(others)}; move them into [kvtier] or remove the table"
-            )
-        data = data["kvtier"]
-    if not isinstance(data, dict):
-        raise ConfigError(f"kvtier config file {path}: 'kvtier' must be a table of settings")
-    data = dict(data)
-    data.pop("config_file", None)
-    for key in ("lmcache_config_file",):
-        if key in data:
-            raise ConfigError(
-                f"kvtier config file {path}: {key} cannot be set in a file (give it explicitly or by environment)"
-            )
-    return data
-
-
-def _file_source(
-    overrides: Mapping[str, Any], env: Mapping[str, str], environ: Mapping[str, str]
-) -> tuple[dict[str, Any], dict[str, str], Path | None]:
-    """The file source: (settings, key -> origin, the LMCache file used or None).
-
-    A kvtier file comes from ``config_file``; an LMCache file from ``config_file`` ending in
-    .yaml/.yml, ``lmcache_config_file`` or ``LMCACHE_CONFIG_FILE`` (in that order of precedence
-    among the LMCache names). Naming a kvtier file and an LMCache file together is an error.
-    """
-    from kvtier.config_lmcache import LMCACHE_ENV, read_lmcache_file
-
-    cfg = overrides.get("config_file") or env.get("config_file")
-    cfg_where = "explicit setting" if overrides.get("config_file") else f"environment variable {ENV_PREFIX}CONFIG_FILE"
-    lm, lm_where = None, ""
-    if cfg and is_yaml(cfg):
-        lm, lm_where, cfg = cfg, "config_file", None
-    for value, where in (
-        (overrides.get("lmcache_config_file"), "lmcache_config_file"),
-        (env.get("lmcache_config_file"), f"environment variable {ENV_PREFIX}LMCACHE_CONFIG_FILE"),
-        (environ.get(LMCACHE_ENV), f"environment variable {LMCACHE_ENV}"),
-    ):
-        if not value or (isinstance(value, str) and not value.strip()):
-            continue
-        if lm is not None and str(value) != str(lm):
-            raise ConfigError(
-                f"two LMCache config files: {lm} (from {lm_where}) and {value} (from {where}); name one"
-            )
-        if lm is None:
-            lm, lm_where = value, where
-    if cfg and lm:
-        raise ConfigError(
-            f"both a kvtier config file {cfg} (from {cfg_where}) and an LMCache config file {lm} (from {lm_where}) "
-            "are named; use one file source (unset the other)"
-        )
-    if lm:
-        settings, translation = read_lmcache_file(Path(lm))
-        origin = {k: f"LMCache config file {lm}, key {translation.origin(k)}" for k in settings}
-        origin["lmcache_config_file"] = lm_where if lm_where != "config_file" else cfg_where
-        if translation.ignored:
-            log.info(
-                "kvtier: LMCache config %s: ignored keys (no change in kvtier): %s",
-                lm, "; ".join(f"{k}: {why}" for k, why in translation.ignored),
-            )
-        return settings, origin, Path(lm)
-    if cfg:
-        settings = _read_file(Path(cfg))
-        return settings, {k: f"config file {cfg}" for k in settings}, None
-    return {}, {}, None
-
-
-def _env_values(environ: Mapping[str, str]) -> dict[str, str]:
-    fields = set(KVTierConfig.model_fields)
-    out: dict[str, str] = {}
-    for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX) or name in NON_SETTING_ENV:
-            continue
-        key = name[len(ENV_PREFIX) :].lower()
-        if key not in fields:
-            close = difflib.get_close_matches(key, sorted(fields), n=1)
-            if close:  # the likely fix alone; the whole list only when nothing is close
-                raise ConfigError(f"unknown environment variable {name} (did you mean {ENV_PREFIX}{close[0].upper()}?)")
-            raise ConfigError(
-                f"unknown environment variable {name}; kvtier settings are "
-                + ", ".join(ENV_PREFIX + f.upper() for f in sorted(fields))
-                + " (tooling variables allowed: " + ", ".join(sorted(NON_SETTING_ENV)) + ")"
-            )
-        out[key] = value
-    return out
 
 
 def load_config(
@@ -742,8 +539,8 @@ def load_config(
     """
     overrides = dict(overrides or {})
     environ = os.environ if environ is None else environ
-    env = _env_values(environ)
-    file_vals, origin, lmcache_file = _file_source(overrides, env, environ)
+    env = env_values(environ, KVTierConfig.model_fields)
+    file_vals, origin, lmcache_file = file_source(overrides, env, environ)
     merged: dict[str, Any] = {**file_vals, **env, **overrides}
     if lmcache_file is not None:  # the effective LMCache file, whichever name gave it
         merged["lmcache_config_file"] = lmcache_file

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import ENV_PREFIX, KVTierConfig, is_yaml, load_config
+from kvtier.config import KVTierConfig, load_config
+from kvtier.config_sources import ENV_PREFIX, is_yaml
 from kvtier.config_base import ConfigError, read_config_text
 from kvtier.urls import mask_url
 from kvtier.config_lmcache import LMCACHE_ENV, LmcacheTranslation, translate_lmcache

@@ -513,7 +513,8 @@ def test_every_kvtier_environment_name_in_the_code_is_a_setting_or_declared_tool
     import re
     from pathlib import Path
 
-    from kvtier.config import ENV_PREFIX, NON_SETTING_ENV, KVTierConfig
+    from kvtier.config import KVTierConfig
+    from kvtier.config_sources import ENV_PREFIX, NON_SETTING_ENV
 
     root = Path(__file__).resolve().parents[1]
     settings = {ENV_PREFIX + f.upper() for f in KVTierConfig.model_fields}

@@ -60,7 +60,7 @@ def test_every_address_setting_refuses_a_bad_host(name: str, host: str) -> None:
 
 @pytest.mark.parametrize("name", SETTINGS)
 def test_every_address_setting_takes_a_good_host(name: str) -> None:
-    from kvtier.config import _check_transfer_url
+    from kvtier.config_urls import check_transfer_url as _check_transfer_url
 
     for host in ("127.0.0.1", "[::1]", "localhost"):
         if name == "peers":  # (TCP peers also need fleet keys: a cross-setting rule, not the host's)

@@ -39,14 +39,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("serde", ("kvtier.serde",)),
     ("tiers", ("kvtier.tiers",)),
     ("config", ("kvtier.config", "kvtier.config_lmcache", "kvtier.config_lmcache_transfer",
-                "kvtier.config_lmcache_values", "kvtier.config_checks")),
+                "kvtier.config_lmcache_values", "kvtier.config_checks", "kvtier.config_sources", "kvtier.config_urls")),
     ("storage", ("kvtier.storage",)),
     ("protocol", ("kvtier.protocol",)),
     ("planes", ("kvtier.transfer", "kvtier.fleet", "kvtier.controller", "kvtier.events", "kvtier.dashboard")),
     ("service", ("kvtier.service", "kvtier.router")),
     ("integrations", ("kvtier.integrations",)),
     ("runtime", ("kvtier.runtime",)),
-    ("apps", ("kvtier.demo", "kvtier.bench", "kvtier.sim", "kvtier.cli", "kvtier.cli_bench", "kvtier.cli_common",
+    ("apps", ("kvtier.demo", "kvtier.bench", "kvtier.sim", "kvtier.cli", "kvtier.cli_bench", "kvtier.cli_fleet",
+              "kvtier.cli_common",
               "kvtier.config_report", "kvtier.testing", "kvtier")),
 ]
 

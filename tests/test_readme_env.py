@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvtier.config import NON_SETTING_ENV
+from kvtier.config_sources import NON_SETTING_ENV
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

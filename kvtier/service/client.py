@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 from dataclasses import fields
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Sequence
 
 import msgspec
 import numpy as np
@@ -30,12 +30,13 @@ import numpy as np
 from kvtier import protocol as P
 from kvtier.index.keys import KeyNamespace
 from kvtier.protocol import Backoff, parse_address
-from kvtier.protocol.messages import KVRegister, KVRelease, LoadBlocks, StoreBlocks
-from kvtier.protocol.replies import LoadBlocksReply, LoadManyReply, LookupReply, ReserveManyReply, StoreBlocksReply
+from kvtier.protocol.messages import KVRegister
+from kvtier.protocol.replies import LoadManyReply, LookupReply, ReserveManyReply
+from kvtier.service.client_blocks import EngineBlockCopies
 from kvtier.service.connection import ClientCounters, Conn, ServiceConnection
 from kvtier.service.load_verifier import BAD, GOOD, PENDING, LoadVerifier
-from kvtier.service.reply_checks import check_loaded, check_reserved
-from kvtier.service.request_split import fits_one_frame
+from kvtier.service.reply_checks import check_loaded, check_reserved, write_skip
+from kvtier.service.request_split import fits_one_frame, request_or_none
 from kvtier.storage.types import ChunkUnavailable, LookupResult, WriteSkip
 
 __all__ = ["ClientCounters", "ServiceClient", "ServiceReadHandle", "ServiceUnavailable", "parse_address"]
@@ -46,14 +47,11 @@ __all__ = ["ClientCounters", "ServiceClient", "ServiceReadHandle", "ServiceUnava
 LOAD_BATCH = 8192
 
 log = logging.getLogger(__name__)
-Rq = TypeVar("Rq", bound=P.Request)
 
 # One cached decoder per typed reply (kvtier.protocol.replies); built once, never changed.
 _LOOKUP = msgspec.msgpack.Decoder(LookupReply)
 _RESERVE_MANY = msgspec.msgpack.Decoder(ReserveManyReply)
 _LOAD_MANY = msgspec.msgpack.Decoder(LoadManyReply)
-_STORE_BLOCKS = msgspec.msgpack.Decoder(StoreBlocksReply)
-_LOAD_BLOCKS = msgspec.msgpack.Decoder(LoadBlocksReply)
 
 
 class ServiceUnavailable(RuntimeError):
@@ -201,12 +199,11 @@ class ServiceClient:
         self.counters = ClientCounters()
         self._writes: dict[bytes, int] = {}  # key -> generation of the connection that reserved it
         self._writes_lock = threading.Lock()
-        self._kv_req: KVRegister | None = None  # the engine KV shared with register_kv (re-sent on a reconnect)
-        self._kv_gen = -1  # generation of the connection it was accepted on
         reg = P.Register(self.client_id, os.getpid(), namespace, namespace.digest(), self.chunk_bytes, token)
         self._link = ServiceConnection(
             family, addr, reg, timeout_s, connect_timeout_s, Backoff(backoff_min_s, backoff_max_s), self.counters
         )
+        self._blocks = EngineBlockCopies(self._link, timeout_s)
         if wait_connected_s > 0:
             self._link.connected_event.wait(wait_connected_s)
 
@@ -291,7 +288,7 @@ class ServiceClient:
             if WriteSkip.NO_ROOM in first:
                 return first + [WriteSkip.NO_ROOM] * (len(keys) - h)
             return first + self.open_write_many(keys[h:], parents[h:])
-        req = _request(lambda: P.ReserveMany(list(keys), list(parents)))
+        req = request_or_none(lambda: P.ReserveMany(list(keys), list(parents)))
         reply, conn = (None, None) if req is None else self._link.call_typed(req, _RESERVE_MANY,
                                                                              check=_check_reserved)
         slots = None if reply is None else reply.slots
@@ -308,7 +305,7 @@ class ServiceClient:
                     self._writes[key] = conn.gen
                     out.append(view)
                 else:
-                    out.append(_skip(skip))
+                    out.append(write_skip(skip))
         return out
 
     def commit(self, key: bytes, parent: bytes | None) -> None:
@@ -317,7 +314,7 @@ class ServiceClient:
             gen = self._writes.pop(key, None)
         if gen is None:
             return
-        req = _request(lambda: P.Commit(key, parent))
+        req = request_or_none(lambda: P.Commit(key, parent))
         reply, _ = (None, None) if req is None else self._link.call(req, noreply=not self.sync_commit, gen=gen)
         if reply is None:
             self.counters.lost_stores += 1
@@ -345,7 +342,7 @@ class ServiceClient:
         if len(items) > LOAD_BATCH:  # each request fits one frame (keys, and parents of up to 34 B each)
             return [*self.open_read_many(items[:LOAD_BATCH]), *self.open_read_many(items[LOAD_BATCH:])]
         mine = self.verify == "client"
-        req = _request(lambda: P.LoadMany([k for k, _ in items], [p for _, p in items], mine))
+        req = request_or_none(lambda: P.LoadMany([k for k, _ in items], [p for _, p in items], mine))
         keys = [k for k, _ in items]
         reply, conn = (None, None) if req is None else self._link.call_typed(
             req, _LOAD_MANY, check=lambda r, c: check_loaded(r.handles or [], keys, c.num_slots))
@@ -381,103 +378,24 @@ class ServiceClient:
         q = reply.get("queued") if reply else 0
         return q if type(q) is int else 0
 
-    # -- copies by engine block id (kvtier.service.kv_ops) -----------------------------------------------
+    # -- copies by engine block id: kvtier.service.client_blocks ----------------------------------------
     def register_kv(self, request: KVRegister, timeout_s: float = 30.0) -> dict[str, Any] | None:
-        """Share the engine's paged KV (:func:`kvtier.service.kv_export.kv_register_request`) with the server.
-
-        Returns the server's reply (``num_layers``, ``num_blocks``, ``page_bytes``,
-        ``device``, ``pinned``), or None when refused or unreachable: keep using the
-        slot copies. Once accepted, :meth:`store_blocks` / :meth:`load_blocks` re-send it
-        on a new connection. The tensors must stay alive until :meth:`release_kv`.
-        """
-        self._kv_req, self._kv_gen = request, -1
-        reply, conn = self._link.call(request, timeout_s=timeout_s)
-        if reply is None or conn is None:
-            self._kv_req = None
-            return None
-        self._kv_gen = conn.gen
-        return reply
+        """:meth:`EngineBlockCopies.register_kv <kvtier.service.client_blocks.EngineBlockCopies.register_kv>`."""
+        return self._blocks.register_kv(request, timeout_s)
 
     def release_kv(self) -> bool:
-        """Stop sharing the engine KV (the server forgets it; closing the client does too)."""
-        had, self._kv_req = self._kv_req is not None, None
-        if not had:
-            return False
-        reply, _ = self._link.call(KVRelease(), gen=self._kv_gen)
-        return bool(reply and reply.get("released"))
-
-    def _kv_gen_now(self) -> int | None:
-        """The generation on which the engine KV is registered (re-registering after a reconnect), or None."""
-        req, conn = self._kv_req, self._link.conn
-        if req is None or conn is None:
-            return None
-        if conn.gen != self._kv_gen:
-            reply, c = self._link.call(req, timeout_s=max(self.timeout_s, 30.0))
-            if reply is None or c is None:
-                return None
-            self._kv_gen = c.gen
-        return self._kv_gen
+        """:meth:`EngineBlockCopies.release_kv <kvtier.service.client_blocks.EngineBlockCopies.release_kv>`."""
+        return self._blocks.release_kv()
 
     def store_blocks(self, keys: Sequence[bytes], blocks: Sequence[Sequence[int]],
                      parents: Sequence[bytes | None], timeout_s: float = 30.0) -> list[WriteSkip | None]:
-        """Store chunks the server copies from engine blocks (after :meth:`register_kv`).
-
-        ``blocks[i]``: chunk ``i``'s ``blocks_per_chunk`` engine block ids, whose writes
-        the engine has completed (stream synchronized); ``parents[i]``: its parent
-        (required, as for :meth:`open_write_many`). Returns per key None (stored)
-        or a :class:`WriteSkip`; every key ``NO_ROOM`` on any failure (nothing stored,
-        or no registration: use the slot copies).
-
-        Raises:
-            ValueError: ``parents`` is missing or not as long as ``keys``.
-        """
-        if parents is None or len(parents) != len(keys):
-            raise ValueError(f"{'no' if parents is None else len(parents)} parents for {len(keys)} keys: "
-                             "pass each chunk's parent (None for a prompt's first chunk)")
-        gen = self._kv_gen_now()
-        fail: list[WriteSkip | None] = [WriteSkip.NO_ROOM] * len(keys)
-        if gen is None or not keys:
-            return fail
-        if len(keys) > 1 and not fits_one_frame(len(keys), blocks):  # in two frames, as open_write_many
-            h = len(keys) // 2
-            first = self.store_blocks(keys[:h], blocks[:h], parents[:h], timeout_s)
-            if WriteSkip.NO_ROOM in first:
-                return first + fail[h:]
-            return first + self.store_blocks(keys[h:], blocks[h:], parents[h:], timeout_s)
-        req = _request(lambda: StoreBlocks(list(keys), [list(map(int, b)) for b in blocks], list(parents)))
-        reply, _ = (None, None) if req is None else self._link.call_typed(req, _STORE_BLOCKS, gen=gen,
-                                                                          timeout_s=timeout_s)
-        skips = reply.skips if reply is not None else None
-        if skips is None or len(skips) != len(keys):
-            return fail
-        return [None if v == 0 else _skip(v) for v in skips]
+        """:meth:`EngineBlockCopies.store_blocks <kvtier.service.client_blocks.EngineBlockCopies.store_blocks>`."""
+        return self._blocks.store_blocks(keys, blocks, parents, timeout_s)
 
     def load_blocks(self, keys: Sequence[bytes], parents: Sequence[bytes | None], blocks: Sequence[Sequence[int]],
                     offsets: Sequence[int] | None = None, timeout_s: float = 30.0) -> list[str | None]:
-        """Load chunks the server copies into engine blocks (after :meth:`register_kv`).
-
-        ``blocks[i]`` receive chunk ``i``'s blocks from ``offsets[i]`` (default 0) on.
-        Returns per key the tier it came from, None from the first miss on (a request too
-        large for one frame goes as several, a failed one a miss from its first key on); all None
-        on any failure (then the blocks' contents are undefined: recompute them).
-        """
-        gen = self._kv_gen_now()
-        if gen is None or not keys:
-            return [None] * len(keys)
-        offs = [0] * len(keys) if offsets is None else list(offsets)
-        if len(keys) > 1 and not fits_one_frame(len(keys), blocks):  # in two frames; a miss ends the prefix
-            h = len(keys) // 2
-            first = self.load_blocks(keys[:h], parents[:h], blocks[:h], offs[:h], timeout_s)
-            if None in first:
-                return first + [None] * (len(keys) - h)
-            return first + self.load_blocks(keys[h:], parents[h:], blocks[h:], offs[h:], timeout_s)
-        req = _request(lambda: LoadBlocks(list(keys), list(parents), [list(map(int, b)) for b in blocks], offs))
-        reply, _ = (None, None) if req is None else self._link.call_typed(req, _LOAD_BLOCKS, gen=gen,
-                                                                          timeout_s=timeout_s)
-        got = reply.sources if reply is not None else None
-        if got is None or len(got) != len(keys):
-            return [None] * len(keys)
-        return got
+        """:meth:`EngineBlockCopies.load_blocks <kvtier.service.client_blocks.EngineBlockCopies.load_blocks>`."""
+        return self._blocks.load_blocks(keys, parents, blocks, offsets, timeout_s)
 
     # -- KVStore: admin ---------------------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -520,24 +438,6 @@ class ServiceClient:
         self.close()
 
 
-def _request(make: Callable[[], Rq]) -> Rq | None:
-    """The request ``make`` builds, or None (a failed call: a miss) when its own rules refuse it
-    (``__post_init__``: duplicate keys, a chunk that is its own parent, lengths that disagree)."""
-    try:
-        return make()
-    except ValueError as exc:
-        log.warning("kvtier: request not sent (%s); treated as a failed call", exc)
-        return None
-
-
 def _check_reserved(reply: ReserveManyReply, conn: Conn) -> None:
     """Refuse (BAD_REPLY, a miss) a ``reserve_many`` reply granting a slot out of range or twice."""
     check_reserved(reply.slots or [], conn.num_slots)
-
-
-def _skip(v: object) -> WriteSkip:
-    """A reply's skip code as a :class:`WriteSkip` (anything unknown: ``NO_ROOM``, stop the chain)."""
-    try:
-        return WriteSkip(v) if type(v) is int and v else WriteSkip.NO_ROOM
-    except ValueError:
-        return WriteSkip.NO_ROOM

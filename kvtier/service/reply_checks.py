@@ -21,6 +21,7 @@ from typing import Sequence
 
 from kvtier.protocol.errors import ErrorCode, ProtocolError
 from kvtier.protocol.replies import HandleEntry
+from kvtier.storage.types import WriteSkip
 
 
 def _bad(why: str) -> ProtocolError:
@@ -77,3 +78,11 @@ def check_loaded(entries: Sequence[HandleEntry | None], keys: Sequence[bytes], n
 
 
 __all__ = ["check_loaded", "check_reserved", "check_slot"]
+
+
+def write_skip(v: object) -> WriteSkip:
+    """A reply's skip code as a :class:`WriteSkip` (anything unknown: ``NO_ROOM``, stop the chain)."""
+    try:
+        return WriteSkip(v) if type(v) is int and v else WriteSkip.NO_ROOM
+    except ValueError:
+        return WriteSkip.NO_ROOM

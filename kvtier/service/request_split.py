@@ -9,10 +9,14 @@ sends one that does not fit as two halves, recursively (a lone key always goes a
 
 from __future__ import annotations
 
-from typing import Sequence
+import logging
+from typing import Callable, Sequence, TypeVar
 
 from kvtier.protocol.framing import MAX_FRAME_BYTES
 from kvtier.protocol.messages import MAX_BLOCK_IDS
+
+log = logging.getLogger("kvtier.service.client")
+Rq = TypeVar("Rq")
 
 #: Bytes of one key (in the joined key binary), a parent (bin 8 header + 32 B, or nil), an
 #: integer (block id, offset, at most uint64), an array header; and room for the envelope.
@@ -33,3 +37,13 @@ def fits_one_frame(n_keys: int, blocks: Sequence[Sequence[int]] | None = None) -
 
 
 __all__ = ["fits_one_frame"]
+
+
+def request_or_none(make: Callable[[], Rq]) -> Rq | None:
+    """The request ``make`` builds, or None (a failed call: a miss) when its own rules refuse it
+    (``__post_init__``: duplicate keys, a chunk that is its own parent, lengths that disagree)."""
+    try:
+        return make()
+    except ValueError as exc:
+        log.warning("kvtier: request not sent (%s); treated as a failed call", exc)
+        return None

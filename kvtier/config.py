@@ -370,7 +370,8 @@ class KVTierConfig(BaseModel):
         host, colon, port = rest.rstrip("/").rpartition(":")
         if scheme not in ("http", "https") or not sep or not colon or not host or "/" in host or not (port.isascii() and port.isdigit()) \
                 or not 0 < int(port) < 65536:
-            raise ValueError(f"peer_discovery {v!r} must be the controller's HTTP API, http://HOST:PORT (port 1-65535)")
+            raise ValueError(f"peer_discovery {mask_url(v)!r} must be the controller's HTTP API, http://HOST:PORT "
+                             "(port 1-65535)")
         check_host_of("peer_discovery", v, host, wildcard=False)
         return v
 

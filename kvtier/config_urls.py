@@ -48,8 +48,8 @@ def check_transfer_url(key: str, url: str, listen: bool) -> str:
     """
     scheme, sep, rest = url.partition("://")
     if scheme not in PEER_SCHEMES or not sep:
-        raise ValueError(f"{key} {url!r}: scheme must be one of {', '.join(s + '://' for s in PEER_SCHEMES)}")
-    shown = url if len(url) <= 200 else url[:200] + "..."
+        raise ValueError(f"{key} {_shown(url)!r}: scheme must be one of {', '.join(s + '://' for s in PEER_SCHEMES)}")
+    shown = _shown(url)
     if scheme == "shm":
         if not rest.startswith("/") or len(rest) < 2:
             raise ValueError(f"{key} {shown!r}: shm:// needs an absolute socket path, e.g. shm:///run/kvtier-peer.sock")
@@ -66,7 +66,7 @@ def check_transfer_url(key: str, url: str, listen: bool) -> str:
             or not low <= int(port) < 65536:
         raise ValueError(f"{key} {shown!r}: expected {scheme}://HOST:PORT with a port in {low}-65535")
     check_host_of(key, url, host, wildcard=False)  # (a socket binds 0.0.0.0, not ZeroMQ's *)
-    canonical = canonicalcheck_host_of(key, shown, host)
+    canonical = canonical_host_of(key, shown, host)
     if not listen and canonical in ("0.0.0.0", "[::]"):
         raise ValueError(f"{key} {shown!r}: a peer is dialled at an address, not a wildcard")
     return f"{scheme}://{canonical}:{int(port)}"
@@ -76,7 +76,7 @@ def check_transfer_url(key: str, url: str, listen: bool) -> str:
 MAX_UNIX_PATH_BYTES = 107
 
 
-def canonicalcheck_host_of(key: str, shown: str, host: str) -> str:
+def canonical_host_of(key: str, shown: str, host: str) -> str:
     """:func:`kvtier.hosts.canonical_host` with the setting and its URL in the error."""
     try:
         return canonical_host(host)
@@ -90,3 +90,9 @@ def check_host_of(key: str, url: str, host: str, wildcard: bool = True) -> None:
         check_host(host, wildcard=wildcard)
     except ValueError as exc:
         raise ValueError(f"{key} {mask_url(url)!r}: {exc}") from None
+
+
+def _shown(url: str) -> str:
+    """``url`` as an error shows it: its password masked (:func:`kvtier.urls.mask_url`), cut to 200 characters."""
+    masked = mask_url(url)
+    return masked if len(masked) <= 200 else masked[:200] + "..."

@@ -323,6 +323,24 @@ def test_sensible_values_still_pass(key: str, value: object) -> None:
     load_config({key: value, "chunk_size": 32}, environ={})
 
 
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("KVTIER_PEERS", "tcp://u:s3cr3t@h:99999"),
+        ("KVTIER_PEERS", "ftp://u:s3cr3t@h:1"),
+        ("KVTIER_PEER_LISTEN", "tcp://u:s3cr3t@0.0.0.0:70000"),
+        ("KVTIER_PEER_DISCOVERY", "http://:s3cr3t@h:99999"),
+        ("KVTIER_REMOTE_URL", "redis://:s3cr3t@h:99999"),
+    ],
+)
+def test_an_address_refused_never_shows_its_password(variable: str, value: str) -> None:
+    """Every URL an error shows goes through mask_url (the hostile trial found peers, peer_listen
+    and peer_discovery errors printing theirs verbatim)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(environ={variable: value})
+    assert variable in str(err.value) and "s3cr3t" not in str(err.value)
+
 def test_disk_path_must_be_a_writable_directory(tmp_path: Path) -> None:
     from kvtier.config_checks import validate_config
 

@@ -76,6 +76,8 @@ def test_ctl_errors_exit_2_with_a_message(live):
     assert r.exit_code == 2 and "401" in r.output and "KVTIER_CONTROLLER_TOKEN" in r.output
     r = CliRunner().invoke(app, ["ctl", "instances", "--url", "http://127.0.0.1:9"])
     assert r.exit_code == 2 and "not reachable" in r.output
+    r = CliRunner().invoke(app, ["ctl", "instances", "--url", "http://op:s3cr3t@127.0.0.1:9"])
+    assert r.exit_code == 2 and "not reachable" in r.output and "s3cr3t" not in r.output
 
 
 @pytest.mark.slow

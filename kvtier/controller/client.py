@@ -62,7 +62,7 @@ class ControllerClient:
         except httpx.InvalidURL as exc:  # e.g. an argument that makes the URL too long
             raise ControllerClientError(f"cannot ask the controller {method} {path[:80]}: {exc}") from None
         except httpx.HTTPError as exc:
-            raise ControllerClientError(f"controller at {self._http.base_url} not reachable: {exc}") from None
+            raise ControllerClientError(f"controller at {mask_url(str(self._http.base_url))} not reachable: {exc}") from None
         if r.status_code >= 400:
             try:
                 detail = r.json().get("detail", r.text)

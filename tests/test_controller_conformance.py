@@ -494,18 +494,22 @@ def test_shared_tier_late_clear(fleet: FleetCluster, monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize("lost", ["folded", "dropped"])
+@pytest.mark.parametrize("clearer", ["inst-0", "inst-2"])
 def test_shared_tier_removal_that_never_came_as_a_change(fleet: FleetCluster, monkeypatch: pytest.MonkeyPatch,
-                                                          lost: str) -> None:
-    """CI's failure of test_move_local[redis]: A's clear of the shared tier never reached the
+                                                          lost: str, clearer: str) -> None:
+    """CI's failure of test_move_local[redis]: a clear of the shared tier never reached the
     controller as a change, so the other sharers' views kept the cleared chunks and every
-    instance's lookup said REMOTE for chunks no store held. Two ways to lose it: ``folded`` (A's
-    next snapshot, read after the clear, discards A's pending changes) and ``dropped`` (the send
-    failed; A's heartbeat then shows the gap and A resyncs). Either way A's snapshot drops keys
-    from its view, which makes the other sharers resync; their listings of the store repair them."""
+    instance's lookup said REMOTE for chunks no store held. Two ways the agent loses a change:
+    ``folded`` (its next snapshot, read after the clear, discards its pending changes) and
+    ``dropped`` (the send failed). A snapshot repairs only the sender's own view, so the agent
+    never loses a shared tier's removals: it sends them right before its next snapshot. The
+    clearer is A (whose view held the chunks) or C (whose view never did: only its change can
+    tell the others)."""
     if fleet.kind not in ("fs", "redis"):
         pytest.skip("no shared tier: the case does not apply")
     a, b, _ = fleet.instances
-    assert a.agent is not None and b.agent is not None
+    c = next(i for i in fleet.instances if i.name == clearer)
+    assert a.agent is not None and b.agent is not None and c.agent is not None
     index = fleet.controller.state.index
     p = prompt(4)
     a.store(p)
@@ -515,24 +519,26 @@ def test_shared_tier_removal_that_never_came_as_a_change(fleet: FleetCluster, mo
         index.needs_resync.add("inst-1")
     wait_until(lambda: b.agent.stats.snapshots > snaps)
     fleet.settle()
-    drops = index.shared_drops
     if lost == "folded":
-        held = a.agent._send_changes
-        monkeypatch.setattr(a.agent, "_send_changes", lambda sock: None)
-        a.ops.clear("remote")  # A's "cleared" change is queued ...
-        assert len(a.agent.changes) >= 1
-        snaps = a.agent.stats.snapshots
-        with fleet.controller.state.lock:  # ... and folded into A's next snapshot (the store is empty)
-            index.needs_resync.add("inst-0")
-        wait_until(lambda: a.agent.stats.snapshots > snaps)
-        assert len(a.agent.changes) == 0
-        monkeypatch.setattr(a.agent, "_send_changes", held)
+        held = c.agent._send_changes
+        monkeypatch.setattr(c.agent, "_send_changes", lambda sock: None)
+        c.ops.clear("remote")  # the clearer's "cleared" change is queued ...
+        assert len(c.agent.changes) >= 1
+        snaps = c.agent.stats.snapshots
+        with fleet.controller.state.lock:  # ... and folded into its next snapshot (the store is empty)
+            index.needs_resync.add(clearer)
+        wait_until(lambda: c.agent.stats.snapshots > snaps)
+        assert len(c.agent.changes) == 0
+        monkeypatch.setattr(c.agent, "_send_changes", held)
     else:
-        lost_sends = a.agent.stats.injected_drops
-        monkeypatch.setattr(a.agent, "drop_fraction", 1.0)
-        a.ops.clear("remote")
-        wait_until(lambda: a.agent.stats.injected_drops > lost_sends)
-        monkeypatch.setattr(a.agent, "drop_fraction", 0.0)
+        lost_sends = c.agent.stats.injected_drops
+        snapshot = c.agent._send_snapshot
+        monkeypatch.setattr(c.agent, "_send_snapshot", lambda sock: None)  # (a resync would fold it instead)
+        monkeypatch.setattr(c.agent, "drop_fraction", 1.0)
+        c.ops.clear("remote")
+        wait_until(lambda: c.agent.stats.injected_drops > lost_sends)
+        monkeypatch.setattr(c.agent, "drop_fraction", 0.0)
+        monkeypatch.setattr(c.agent, "_send_snapshot", snapshot)
     fleet.settle()
+    assert not a.remote_keys()
     converged(fleet, p, 1.5)
-    assert index.shared_drops > drops

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from fleet_fakes import make_namespace
-from kvtier.controller.index import SHRINK_RESYNC_S, FleetIndex
+from kvtier.controller.index import FleetIndex
 from kvtier.controller.registry import namespace_from_spec
 from kvtier.controller.state import FleetState
 from kvtier.index.keys import ChunkHasher
@@ -103,41 +103,23 @@ def test_shared_tier_is_one_table_and_survives_one_instance_drop():
 
 
 
-def test_a_shared_view_that_a_snapshot_shrinks_makes_the_other_sharers_resync():
-    """A removal that reaches the controller only as a smaller snapshot (folded, overflowed, a
-    lost send) must not leave it in the other sharers' views: they are asked to list the store,
-    at most once per SHRINK_RESYNC_S per shared tier (else a churning store, whose every listing
-    shrinks the view it replaces, would have the sharers resync back to back)."""
-    now = [100.0]
-    idx = FleetIndex(clock=lambda: now[0])
+def test_a_snapshot_replaces_its_own_view_only_and_asks_no_other_sharer():
+    """Removals reach the other sharers' views as changes (the agent never loses a shared tier's:
+    kvtier.fleet.changes); a snapshot that shrinks a view asks nobody, so a store that evicts by
+    itself (Redis LRU: every listing smaller than the last) cannot make the sharers relist it back to
+    back, and a failed listing (sent empty) empties only its sender's view."""
+    idx = FleetIndex()
     for inst in ("a", "b", "c"):
         idx.add_instance(inst, tiers(shared=True), [D])
     ks = chain(3)
     idx.apply_changes(Changes("a", "e", 1, [Change("s", D, "remote", blob(ks), parents(ks))]))
     idx.apply_snapshot(Snapshot("b", "e", 1, D, "remote", blob(ks), b"", last=True), "remote")
     idx.needs_resync.clear()
-    # A snapshot that only grows a view (or a local tier's that shrinks) asks nobody.
-    idx.apply_snapshot(Snapshot("a", "e", 1, D, "remote", blob(ks), parents(ks), last=True, seq=1), "remote")
-    idx.apply_snapshot(Snapshot("a", "e", 2, D, "cpu", b"", b"", last=True, seq=1), "cpu")
-    assert idx.needs_resync == set() and idx.shared_drops == 0
-    idx.apply_snapshot(Snapshot("a", "e", 3, D, "remote", blob(ks[:1]), parents(ks)[:32], last=True, seq=1), "remote")
-    assert idx.needs_resync == {"b", "c"} and idx.shared_drops == 1
-    assert idx.longest_prefix("c", D, ks)["remote"] == 3  # b's view still says 3 until b lists the store
-    idx.needs_resync.clear()
-    # b's listing shrinks its view too, inside the interval: kept, not asked for yet ...
-    now[0] += SHRINK_RESYNC_S / 2
-    idx.apply_snapshot(Snapshot("b", "e", 2, D, "remote", blob(ks[:1]), b"", last=True), "remote")
-    assert idx.longest_prefix("c", D, ks)["remote"] == 1
-    assert idx.needs_resync == set() and idx.shared_drops == 2
-    idx.release_shrink_resyncs()
+    idx.apply_snapshot(Snapshot("a", "e", 2, D, "remote", b"", b"", last=True, seq=1), "remote")
     assert idx.needs_resync == set()
-    # ... and asked for once the interval is over (the controller calls this on every heartbeat).
-    now[0] += SHRINK_RESYNC_S / 2
-    idx.release_shrink_resyncs()
-    assert idx.needs_resync == {"a", "c"}
-    idx.needs_resync.clear()
-    idx.release_shrink_resyncs()
-    assert idx.needs_resync == set()
+    assert idx.longest_prefix("c", D, ks)["remote"] == 3  # b's view still holds them
+    idx.apply_changes(Changes("a", "e", 2, [Change("c", D, "remote")]))  # the removal, as a change
+    assert idx.longest_prefix("c", D, ks)["remote"] == 0 and idx.needs_resync == {"b", "c"}
 
 def test_bad_key_lists_and_unknown_tiers_raise_protocol_errors():
     idx = FleetIndex()

@@ -369,6 +369,46 @@ def test_change_queue_coalesces_and_bounds() -> None:
     assert not q.overflowed
 
 
+
+def test_change_queue_never_loses_a_shared_tiers_removals() -> None:
+    """A snapshot repairs only the sender's view of a shared tier, so its removals survive a fold,
+    an overflow and a failed send, in order, and go before the next snapshot (take_kept); local
+    tiers' changes and shared stores are dropped as before. Bounded: beyond max_keys // 8 keys set
+    aside, a tier's removals become one clear of it."""
+    ns, other = b"n" * 32, b"o" * 32
+    k = [bytes([i]) * 32 for i in range(40)]
+    q = ChangeQueue(max_keys=16, shared=["remote"])
+    q.put(ns, TierChange("s", "remote", (k[0],), (None,)))
+    q.put(ns, TierChange("r", "remote", (k[1],)))
+    q.put(ns, TierChange("r", "disk", (k[2],)))
+    q.put(ns, TierChange("c", "remote"))
+    q.fold()  # folded: only the shared tier's removals are kept
+    assert len(q) == 2 and q.drain() == []
+    kept = q.take_kept()
+    assert [(c.op, c.tier, F.split_keys(c.keys)) for c in kept] == [("r", "remote", [k[1]]), ("c", "remote", [])]
+    assert q.take_kept() == [] and len(q) == 0
+    # overflow: everything pending is dropped but the shared removals (the overflowing one too)
+    q.put(ns, TierChange("r", "remote", (k[3],)))
+    q.put(ns, TierChange("s", "remote", tuple(k[4:19]), (None,) * 15))
+    q.put(ns, TierChange("r", "remote", (k[20],)))
+    assert q.overflowed and [F.split_keys(c.keys) for c in q.take_kept()] == [[k[3], k[20]]]
+    q.fold()
+    # a failed send: its removals of shared tiers come back, the rest does not
+    q.requeue([F.Change("s", ns, "remote", k[14]), F.Change("r", ns, "remote", k[15]),
+               F.Change("r", ns, "cpu", k[17]), F.Change("c", other, "remote")])
+    assert [(c.op, c.namespace, F.split_keys(c.keys)) for c in q.take_kept()] == [
+        ("r", ns, [k[15]]), ("c", other, [])]
+    # bounded: 16 // 8 = 2 keys set aside at most; beyond, one clear per (namespace, tier)
+    q.put(ns, TierChange("r", "remote", (k[21],)))
+    q.put(other, TierChange("r", "remote", (k[22], k[23])))
+    q.fold()
+    assert [(c.op, c.namespace) for c in q.take_kept()] == [("c", ns), ("c", other)]
+    # no shared tier: nothing is kept
+    plain = ChangeQueue(max_keys=16)
+    plain.put(ns, TierChange("c", "remote"))
+    plain.fold()
+    assert len(plain) == 0 and plain.take_kept() == []
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError):
         FleetAgent("http://x:1")

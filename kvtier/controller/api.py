@@ -231,7 +231,6 @@ class _Collector:
             counters["seq_gaps"] = state.index.gaps
             counters["snapshots_applied"] = state.index.snapshots_applied
             counters["changes_applied"] = state.index.changes_applied
-            counters["shared_view_drops"] = state.index.shared_drops
         endpoint = getattr(self._c, "endpoint", None)
         if endpoint is not None:  # times its thread was not running (not held against instances' silence)
             counters["endpoint_stalls"] = endpoint.stalls

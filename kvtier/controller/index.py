@@ -7,12 +7,7 @@ filesystem on several instances) keeps one *view* per sharer, keyed by its ``Tie
 every sharer sees the union of the views. A sharer's snapshot replaces its own view only, so
 one member's empty (or lying) snapshot never erases what the others report; a removal or clear
 in the shared store applies to every view and makes the other sharers resync, whose snapshots
-(listings of the real store) then repair their views. A sharer's snapshot that drops keys from its
-view makes the others resync too: the removal may never arrive as a change (the agent folds pending
-changes into a snapshot; an overflowing queue or a failed send loses them), and without it the other
-views would keep chunks no store holds (counted in :attr:`FleetIndex.shared_drops`). Such rounds are
-at most one per :data:`SHRINK_RESYNC_S` per shared tier (a later shrink waits for the interval to
-end), so a churning store cannot make the sharers list it back to back.
+(listings of the real store) then repair their views.
 
 Claims are bounded (issue 24): a table holds at most the chunks its tier's declared capacity
 fits (``capacity_bytes // chunk_bytes``, plus 1/16 slack for index lag; :data:`UNBOUNDED_TIER_KEYS`
@@ -30,21 +25,15 @@ Not thread-safe: callers hold :attr:`kvtier.controller.state.FleetState.lock`.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 from kvtier.index.keys import is_lineage
 from kvtier.protocol.fleet import NO_PARENT, Changes, FleetProtocolError, Snapshot, TierInfo, split_keys
 
 #: Recent ``Changes`` kept per instance to replay after a snapshot swap.
 CHANGE_LOG = 512
-#: Shortest time between two resync rounds of one shared tier's sharers that a shrinking snapshot
-#: asks for (seconds). Under churn (a Redis evicting by LRU) every listing of the store is smaller
-#: than the view it replaces, and each round's snapshots would ask for the next round at once: a
-#: resync storm. A shrink inside the interval is kept and asked for when it ends.
-SHRINK_RESYNC_S = 1.0
 #: Most keys of one table of a tier that declares no capacity (Redis, a shared filesystem).
 UNBOUNDED_TIER_KEYS = 1 << 20
 #: Default most keys one instance may have indexed (over its namespaces and tiers).
@@ -124,14 +113,8 @@ class FleetIndex:
         max_keys_per_instance: most keys one instance may have indexed over all its tables.
     """
 
-    def __init__(self, max_keys_per_instance: int = DEFAULT_MAX_KEYS_PER_INSTANCE,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_keys_per_instance: int = DEFAULT_MAX_KEYS_PER_INSTANCE) -> None:
         self.max_keys_per_instance = max_keys_per_instance
-        self._clock = clock
-        #: shared group -> when its sharers were last asked to resync for a shrink (clock seconds)
-        self._shrink_round: dict[TableId, float] = {}
-        #: shared group -> (instance, namespace, label) of a shrink waiting for the interval to end
-        self._shrink_due: dict[TableId, tuple[str, bytes, str]] = {}
         self._tables: dict[TableId, dict[bytes, bytes | None]] = {}
         self._shared_refs: dict[TableId, set[str]] = {}
         #: instance -> tier label -> TierInfo
@@ -149,8 +132,6 @@ class FleetIndex:
         self.snapshots_applied = 0
         self.changes_applied = 0
         self.claims_dropped = 0
-        #: Snapshots of a shared tier that dropped keys from their view (the other sharers resynced).
-        self.shared_drops = 0
 
     # -- membership ---------------------------------------------------------------
 
@@ -194,8 +175,6 @@ class FleetIndex:
                         refs.discard(instance)
                         if not refs:
                             self._shared_refs.pop(group, None)
-                            self._shrink_round.pop(group, None)
-                            self._shrink_due.pop(group, None)
                         elif view:  # what it wrote is still in the store: the next sharer carries it
                             heir = min(refs)
                             self._apply_own(heir, ns, label, self._table(heir, ns, label), "s",
@@ -302,7 +281,6 @@ class FleetIndex:
         table = pending.entries
         last_seq = self._seq.get(inst)
         log = self._log[inst]
-        before = self._tables.get(tid) or {}
         self._tables[tid] = {}  # while replaying, the old table no longer counts
         self._held[inst] = self._held.get(inst, 0) - old + len(table)
         if last_seq is not None and last_seq > pending.seq:
@@ -316,13 +294,6 @@ class FleetIndex:
         else:
             self._seq[inst] = pending.seq
         self._tables[tid] = table
-        if tid[0] == "s" and any(k not in table for k in before):
-            # The store lost chunks this view held, and the removal may never have come as a change
-            # (folded into this snapshot, lost to a queue overflow or a failed send): the other sharers'
-            # views may still hold them, so they list the store again (at most every SHRINK_RESYNC_S).
-            self.shared_drops += 1
-            self._shrink_due[("s", tid[1], msg.namespace, label)] = (inst, msg.namespace, label)
-            self.release_shrink_resyncs()
         self._pins.setdefault((inst, msg.namespace), {})[label] = pending.pinned
         self._pins[(inst, msg.namespace)].pop("_ops", None)
         self.snapshots_applied += 1
@@ -413,21 +384,6 @@ class FleetIndex:
         for other in self._sharers(instance, ns, label):
             if other != instance:
                 self.needs_resync.add(other)
-
-    def release_shrink_resyncs(self) -> None:
-        """Ask the sharers of each shared tier whose view a snapshot shrank to resync, unless their
-        last such round is under :data:`SHRINK_RESYNC_S` old (then on a later call; the controller
-        calls this on every heartbeat). O(groups waiting)."""
-        if not self._shrink_due:
-            return
-        now = self._clock()
-        for group, (inst, ns, label) in list(self._shrink_due.items()):
-            if now - self._shrink_round.get(group, -SHRINK_RESYNC_S) < SHRINK_RESYNC_S:
-                continue
-            del self._shrink_due[group]
-            if inst in self._tiers:
-                self._shrink_round[group] = now
-                self._resync_sharers(inst, ns, label)
 
     def held(self, instance: str) -> int:
         """Keys indexed for ``instance`` over all its tables (its views of shared tiers included)."""

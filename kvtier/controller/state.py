@@ -105,7 +105,6 @@ class FleetState:
                     else:
                         rec.health = dict(msg.health)
                     self.index.heartbeat_seq(msg.instance, msg.seq)
-                    self.index.release_shrink_resyncs()
                     return Ack(self.epoch, known=True, resync=self._take_resync(msg.instance, now_m),
                                heartbeat_s=self.heartbeat_s)
                 if isinstance(msg, Snapshot):

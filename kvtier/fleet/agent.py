@@ -15,7 +15,9 @@ opens a new one (a new connection) before registering again. What it does:
   answers a register, whenever an ``Ack`` asks ``resync``, and after a local loss
   (a queue overflow, a send refused). The pending changes are folded in first:
   the snapshot is read after they are discarded, its ``seq`` is the last
-  ``Changes`` sent.
+  ``Changes`` sent. Removals from a shared tier are never discarded (a snapshot
+  repairs only this instance's view of it): those folded, overflowed or in a
+  refused send go as one ``Changes`` right before the snapshot.
 - **Changes**: tier changes from the storage managers' listeners (a bounded,
   coalescing :class:`~kvtier.fleet.changes.ChangeQueue`), numbered 1, 2, 3...
   per epoch.
@@ -160,7 +162,7 @@ class FleetAgent:
         self.drop_fraction = drop_fraction
         self.epoch = os.urandom(8).hex()
         self.stats = AgentStats()
-        self.changes = ChangeQueue(max_pending_keys)
+        self.changes = ChangeQueue(max_pending_keys, shared=[t.kind for t in self.tiers if t.shared])
         self._rng = random.Random(seed)
         self._spaces = NamespaceSet(self.changes)
         self._seq = 0  # last Changes seq sent (or dropped) in this epoch
@@ -388,16 +390,28 @@ class FleetAgent:
             self._seq += 1
             if self.drop_fraction and self._rng.random() < self.drop_fraction:
                 self.stats.injected_drops += 1
+                self.changes.requeue(batch)  # a shared tier's removals still reach the other sharers
                 continue
             if self._send(sock, F.Changes(self.instance_id, self.epoch, self._seq, batch)):
                 self.stats.changes_sent += 1
             else:
+                self.changes.requeue(batch)
                 self._snapshot_due = True  # the gap is repaired by a snapshot
                 return
 
     def _send_snapshot(self, sock: zmq.Socket) -> None:
-        """Fold the pending changes, read every (namespace, tier), send it in parts."""
+        """Fold the pending changes, send the shared tiers' removals among them (and any set aside
+        before) as changes, then read every (namespace, tier) and send it in parts."""
         self.changes.fold()
+        while kept := self.changes.take_kept():
+            self._seq += 1
+            if self._send(sock, F.Changes(self.instance_id, self.epoch, self._seq, kept)):
+                self.stats.changes_sent += 1
+            else:
+                self.changes.requeue(kept)
+                self._snapshot_due = True
+                self._snapshot_retry_at = time.monotonic() + 0.05
+                return
         self._snapshot_due = False
         self._resync_id += 1
         rid = self._resync_id

@@ -12,20 +12,32 @@ client in kvtier stays on httpx.
 Semantics:
 
 - Connections are reused (HTTP/1.1 keep-alive); at most ``max_idle`` idle ones are kept. Each
-  request uses one connection by itself, so the client is thread-safe.
-- A reused connection the server closed meanwhile (uvicorn drops idle ones after 5 s) fails
-  before a status line arrives; such a request is sent once more on a fresh connection (so only
-  idempotent requests belong here: ``/locate`` reads the index). A fresh connection's failure is
-  raised.
-- ``timeout_s`` bounds connecting and each read of the socket; the body is read against one
-  deadline of ``timeout_s`` in all, and at most ``max_reply_bytes`` of it.
+  request uses one connection by itself, so the client is thread-safe. A pooled connection with
+  anything to read before its next request (the server closed it, or sent bytes nobody asked for)
+  is never reused: a late or unsolicited reply can never be taken for the next request's.
+- A reused connection the server closed meanwhile (uvicorn drops idle ones after 5 s) is
+  discarded before use; if it closes as the request goes out, the request is sent once more on
+  a fresh connection (so only idempotent requests belong here: ``/locate`` reads the index).
+- One deadline of ``timeout_s`` bounds the whole exchange: connecting, sending, and every read of
+  the status line, headers, informational replies, chunks and trailers (a reader that sets the
+  socket's timeout to what is left before each receive), whatever pace the server drips at. The
+  host name's resolution is the system resolver's (not bounded here): name the controller by
+  address where that matters.
+- Refused as malformed (``http.client.HTTPException``, the connection closed): a final reply
+  below 200 (``103 Early Hints`` is not an answer), a body shorter than its ``Content-Length``
+  (``IncompleteRead``), a ``Content-Length`` that is not ASCII digits. A body over
+  ``max_reply_bytes`` is :class:`ReplyTooLarge`.
 """
 
 from __future__ import annotations
 
 import http.client
+import io
+import select
+import socket
 import threading
 import time
+from typing import Any
 from urllib.parse import urlsplit
 
 __all__ = ["KeepAliveClient", "ReplyTooLarge"]
@@ -35,8 +47,59 @@ class ReplyTooLarge(ValueError):
     """The server's reply body is over the client's ``max_reply_bytes``."""
 
 
-_STALE = (http.client.RemoteDisconnected, http.client.BadStatusLine, BrokenPipeError, ConnectionResetError,
-          ConnectionAbortedError)
+#: A reused connection that the server closed as the request went out (sent once more, fresh).
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The socket's bytes, each receive bounded by what is left of one deadline.
+
+    It reads a duplicate of the connection's socket, closed with the reader: ``http.client`` closes
+    the connection's own socket as soon as a reply says it will close the connection (before its
+    body is read), which ``socket.makefile`` survives by reference counting and this reader by
+    holding its own descriptor.
+    """
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock.dup()
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the reply did not arrive within the request's deadline")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(b)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._sock.close()
+        super().close()
+
+
+class _DeadlineSocket:
+    """What ``HTTPResponse`` reads its reply from: ``makefile`` over a :class:`_DeadlineReader`."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+
+def _pending_input(conn: http.client.HTTPConnection) -> bool:
+    """True when an idle connection's socket has something to read (EOF or unsolicited bytes)."""
+    sock = conn.sock
+    if sock is None:
+        return False
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):  # closed under us
+        return True
 
 
 class KeepAliveClient:
@@ -79,41 +142,55 @@ class KeepAliveClient:
         self.opened = 0
 
     def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        """``(status, reply body)`` of ``POST path`` with ``body``.
+        """``(status, reply body)`` of ``POST path`` with ``body``, within ``timeout_s`` in all.
 
         Raises:
             OSError: connect/read failures and timeouts (``TimeoutError``), also after one retry of
-                a reused connection the server had closed.
-            http.client.HTTPException: a malformed reply.
+                a reused connection the server closed as the request went out.
+            http.client.HTTPException: a malformed reply (see the module doc).
             ReplyTooLarge: a reply body over ``max_reply_bytes``.
             RuntimeError: the client is closed.
         """
+        deadline = time.monotonic() + self.timeout_s
         conn, reused = self._take()
         try:
             try:
-                return self._exchange(conn, path, body)
+                return self._exchange(conn, path, body, deadline)
             except _STALE:
                 if not reused:
                     raise
                 conn.close()
                 conn, reused = self._fresh(), False
-                return self._exchange(conn, path, body)
+                return self._exchange(conn, path, body, deadline)
         except BaseException:
             conn.close()
             raise
 
-    def _exchange(self, conn: http.client.HTTPConnection, path: str, body: bytes) -> tuple[int, bytes]:
+    def _exchange(self, conn: http.client.HTTPConnection, path: str, body: bytes,
+                  deadline: float) -> tuple[int, bytes]:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no time left of {self.timeout_s} s")
+        conn.timeout = left  # connecting (a fresh connection), then sending: sendall's whole duration
+        if conn.sock is not None:
+            conn.sock.settimeout(left)
+        conn.response_class = lambda sock, *a, **k: http.client.HTTPResponse(  # type: ignore[method-assign]
+            _DeadlineSocket(sock, deadline), *a, **k)  # type: ignore[arg-type]
         conn.request("POST", self._prefix + path, body=body, headers=self._headers)
         resp = conn.getresponse()
-        deadline = time.monotonic() + self.timeout_s
+        if resp.status < 200:
+            raise http.client.HTTPException(f"an informational reply ({resp.status}) where an answer was due")
         length = resp.getheader("Content-Length")
-        if length is not None and length.isdigit() and int(length) > self.max_reply_bytes:
-            raise ReplyTooLarge(f"a reply of {int(length)} bytes (at most {self.max_reply_bytes})")
+        expected: int | None = None
+        if length is not None:
+            if not (length.isascii() and length.isdigit()):
+                raise http.client.HTTPException(f"Content-Length {length[:40]!r} is not a number")
+            expected = int(length)
+            if expected > self.max_reply_bytes:
+                raise ReplyTooLarge(f"a reply of {expected} bytes (at most {self.max_reply_bytes})")
         parts: list[bytes] = []
         got = 0
         while True:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the reply body took more than {self.timeout_s} s")
             part = resp.read(min(1 << 16, self.max_reply_bytes + 1 - got))  # closes the response at its end
             if not part:
                 break
@@ -121,6 +198,8 @@ class KeepAliveClient:
             got += len(part)
             if got > self.max_reply_bytes:
                 raise ReplyTooLarge(f"a reply of more than {self.max_reply_bytes} bytes")
+        if expected is not None and got != expected and not resp.chunked:
+            raise http.client.IncompleteRead(b"".join(parts), expected - got)
         status = resp.status
         if resp.will_close:
             conn.close()
@@ -136,8 +215,11 @@ class KeepAliveClient:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the HTTP client is closed")
-            if self._idle:
-                return self._idle.pop(), True
+            while self._idle:
+                conn = self._idle.pop()
+                if not _pending_input(conn):
+                    return conn, True
+                conn.close()  # closed by the server, or bytes nobody asked for: never reused
         return self._fresh(), False
 
     def _give(self, conn: http.client.HTTPConnection) -> None:

@@ -37,7 +37,7 @@ import select
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, cast
 from urllib.parse import urlsplit
 
 __all__ = ["KeepAliveClient", "ReplyTooLarge"]
@@ -89,6 +89,15 @@ class _DeadlineSocket:
 
     def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
         return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+
+def _responses_within(deadline: float) -> Callable[..., http.client.HTTPResponse]:
+    """What ``HTTPConnection.getresponse`` makes its reply with: one that reads within ``deadline``."""
+
+    def make(sock: socket.socket, *args: Any, **kwargs: Any) -> http.client.HTTPResponse:
+        return http.client.HTTPResponse(cast(socket.socket, _DeadlineSocket(sock, deadline)), *args, **kwargs)
+
+    return make
 
 
 def _pending_input(conn: http.client.HTTPConnection) -> bool:
@@ -174,8 +183,7 @@ class KeepAliveClient:
         conn.timeout = left  # connecting (a fresh connection), then sending: sendall's whole duration
         if conn.sock is not None:
             conn.sock.settimeout(left)
-        conn.response_class = lambda sock, *a, **k: http.client.HTTPResponse(  # type: ignore[method-assign]
-            _DeadlineSocket(sock, deadline), *a, **k)  # type: ignore[arg-type]
+        conn.response_class = cast("type[http.client.HTTPResponse]", _responses_within(deadline))
         conn.request("POST", self._prefix + path, body=body, headers=self._headers)
         resp = conn.getresponse()
         if resp.status < 200:

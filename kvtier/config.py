@@ -56,7 +56,8 @@ from pydantic import (
 
 from kvtier.config_base import ConfigError, parse_address
 from kvtier.config_sources import ENV_PREFIX, env_values, file_source
-from kvtier.config_urls import check_host_of, check_ports, check_transfer_url, is_loopback
+from kvtier.config_urls import check_host_of, check_ports, check_transfer_url
+from kvtier.hosts import is_loopback
 from kvtier.sizes import SIZE_FORMS, parse_size
 from kvtier.urls import mask_url
 from kvtier.tiers.policies import POLICIES

@@ -6,13 +6,12 @@ password reaches a message) and cut to 200 characters.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 
 from kvtier.hosts import canonical_host, check_host
 from kvtier.urls import mask_url
 
-__all__ = ["PEER_SCHEMES", "MAX_UNIX_PATH_BYTES", "check_ports", "is_loopback", "check_transfer_url",
+__all__ = ["PEER_SCHEMES", "MAX_UNIX_PATH_BYTES", "check_ports", "check_transfer_url",
            "canonical_host_of", "check_host_of"]
 
 
@@ -23,16 +22,6 @@ def check_ports(url: str, rest: str) -> None:
         host, sep, port = part.rpartition(":") if not part.endswith("]") else ("", "", "")
         if sep and (not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536):
             raise ValueError(f"remote_url {mask_url(url)!r}: port {port!r} is not a number in 1-65535")
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (a wildcard or another host is not)."""
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 #: Transfer channel schemes a peer URL may name (see :mod:`kvtier.transfer.urls`).

@@ -7,6 +7,11 @@ The PORT was always checked; the HOST was not, so ``tcp://[::1:0`` (a bracket le
 split at the last colon also takes ``tcp://::1:5555`` (IPv6 without brackets) for host ``::1``,
 which no socket library reads the same way. :func:`check_host` refuses both kinds, and any host
 that is not a DNS name, an IPv4 address or a bracketed IPv6 address (RFC 3986 section 3.2.2).
+
+:func:`is_loopback` says which hosts are this machine's loopback (no DNS lookup, ever), where a
+service decides what to trust without a secret: a listener bound to loopback, a browser's
+``Host`` header naming it (DNS rebinding defence), a PD decoder's default prefillers, a
+``peer_listen`` that needs no ``peer_allow_remote``.
 """
 
 from __future__ import annotations
@@ -86,3 +91,20 @@ def canonical_host(host: str) -> str:
             raise ValueError(f"{host!r} is not a dotted-decimal IPv4 address (write a.b.c.d, no leading zeros) "
                              "nor a host name") from None
     return name
+
+
+#: Host names that always mean this machine's loopback.
+LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost", "ip6-loopback"})
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and the loopback IPs (``127.0.0.0/8``, ``::1``, bracketed or not);
+    a wildcard, another name or address is not. Names are never resolved: a name that merely resolves to 127.0.0.1 (what a
+    DNS-rebinding page uses) is not loopback here."""
+    h = host.strip().strip("[]").lower().rstrip(".")
+    if h in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(h.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False

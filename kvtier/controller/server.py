@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 from kvtier.controller.endpoint import Endpoint
 from kvtier.controller.operations import DEFAULT_OP_DEADLINE_S, FleetOps
 from kvtier.controller.state import FleetState
-from kvtier.protocol.addresses import is_loopback
+from kvtier.hosts import is_loopback
 from kvtier.protocol.fleet import DEFAULT_EXPIRY_S, DEFAULT_HEARTBEAT_S
 from kvtier.protocol.trust import Credentials
 

@@ -17,7 +17,7 @@ number, no name) are served to anyone who may reach the port.
 * **DNS rebinding.** A page on ``evil.example`` whose name the attacker re-points at
   127.0.0.1 reaches a loopback service from the operator's browser; its requests carry
   ``Host: evil.example``. A tokenless service on loopback refuses (403) every request whose
-  ``Host`` is not a loopback name or address (:func:`kvtier.protocol.addresses.is_loopback`); a missing
+  ``Host`` is not a loopback name or address (:func:`kvtier.hosts.is_loopback`); a missing
   ``Host`` (HTTP/1.0 tools; browsers always send one) is accepted.
 * **A tokenless service beyond loopback** (``kvtier server --metrics-host 0.0.0.0`` without a
   server token) keeps ``/metrics`` and ``/health`` (the operator chose to publish them) but
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from http.cookies import SimpleCookie
 from typing import Any
 
-from kvtier.protocol.addresses import is_loopback
+from kvtier.hosts import is_loopback
 
 #: Header an operation authorised by the session cookie alone must carry (CSRF defence).
 CSRF_HEADER = "x-kvtier-dashboard"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvtier.hosts import is_loopback
 from kvtier.protocol.trust import Credentials, TrustError, credentials_from_config
 from kvtier.transfer import urls
 from kvtier.transfer.channel import TransferChannel
@@ -30,18 +31,6 @@ from kvtier.transfer.peer_server import PeerServer
 from kvtier.transfer.peer_tier import PeerTier
 
 log = logging.getLogger("kvtier.transfer.peer")
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (a wildcard or another host is not)."""
-    import ipaddress
-
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def peer_credentials(config: Any) -> Credentials | None:
@@ -132,7 +121,7 @@ def check_listen(config: Any) -> None:
     if getattr(config, "fleet_key", None) is None or getattr(config, "fleet_members", None) is None:
         raise ValueError(f"peer_listen {url}: a TCP/NIXL peer server admits fleet members only; set fleet_key and "
                          "fleet_members (or share over shm:///PATH between one user's processes)")
-    if not is_loopback_host(host) and not getattr(config, "peer_allow_remote", False):
+    if not is_loopback(host) and not getattr(config, "peer_allow_remote", False):
         raise ValueError(f"peer_listen {url}: {host} is beyond loopback; set peer_allow_remote to serve other machines")
 
 

@@ -44,7 +44,7 @@ from typing import Any, Literal
 import blake3
 import msgspec
 
-from kvtier.protocol.addresses import is_loopback
+from kvtier.hosts import is_loopback
 
 log = logging.getLogger("kvtier.vllm")
 

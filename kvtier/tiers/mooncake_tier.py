@@ -55,8 +55,10 @@ at most ``transfer_grace_s`` more rather than return while bytes may still land 
 deadline never starts. Past the grace (a segment owner that stalls, not dies) the
 call returns a miss and counts ``late_transfers``.
 
-Batches are cut into ``parallel`` parts run at once on idle workers: one part's
-checksums (xxh3 over the payload, taken on its worker) overlap another part's transfer.
+Batches are cut into ``parallel`` parts on idle workers whose transfers run one after
+another (:class:`TransferRelay`): one part's CPU work (xxh3 checksums of the records it
+puts or has just read, the removes before a put) overlaps the next part's transfer, so
+only one part's checksums are not hidden behind a transfer.
 
 Zero-copy: with the raw codec a put hands Mooncake the header and the CPU slot
 (``batch_put_from_multi_buffers``) and a get receives into the same two
@@ -93,6 +95,35 @@ from kvtier.tiers.mooncake_url import TIER_QUERY_OPTIONS, MooncakeTierOptions, p
 log = logging.getLogger(__name__)
 
 __all__ = ["MooncakeTier", "MooncakeTierOptions", "TIER_QUERY_OPTIONS"]
+
+
+class TransferRelay:
+    """The transfers of one batch's parts, one at a time in part order.
+
+    Part ``j`` transfers once part ``j - 1``'s transfer has ended (or failed), so exactly
+    one transfer of the batch is in flight, as with one batched call, while the other
+    parts' CPU work (checksums of the records to put or just read, the removes before a
+    put) runs beside it on other workers. A part whose turn has not come by ``deadline``
+    moves nothing (the time bound of the module doc: no part starts after the deadline).
+
+    Invariant: ``pass_turn(j)`` runs exactly once per part, in a ``finally``, so a part
+    that failed or skipped never holds up its successors past the deadline.
+    """
+
+    def __init__(self, parts: int, deadline: float):
+        self.deadline = deadline
+        self._ended = [threading.Event() for _ in range(parts)]
+
+    def wait_turn(self, j: int) -> bool:
+        """Wait for part ``j - 1``'s transfer to end; True if part ``j`` may start its own
+        now, False if the deadline (monotonic seconds) came first."""
+        if j > 0 and not self._ended[j - 1].wait(max(0.0, self.deadline - time.monotonic())):
+            return False
+        return time.monotonic() < self.deadline
+
+    def pass_turn(self, j: int) -> None:
+        """Part ``j``'s transfer has ended (or will not happen): the next part's turn."""
+        self._ended[j].set()
 
 
 class MooncakeTier(LowerTier):
@@ -245,29 +276,40 @@ class MooncakeTier(LowerTier):
         config = ReplicateConfig()
         config.replica_num = self.options.replicas
 
-        def put(part: list[int]) -> Any:
+        def put(part: list[int], j: int, relay: TransferRelay) -> Any:
             def run(store: Any) -> tuple[list[int], list[int], list[int]]:
-                # Mooncake's put keeps an existing key's old bytes: remove first so the newest
-                # wins. Not forced: a key another client reads now (a 10 s read lease, -706) keeps
-                # its record, which is this chunk's too (keys are content digests): treated as
-                # stored, never yanked from under its reader.
                 mkeys = [self.mooncake_key(items[i].key) for i in part]
-                removed = list(store.batch_remove(mkeys, False))
-                leased = [i for i, c in zip(part, removed) if c == OBJECT_HAS_LEASE]
-                todo = [i for i, c in zip(part, removed) if c != OBJECT_HAS_LEASE]
-                # The checksums are taken here, on the part's worker, while other parts transfer.
-                batch, carried = encode_puts([items[i] for i in todo], self.namespace, codec, self.options.spec)
-                codes = list(store.batch_put_from_multi_buffers(
-                    [self.mooncake_key(items[todo[j]].key) for j in carried], batch.ptrs, batch.sizes, config
-                )) if carried else []
-                if len(codes) != len(carried):
+                try:
+                    # The checksums are taken while the previous part transfers.
+                    batch, carried = encode_puts([items[i] for i in part], self.namespace, codec, self.options.spec)
+                    if not relay.wait_turn(j):
+                        return [], [], []  # the deadline came before this part's turn: nothing touched
+                    # Mooncake's put keeps an existing key's old bytes: remove first so the newest
+                    # wins (in the part's turn, so a part that never gets one removes nothing). Not
+                    # forced: a key another client reads now (a 10 s read lease, -706) keeps its
+                    # record, which is this chunk's too (keys are content digests): treated as
+                    # stored, never yanked from under its reader.
+                    removed = list(store.batch_remove(mkeys, False))
+                    leased = [n for n, c in enumerate(removed) if c == OBJECT_HAS_LEASE]
+                    kept = set(leased)
+                    send = [m for m, n in enumerate(carried) if n not in kept]
+                    codes = list(store.batch_put_from_multi_buffers(
+                        [mkeys[carried[m]] for m in send], [batch.ptrs[m] for m in send],
+                        [batch.sizes[m] for m in send], config,
+                    )) if send else []
+                finally:
+                    relay.pass_turn(j)
+                if len(codes) != len(send):
                     return [], [], []
-                return leased + [todo[j] for j in carried], [0] * len(leased) + codes, [0] * len(leased) + batch.nbytes
+                return ([part[n] for n in leased] + [part[carried[m]] for m in send], [0] * len(leased) + codes,
+                        [0] * len(leased) + [batch.nbytes[m] for m in send])
             return run
 
         parts = self._parts(list(range(len(items))))
-        results = self._call_parts([put(p) for p in parts], self._deadline(), lambda r: codes_answered(r[1]),
-                                   self.options.transfer_grace_s)
+        deadline = self._deadline()
+        relay = TransferRelay(len(parts), deadline)
+        results = self._call_parts([put(p, j, relay) for j, p in enumerate(parts)], deadline,
+                                   lambda r: codes_answered(r[1]), self.options.transfer_grace_s)
         written = full = 0
         for res in results:
             if res is None or len(res[1]) != len(res[0]):
@@ -345,7 +387,9 @@ class MooncakeTier(LowerTier):
         if todo:
             parts = self._parts(todo)
             late = deadline + self.options.transfer_grace_s
-            results = self._call_parts([self._read_part(p, plan, mkeys, keys, views, sizes) for p in parts], deadline,
+            relay = TransferRelay(len(parts), deadline)
+            results = self._call_parts([self._read_part(p, j, relay, plan, mkeys, keys, views, sizes)
+                                        for j, p in enumerate(parts)], deadline,
                                        lambda r: codes_answered(r[0]), self.options.transfer_grace_s)
             for res in results:
                 if res is None:
@@ -368,13 +412,13 @@ class MooncakeTier(LowerTier):
             self._call(lambda s: list(s.batch_remove([mkeys[i] for i in drop], True)))
         return out
 
-    def _read_part(self, part: list[int], plan: ReadPlan, mkeys: list[str], keys: Sequence[bytes],
-                   views: list[memoryview], sizes: list[int]) -> Any:
-        """A worker job: move the part's values (direct ones into a header buffer + ``out``,
-        whole ones into scratch), then verify each record there. Returns (codes, hits, corrupt,
-        to remove). The job holds every buffer it writes into until it returns, even past the
-        caller's deadline."""
-        slot = {i: j for j, i in enumerate(plan.direct)}
+    def _read_part(self, part: list[int], j: int, relay: "TransferRelay", plan: ReadPlan, mkeys: list[str],
+                   keys: Sequence[bytes], views: list[memoryview], sizes: list[int]) -> Any:
+        """A worker job: in part ``j``'s turn, move the part's values (direct ones into a header
+        buffer + ``out``, whole ones into scratch), then verify each record there while the next
+        part transfers. Returns (codes, hits, corrupt, to remove). The job holds every buffer it
+        writes into until it returns, even past the caller's deadline."""
+        slot = {i: n for n, i in enumerate(plan.direct)}
         direct = [i for i in part if i in slot]
         whole = [i for i in part if i not in slot]
         hb = address(plan.headers)
@@ -385,13 +429,19 @@ class MooncakeTier(LowerTier):
 
         def run(store: Any) -> tuple[list[int], list[int], list[int], list[int]]:
             codes: list[int] = []
-            if direct:
-                codes += list(store.batch_get_into_multi_buffers(
-                    [mkeys[i] for i in direct], [[hb + slot[i] * HEADER_BYTES, address(views[i])] for i in direct],
-                    [[HEADER_BYTES, len(views[i])] for i in direct]))
-            if whole:
-                codes += list(store.batch_get_into([mkeys[i] for i in whole], [address(plan.scratch[i]) for i in whole],
-                                                   [sizes[i] for i in whole]))
+            try:
+                if not relay.wait_turn(j):
+                    return [], [], [], []  # the deadline came before this part's turn: nothing moved
+                if direct:
+                    codes += list(store.batch_get_into_multi_buffers(
+                        [mkeys[i] for i in direct], [[hb + slot[i] * HEADER_BYTES, address(views[i])] for i in direct],
+                        [[HEADER_BYTES, len(views[i])] for i in direct]))
+                if whole:
+                    codes += list(store.batch_get_into([mkeys[i] for i in whole],
+                                                       [address(plan.scratch[i]) for i in whole],
+                                                       [sizes[i] for i in whole]))
+            finally:
+                relay.pass_turn(j)
             hits: list[int] = []
             bad: list[int] = []
             gone: list[int] = []

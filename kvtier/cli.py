@@ -105,6 +105,7 @@ def simulate(
 @app.command("demo-mooncake")
 def demo_mooncake(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the runs, hit tokens and answer checks here (- for stdout)."),
+    documents: int = typer.Option(4, "--documents", min=1, max=4, help="How many of the 4 documents the engines ask about (fewer: a shorter run)."),
 ) -> None:
     """Two `kvtier server`s over one Mooncake Store pool: a prefix stored through one is a hit through the other."""
     import os
@@ -115,12 +116,13 @@ def demo_mooncake(
     os.environ.update(engine_env(os.environ))
 
     with _json_target(json_path) as out:
-        _finish("demo-mooncake", lambda: mooncake_pool(["--json", str(out)] if out else []))
+        _finish("demo-mooncake", lambda: mooncake_pool(["--documents", str(documents)] + (["--json", str(out)] if out else [])))
 
 
 @app.command("demo-server")
 def demo_server(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the runs, hit tokens and answer checks here (- for stdout)."),
+    documents: int = typer.Option(4, "--documents", min=1, max=4, help="How many of the 4 documents the engines ask about (fewer: a shorter run)."),
 ) -> None:
     """Two vLLM engine processes sharing one `kvtier server`: cross-engine and cross-restart hits."""
     import os
@@ -131,7 +133,7 @@ def demo_server(
     os.environ.update(engine_env(os.environ))
 
     with _json_target(json_path) as out:
-        _finish("demo-server", lambda: two_engines(["--json", str(out)] if out else []))
+        _finish("demo-server", lambda: two_engines(["--documents", str(documents)] + (["--json", str(out)] if out else [])))
 
 
 @app.command()

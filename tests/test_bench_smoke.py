@@ -135,7 +135,8 @@ def test_miss_overhead_configs(tmp_path: Path) -> None:
 )
 def test_miss_overhead_bench_tiny(tmp_path: Path) -> None:
     path = tmp_path / "miss.json"
-    sizes = miss_overhead.MissBenchSizes(rounds=1, requests=1, min_tokens=300, max_tokens=300, configs=("off", "cpu"))
+    sizes = miss_overhead.MissBenchSizes(rounds=1, requests=1, min_tokens=300, max_tokens=300, configs=("off", "cpu"),
+                                         warmup_requests=1, warmup_tokens=300)
     assert miss_overhead.run_miss_overhead(json_path=path, sizes=sizes) == 0
     result = json.loads(path.read_text())
     assert _positive(result["miss_overhead_ratio"])

@@ -45,7 +45,7 @@ def test_quick_demo_hits_cpu_then_disk_with_identical_answers(tmp_path: Path) ->
 
 def test_two_engines_share_one_server(tmp_path: Path) -> None:
     out = tmp_path / "two.json"
-    proc = _kvtier("demo-server", "--json", str(out))
+    proc = _kvtier("demo-server", "--documents", "2", "--json", str(out))  # 2 of the 4 documents: half the prefill
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
     by_name = {r["run"]: r for r in runs}

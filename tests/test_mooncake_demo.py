@@ -31,7 +31,7 @@ pytestmark = [
 def test_two_servers_share_one_mooncake_pool(tmp_path: Path) -> None:
     out = tmp_path / "mooncake.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo-mooncake", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo-mooncake", "--documents", "2", "--json", str(out)],
                           capture_output=True, text=True, timeout=1200, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())

@@ -23,6 +23,7 @@ from pathlib import Path
 MAX_TOKENS = 24
 ROUNDS = 3
 QUESTION = "\n\nQuestion: Under this license, what must you give recipients when you redistribute the Work?\nAnswer:"
+DOC_TOKENS = 1000  # the license cut to its first 1,000 tokens: 3 full chunks, ~40% of the whole text's prefill
 
 
 def _prompt() -> list[int]:
@@ -31,7 +32,8 @@ def _prompt() -> list[int]:
     from kvtier.demo.model import prepare_model
 
     tok = AutoTokenizer.from_pretrained(str(prepare_model().path))
-    return tok(open("/usr/share/common-licenses/Apache-2.0").read() + QUESTION)["input_ids"]
+    text = open("/usr/share/common-licenses/Apache-2.0").read()
+    return tok(tok.decode(tok(text)["input_ids"][:DOC_TOKENS]) + QUESTION)["input_ids"]
 
 
 def _llm(extra: dict):

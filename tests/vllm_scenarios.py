@@ -19,6 +19,10 @@ os.environ.update(engine_env(os.environ, in_process=False))
 
 QUESTION = "\n\nQuestion: Under this license, what must you give recipients when you redistribute the Work?\nAnswer:"
 MAX_TOKENS = 24
+#: The license text is cut to its first DOC_TOKENS tokens (prompt ~1,030 tokens: 4 full 256-token
+#: chunks, 8 of 128): every scenario's hits and splits as with the whole text, at ~40% of its
+#: prefill work (float32 on an AVX2-only CPU; the LoRA scenario alone runs 5 prefills).
+DOC_TOKENS = 1000
 
 
 def _prompt() -> list[int]:
@@ -31,7 +35,7 @@ def _prompt() -> list[int]:
     text = open("/usr/share/common-licenses/Apache-2.0").read()
     if not text:
         raise SystemExit("missing document")
-    return tok(text + QUESTION)["input_ids"]
+    return tok(tok.decode(tok(text)["input_ids"][:DOC_TOKENS]) + QUESTION)["input_ids"]
 
 
 def _llm(disk_dir: str, extra: dict | None = None):

@@ -59,6 +59,8 @@ class MissBenchSizes:
         min_tokens / max_tokens: prompt length range (tokens).
         output_tokens: generated tokens per request.
         configs: configurations to run (``off`` is always included).
+        warmup_requests / warmup_tokens: unrecorded prompts (and their length in tokens)
+            each engine runs before the timed ones (first-call costs: kernels, allocator).
     """
 
     rounds: int = 3
@@ -67,6 +69,8 @@ class MissBenchSizes:
     max_tokens: int = 2000
     output_tokens: int = 8
     configs: tuple[str, ...] = CONFIGS
+    warmup_requests: int = 2
+    warmup_tokens: int = 1500
 
     @classmethod
     def quick(cls) -> "MissBenchSizes":
@@ -200,7 +204,8 @@ def run_miss_overhead_bench(
     log_path = tmp / "engines.log"
     rounds: list[dict[str, dict[str, Any]]] = []
     try:
-        warmup = make_prompts(MissBenchSizes(requests=2, min_tokens=1500, max_tokens=1500), 10_000, vocab)
+        warmup = make_prompts(MissBenchSizes(requests=sizes.warmup_requests, min_tokens=sizes.warmup_tokens,
+                                             max_tokens=sizes.warmup_tokens), 10_000, vocab)
         for rnd in range(sizes.rounds):
             prompts = make_prompts(sizes, rnd, vocab)
             order = configs[rnd % len(configs) :] + configs[: rnd % len(configs)]

@@ -90,8 +90,15 @@ def _wait_written(port: int, limit_s: float = 120.0) -> float:
     raise RuntimeError("server A did not write its chunks to the Mooncake pool")
 
 
-def run(json_path: Path | None = None) -> int:
-    """The demo (see the module doc); exit code 0 when every check passes."""
+def run(json_path: Path | None = None, documents: int = 4) -> int:
+    """The demo (see the module doc) over the first ``documents`` (1..4) documents; exit code 0
+    when every check passes.
+
+    Raises:
+        ValueError: ``documents`` outside 1..4.
+    """
+    if not 1 <= documents <= 4:
+        raise ValueError(f"documents must be 1..4, got {documents}")
     from transformers import AutoTokenizer
 
     from kvtier.demo.model import prepare_model
@@ -104,7 +111,7 @@ def run(json_path: Path | None = None) -> int:
         return 2
     model = str(prepare_model().path)
     tok = AutoTokenizer.from_pretrained(model)
-    docs = load_documents()[:4]
+    docs = load_documents()[:documents]
     prompts = [prompt_token_ids(tok, d, d.questions[0]) for d in docs]
     work = Path(tempfile.mkdtemp(prefix="kvtier-mooncake-demo-"))
     prompts_path = str(work / "prompts.json")
@@ -156,7 +163,10 @@ def run(json_path: Path | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=None)
-    return run(ap.parse_args(argv).json)
+    ap.add_argument("--documents", type=int, default=4, choices=range(1, 5), metavar="1..4",
+                    help="how many of the 4 documents the engines ask about")
+    args = ap.parse_args(argv)
+    return run(args.json, args.documents)
 
 
 if __name__ == "__main__":

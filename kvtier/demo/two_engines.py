@@ -103,6 +103,8 @@ def _run_engine(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--documents", type=int, default=4, choices=range(1, 5), metavar="1..4",
+                    help="how many of the 4 documents the engines ask about")
     ap.add_argument("--engine", nargs=6, metavar=("MODEL", "SOCK", "ID", "PROMPTS", "OUT", "REPEAT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.engine:
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = str(prepare_model().path)
     tok = AutoTokenizer.from_pretrained(model)
-    docs = load_documents()[:4]
+    docs = load_documents()[: args.documents]
     prompts = [prompt_token_ids(tok, d, d.questions[0]) for d in docs]
     work = Path(tempfile.mkdtemp(prefix="kvtier-two-engines-"))
     prompts_path = work / "prompts.json"

@@ -37,6 +37,7 @@ from kvtier.bench.remote_payloads import CHUNK_BYTES, EXISTS_KEYS, payloads as _
 #: Pool memory the bench's segment owner mounts (both sides' chunks fit with room to spare).
 OWNER_SEGMENT_BYTES = 1 << 30
 PREFLIGHT_TIMEOUT_S = 5.0
+SETTLE_TIMEOUT_S = 60.0
 
 
 def preflight(url: str) -> None:
@@ -113,6 +114,15 @@ def measure(url: str, num_chunks: int = 16, reps: int = 5) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the kvtier tier did not open on {target.master}")
             time.sleep(0.05)
+        # A master still lists the segment of an owner that exited (a previous run's) until its
+        # client TTL ends, and places some puts there, which then fail: wait until a whole batch
+        # lands (untimed), so the measured rounds see only the live owner.
+        settle_by = time.monotonic() + SETTLE_TIMEOUT_S
+        while not all(tier.put_many(k_writes)):
+            if time.monotonic() > settle_by:
+                raise RuntimeError(f"the pool on {target.master} did not take {num_chunks} chunks within "
+                                   f"{SETTLE_TIMEOUT_S:.0f} s (a stale segment, or too little pool memory)")
+            time.sleep(0.5)
 
         def k_put() -> float:
             t0 = time.perf_counter()

@@ -155,3 +155,19 @@ def test_remote_bench_tiny_counts_round_trips() -> None:
     assert out["exists_32_round_trips"] == 1
     for key in ("redis_put_ratio", "redis_get_ratio", "exists_32_us"):
         assert _positive(out[key]), key
+
+
+@pytest.mark.parametrize("bad", [dict(warmup_requests=0), dict(warmup_tokens=10_000), dict(warmup_tokens=1.5),
+                                 dict(warmup_tokens="300"), dict(requests=True), dict(min_tokens=5, max_tokens=4),
+                                 dict(rounds=-1), dict(max_tokens=10**9)])
+def test_miss_overhead_sizes_refuse_bad_values_before_anything_runs(bad) -> None:
+    with pytest.raises(ValueError, match="bench miss-overhead"):
+        miss_overhead.MissBenchSizes(**bad)
+
+
+def test_demo_mooncake_refuses_a_document_count_that_is_not_1_to_4() -> None:
+    from kvtier.demo.mooncake_pool import run
+
+    for bad in (True, 0, 5, 2.5, "2"):
+        with pytest.raises(ValueError, match="documents"):
+            run(None, bad)  # type: ignore[arg-type]

@@ -346,3 +346,148 @@ def test_a_part_whose_turn_comes_after_the_deadline_removes_and_moves_nothing():
         tier.clear()
         tier.close()
         holder.close()
+
+
+# -- the hostile trial of the relay (each failed before its fix) --------------------------------
+class _Proxy:
+    """Wraps the tier's Mooncake client: ``hooks[name](fn, *args)`` replaces a method."""
+
+    def __init__(self, store, hooks):
+        self._store, self._hooks = store, hooks
+
+    def __getattr__(self, name):
+        fn = getattr(self._store, name)
+        hook = self._hooks.get(name)
+        return fn if hook is None else (lambda *a: hook(fn, *a))
+
+
+@pytest.fixture
+def ci_tier():
+    """``make(**options)`` -> an open tier on the CI master; ``hooks`` patch its client's calls."""
+    import time
+
+    from kvtier.tiers.mooncake_tier import MooncakeTier
+
+    _skip_without_mooncake()
+    if not _answers(*CI_MASTER):
+        pytest.skip(f"no Mooncake master on {CI_MASTER[0]}:{CI_MASTER[1]}; {_SKIP_HINT}")
+    holder = Holder(f"{CI_MASTER[0]}:{CI_MASTER[1]}")
+    made = []
+
+    def make(hooks=None, **kw):
+        opts = dict(timeout_s=1.0, transfer_grace_s=3.0, segment_bytes=0, parallel=2)
+        opts.update(kw)
+        t = MooncakeTier(f"mooncake://{CI_MASTER[0]}:{CI_MASTER[1]}",
+                         key_prefix=f"kvtier-test-{uuid.uuid4().hex[:12]}:", **opts)
+        made.append(t)
+        deadline = time.monotonic() + 30
+        while not t.stats()["client_open"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        plain = t._store_with_regions
+        t.hooks = hooks if hooks is not None else {}
+        t._store_with_regions = lambda s: _Proxy(plain(s), t.hooks)  # type: ignore[method-assign]
+        return t
+
+    yield make
+    for t in made:
+        t.hooks.clear()
+        t.clear()
+        t.close()
+    holder.close()
+
+
+def _chunks(n, size=64 << 10):
+    import os
+
+    import numpy as np
+
+    from kvtier.tiers.base import ChunkWrite
+
+    keys = [os.urandom(32) for _ in range(n)]
+    vals = [np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8) for i in range(n)]
+    return keys, vals, [ChunkWrite(k, None, v) for k, v in zip(keys, vals)]
+
+
+def test_a_part_that_fails_before_its_body_holds_up_no_other_part(ci_tier):
+    import itertools
+    import time
+
+    import numpy as np
+
+    tier = ci_tier(parallel=4)
+    keys, vals, writes = _chunks(8)
+    plain = tier._store_with_regions
+    calls = itertools.count()
+
+    def first_fails(s):
+        if next(calls) == 0:
+            raise RuntimeError("register_buffer failed")
+        return plain(s)
+
+    tier._store_with_regions = first_fails
+    t0 = time.monotonic()
+    ok = tier.put_many(writes)
+    assert time.monotonic() - t0 < 0.5  # not the 1 s deadline: the next parts did not wait for it
+    assert ok[2:] == [True] * 6
+    tier._store_with_regions = plain
+    assert tier.put_many(writes) == [True] * 8
+    dst = [np.zeros_like(v) for v in vals]
+    calls = itertools.count(-1)  # call 0 is the sizes query, call 1 part 0's read
+    tier._store_with_regions = first_fails
+    t0 = time.monotonic()
+    got = tier.get_many_into(list(zip(keys, dst)))
+    assert time.monotonic() - t0 < 0.5
+    assert got[2:] == [True] * 6 and all(np.array_equal(a, b) for a, b in zip(dst[2:], vals[2:]))
+
+
+def test_a_chunk_the_codec_refuses_keeps_its_stored_record(ci_tier):
+    from kvtier.serde.registry import make_codec
+
+    tier = ci_tier()
+    keys, _, writes = _chunks(4)
+    assert tier.put_many(writes) == [True] * 4
+    assert tier.put_many_with_codec(writes, make_codec("cachegen")) == [False] * 4  # the default spec: refused
+    assert tier.contains_many(keys) == [True] * 4
+
+
+def test_a_key_asked_twice_in_one_get_is_read_once_and_kept(ci_tier):
+    import numpy as np
+
+    tier = ci_tier(parallel=3)
+    keys, vals, writes = _chunks(2)
+    assert tier.put_many(writes) == [True, True]
+    dst = [np.zeros_like(vals[0]) for _ in range(2)] + [np.zeros_like(vals[1]) for _ in range(2)]
+    got = tier.get_many_into([(keys[0], dst[0]), (keys[0], dst[1]), (keys[1], dst[2]), (keys[1], dst[3])])
+    assert got == [True] * 4 and tier.stats()["get_corrupt"] == 0
+    assert all(np.array_equal(d, vals[i // 2]) for i, d in enumerate(dst))
+    assert tier.contains_many(keys) == [True, True]
+
+
+@pytest.mark.slow  # waits out a 1 s deadline
+def test_a_put_whose_remove_outlives_the_deadline_never_starts(ci_tier):
+    """A stalled master answers part 1's remove after the call's deadline: its put must not start then
+    (the caller may have returned and refilled the payload buffers)."""
+    import time
+
+    puts: list[float] = []
+    t0 = time.monotonic()
+
+    def slow_second_remove(fn, keys, force):
+        if removes:
+            time.sleep(1.5)
+        removes.append(1)
+        return fn(keys, force)
+
+    def put(fn, *a):
+        puts.append(time.monotonic() - t0)
+        return fn(*a)
+
+    removes: list[int] = []
+    tier = ci_tier(hooks={"batch_remove": slow_second_remove, "batch_put_from_multi_buffers": put})
+    keys, _, writes = _chunks(4)
+    t0 = time.monotonic()
+    assert tier.put_many(writes) == [True, True, False, False]
+    time.sleep(0.3)
+    assert len(puts) == 1, puts
+    tier.hooks.clear()
+    assert tier.contains_many(keys) == [True, True, False, False]

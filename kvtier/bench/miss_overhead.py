@@ -47,6 +47,8 @@ from kvtier.bench.common import Check, print_checks, write_json
 MISS_RATIO_TARGET = 0.98
 
 CONFIGS: tuple[str, ...] = ("off", "cpu", "cpu_nosave", "disk", "disk_nosave")
+#: Bound on every count and length of :class:`MissBenchSizes` (tokens, requests, rounds).
+MAX_SIZE = 32_768
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class MissBenchSizes:
         configs: configurations to run (``off`` is always included).
         warmup_requests / warmup_tokens: unrecorded prompts (and their length in tokens)
             each engine runs before the timed ones (first-call costs: kernels, allocator).
+
+    Raises:
+        ValueError: a size that is not an integer in its range (counts >= 1, lengths 1..32,768
+            tokens, min_tokens <= max_tokens, warm-up no longer than the longest timed prompt's
+            context).
     """
 
     rounds: int = 3
@@ -71,6 +78,18 @@ class MissBenchSizes:
     configs: tuple[str, ...] = CONFIGS
     warmup_requests: int = 2
     warmup_tokens: int = 1500
+
+    def __post_init__(self) -> None:
+        for name in ("rounds", "requests", "min_tokens", "max_tokens", "output_tokens", "warmup_requests",
+                     "warmup_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SIZE:
+                raise ValueError(f"bench miss-overhead: {name}={v!r} must be an integer in 1..{MAX_SIZE}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"bench miss-overhead: min_tokens={self.min_tokens} > max_tokens={self.max_tokens}")
+        if self.warmup_tokens + self.output_tokens + 16 > max(4096, self.max_tokens + self.output_tokens + 16):
+            raise ValueError(f"bench miss-overhead: warmup_tokens={self.warmup_tokens} does not fit the engine's "
+                             f"context ({max(4096, self.max_tokens + self.output_tokens + 16)} tokens)")
 
     @classmethod
     def quick(cls) -> "MissBenchSizes":

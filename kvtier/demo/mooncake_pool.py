@@ -97,8 +97,8 @@ def run(json_path: Path | None = None, documents: int = 4) -> int:
     Raises:
         ValueError: ``documents`` outside 1..4.
     """
-    if not 1 <= documents <= 4:
-        raise ValueError(f"documents must be 1..4, got {documents}")
+    if isinstance(documents, bool) or not isinstance(documents, int) or not 1 <= documents <= 4:
+        raise ValueError(f"documents must be an integer 1..4, got {documents!r}")
     from transformers import AutoTokenizer
 
     from kvtier.demo.model import prepare_model

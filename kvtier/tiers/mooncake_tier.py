@@ -285,14 +285,19 @@ class MooncakeTier(LowerTier):
                     if not relay.wait_turn(j):
                         return [], [], []  # the deadline came before this part's turn: nothing touched
                     # Mooncake's put keeps an existing key's old bytes: remove first so the newest
-                    # wins (in the part's turn, so a part that never gets one removes nothing). Not
+                    # wins (in the part's turn, so a part that never gets one removes nothing; only
+                    # the chunks the codec carried, so a refused chunk keeps its stored record). Not
                     # forced: a key another client reads now (a 10 s read lease, -706) keeps its
                     # record, which is this chunk's too (keys are content digests): treated as
                     # stored, never yanked from under its reader.
-                    removed = list(store.batch_remove(mkeys, False))
-                    leased = [n for n, c in enumerate(removed) if c == OBJECT_HAS_LEASE]
+                    removed = list(store.batch_remove([mkeys[n] for n in carried], False)) if carried else []
+                    leased = [carried[m] for m, c in enumerate(removed) if c == OBJECT_HAS_LEASE]
                     kept = set(leased)
                     send = [m for m, n in enumerate(carried) if n not in kept]
+                    if send and time.monotonic() >= relay.deadline:
+                        # The remove outlived the deadline (a stalled master): the caller may have
+                        # returned and reused the payload buffers, so the put must not start now.
+                        send = []
                     codes = list(store.batch_put_from_multi_buffers(
                         [mkeys[carried[m]] for m in send], [batch.ptrs[m] for m in send],
                         [batch.sizes[m] for m in send], config,
@@ -309,7 +314,7 @@ class MooncakeTier(LowerTier):
         deadline = self._deadline()
         relay = TransferRelay(len(parts), deadline)
         results = self._call_parts([put(p, j, relay) for j, p in enumerate(parts)], deadline,
-                                   lambda r: codes_answered(r[1]), self.options.transfer_grace_s)
+                                   lambda r: codes_answered(r[1]), self.options.transfer_grace_s, relay)
         written = full = 0
         for res in results:
             if res is None or len(res[1]) != len(res[0]):
@@ -331,12 +336,23 @@ class MooncakeTier(LowerTier):
         step = -(-len(idx) // k)
         return [idx[i : i + step] for i in range(0, len(idx), step)]
 
-    def _call_parts(self, fns: list[Any], deadline: float, answered: Any, grace_s: float = 0.0) -> list[Any]:
-        """:meth:`MooncakeCalls.call_parts`; every part None (a skipped call) when nothing was started."""
+    def _call_parts(self, fns: list[Any], deadline: float, answered: Any, grace_s: float = 0.0,
+                    relay: TransferRelay | None = None) -> list[Any]:
+        """:meth:`MooncakeCalls.call_parts`; every part None (a skipped call) when nothing was started.
+        With ``relay``, part ``j``'s turn is passed when its job ends however it ends (also when it
+        fails before its body runs, e.g. registering host memory), so no later part waits for it."""
         if self._closed:
             self.counters.add(skipped_calls=1)
             return [None] * len(fns)
-        wrap = [lambda s, fn=fn: fn(self._store_with_regions(s)) for fn in fns]
+
+        def job(s: Any, fn: Any, j: int) -> Any:
+            try:
+                return fn(self._store_with_regions(s))
+            finally:
+                if relay is not None:
+                    relay.pass_turn(j)
+
+        wrap = [lambda s, fn=fn, j=j: job(s, fn, j) for j, fn in enumerate(fns)]
         try:
             results = self.calls.call_parts(wrap, deadline, answered, grace_s)
         except Unavailable:
@@ -371,6 +387,24 @@ class MooncakeTier(LowerTier):
         out = [False] * n
         if not n:
             return out
+        first: dict[bytes, int] = {}
+        dups: list[tuple[int, int]] = []  # (index of a repeated key, index of its first ask)
+        for i, (k, _) in enumerate(items):
+            if k in first:
+                dups.append((i, first[k]))
+            else:
+                first[k] = i
+        if dups:
+            # A key asked twice is read once: two reads of one key in one batch made Mooncake hand
+            # one destination a broken record, judged corrupt, and the good record was removed.
+            uniq = sorted(first.values())
+            for pos, ok in zip(uniq, self.get_many_into([items[i] for i in uniq])):
+                out[pos] = ok
+            for d, f in dups:
+                if out[f] and len(views[d]) == len(views[f]):
+                    views[d][:] = views[f]
+                    out[d] = True
+            return out
         keys = [k for k, _ in items]
         mkeys = [self.mooncake_key(k) for k in keys]
         deadline = self._deadline()
@@ -390,7 +424,7 @@ class MooncakeTier(LowerTier):
             relay = TransferRelay(len(parts), deadline)
             results = self._call_parts([self._read_part(p, j, relay, plan, mkeys, keys, views, sizes)
                                         for j, p in enumerate(parts)], deadline,
-                                       lambda r: codes_answered(r[0]), self.options.transfer_grace_s)
+                                       lambda r: codes_answered(r[0]), self.options.transfer_grace_s, relay)
             for res in results:
                 if res is None:
                     continue

@@ -226,7 +226,7 @@ def test_transfer_relay_orders_parts_and_starts_none_after_the_deadline():
     assert relay.wait_turn(0) is False
 
 
-def test_a_batch_in_parts_moves_one_part_at_a_time_and_every_byte_right():
+def test_a_batch_in_parts_moves_one_part_at_a_time_and_every_byte_right(ci_tier):
     """parallel=4: the four parts' transfers never overlap (the checksums run beside them);
     every chunk comes back byte-exact."""
     import os
@@ -236,116 +236,61 @@ def test_a_batch_in_parts_moves_one_part_at_a_time_and_every_byte_right():
     import numpy as np
 
     from kvtier.tiers.base import ChunkWrite
-    from kvtier.tiers.mooncake_tier import MooncakeTier
 
-    _skip_without_mooncake()
-    if not _answers(*CI_MASTER):
-        pytest.skip(f"no Mooncake master on {CI_MASTER[0]}:{CI_MASTER[1]}; {_SKIP_HINT}")
-    holder = Holder(f"{CI_MASTER[0]}:{CI_MASTER[1]}")
-    tier = MooncakeTier(f"mooncake://{CI_MASTER[0]}:{CI_MASTER[1]}", key_prefix=f"kvtier-test-{uuid.uuid4().hex[:12]}:",
-                        timeout_s=10.0, segment_bytes=0, parallel=4)
     spans: list[tuple[str, float, float]] = []
     lock = threading.Lock()
 
-    class Timed:
-        def __init__(self, store):
-            self._store = store
+    def timed(name):
+        def call(fn, *a):
+            t0 = time.monotonic()
+            try:
+                return fn(*a)
+            finally:
+                with lock:
+                    spans.append((name, t0, time.monotonic()))
+        return call
 
-        def __getattr__(self, name):
-            fn = getattr(self._store, name)
-            if name not in ("batch_put_from_multi_buffers", "batch_get_into_multi_buffers"):
-                return fn
-
-            def timed(*a):
-                t0 = time.monotonic()
-                try:
-                    return fn(*a)
-                finally:
-                    with lock:
-                        spans.append((name, t0, time.monotonic()))
-            return timed
-
-    plain = tier._store_with_regions
-    tier._store_with_regions = lambda s: Timed(plain(s))  # type: ignore[method-assign]
-    try:
-        deadline = time.monotonic() + 30
-        while not tier.stats()["client_open"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        n, size = 8, 1 << 20
-        keys = [os.urandom(32) for _ in range(n)]
-        src = np.random.default_rng(7).integers(0, 256, n * size, dtype=np.uint8)
-        assert tier.put_many([ChunkWrite(k, None, src[i * size:(i + 1) * size]) for i, k in enumerate(keys)]) == [True] * n
-        dst = np.zeros(n * size, np.uint8)
-        assert tier.get_many_into([(k, dst[i * size:(i + 1) * size]) for i, k in enumerate(keys)]) == [True] * n
-        assert np.array_equal(src, dst)
-        for name in ("batch_put_from_multi_buffers", "batch_get_into_multi_buffers"):
-            mine = sorted((a, b) for nm, a, b in spans if nm == name)
-            assert len(mine) == 4, (name, mine)
-            assert all(b0 <= a1 for (_, b0), (a1, _) in zip(mine, mine[1:])), f"{name}: transfers overlapped: {mine}"
-    finally:
-        tier.clear()
-        tier.close()
-        holder.close()
+    names = ("batch_put_from_multi_buffers", "batch_get_into_multi_buffers")
+    tier = ci_tier(hooks={name: timed(name) for name in names}, timeout_s=10.0, parallel=4)
+    n, size = 8, 1 << 20
+    keys = [os.urandom(32) for _ in range(n)]
+    src = np.random.default_rng(7).integers(0, 256, n * size, dtype=np.uint8)
+    assert tier.put_many([ChunkWrite(k, None, src[i * size:(i + 1) * size]) for i, k in enumerate(keys)]) == [True] * n
+    dst = np.zeros(n * size, np.uint8)
+    assert tier.get_many_into([(k, dst[i * size:(i + 1) * size]) for i, k in enumerate(keys)]) == [True] * n
+    assert np.array_equal(src, dst)
+    for name in names:
+        mine = sorted((a, b) for nm, a, b in spans if nm == name)
+        assert len(mine) == 4, (name, mine)
+        assert all(b0 <= a1 for (_, b0), (a1, _) in zip(mine, mine[1:])), f"{name}: transfers overlapped: {mine}"
 
 
 @pytest.mark.slow  # waits out a 1 s deadline
-def test_a_part_whose_turn_comes_after_the_deadline_removes_and_moves_nothing():
+def test_a_part_whose_turn_comes_after_the_deadline_removes_and_moves_nothing(ci_tier):
     """parallel=2, the first part's transfer outlives the deadline: the second part never runs its
     remove or its put (a remove without the put would drop a chunk another writer stored)."""
-    import os
     import threading
     import time
 
-    import numpy as np
-
-    from kvtier.tiers.base import ChunkWrite
-    from kvtier.tiers.mooncake_tier import MooncakeTier
-
-    _skip_without_mooncake()
-    if not _answers(*CI_MASTER):
-        pytest.skip(f"no Mooncake master on {CI_MASTER[0]}:{CI_MASTER[1]}; {_SKIP_HINT}")
-    holder = Holder(f"{CI_MASTER[0]}:{CI_MASTER[1]}")
-    tier = MooncakeTier(f"mooncake://{CI_MASTER[0]}:{CI_MASTER[1]}", key_prefix=f"kvtier-test-{uuid.uuid4().hex[:12]}:",
-                        timeout_s=1.0, transfer_grace_s=3.0, segment_bytes=0, parallel=2)
     removed: list[list[str]] = []
     lock = threading.Lock()
 
-    class SlowFirstPut:
-        def __init__(self, store):
-            self._store = store
+    def remove(fn, keys, force):
+        with lock:
+            removed.append(list(keys))
+        return fn(keys, force)
 
-        def __getattr__(self, name):
-            fn = getattr(self._store, name)
-            if name == "batch_remove":
-                def remove(keys, force):
-                    with lock:
-                        removed.append(list(keys))
-                    return fn(keys, force)
-                return remove
-            if name == "batch_put_from_multi_buffers":
-                def put(*a):
-                    time.sleep(1.5)  # the transfer outlives the 1 s deadline (within the grace)
-                    return fn(*a)
-                return put
-            return fn
+    def slow_put(fn, *a):
+        time.sleep(1.5)  # the transfer outlives the 1 s deadline (within the grace)
+        return fn(*a)
 
-    plain = tier._store_with_regions
-    tier._store_with_regions = lambda s: SlowFirstPut(plain(s))  # type: ignore[method-assign]
-    try:
-        deadline = time.monotonic() + 30
-        while not tier.stats()["client_open"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        keys = [os.urandom(32) for _ in range(4)]
-        vals = [np.full(64 << 10, i, np.uint8) for i in range(4)]
-        ok = tier.put_many([ChunkWrite(k, None, v) for k, v in zip(keys, vals)])
-        assert ok == [True, True, False, False]  # part 0 finished within the grace; part 1 never started
-        assert removed == [[tier.mooncake_key(k) for k in keys[:2]]]
-        assert tier.contains_many(keys) == [True, True, False, False]
-    finally:
-        tier._store_with_regions = plain  # type: ignore[method-assign]
-        tier.clear()
-        tier.close()
-        holder.close()
+    tier = ci_tier(hooks={"batch_remove": remove, "batch_put_from_multi_buffers": slow_put})
+    keys, _, writes = _chunks(4)
+    ok = tier.put_many(writes)
+    assert ok == [True, True, False, False]  # part 0 finished within the grace; part 1 never started
+    assert removed == [[tier.mooncake_key(k) for k in keys[:2]]]
+    tier.hooks.clear()
+    assert tier.contains_many(keys) == [True, True, False, False]
 
 
 # -- the hostile trial of the relay (each failed before its fix) --------------------------------

@@ -85,6 +85,36 @@ def set_client_environment(local_hostname: str) -> None:
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 
 
+class TransferRelay:
+    """The transfers of one batch's parts, one at a time in part order.
+
+    Part ``j`` transfers once part ``j - 1``'s transfer has ended (or failed), so exactly
+    one transfer of the batch is in flight, as with one batched call, while the other
+    parts' CPU work (checksums of the records to put or just read) runs beside it on
+    other workers. A part whose turn has not come by ``deadline`` moves nothing (the time
+    bound of :mod:`kvtier.tiers.mooncake_tier`: no part starts after the deadline).
+
+    Invariant: every part's job passes its turn in a ``finally`` however it ends (the tier's
+    job wrapper does, and the part once its transfer is over; passing twice is harmless), so
+    a part that failed or skipped never holds up its successors.
+    """
+
+    def __init__(self, parts: int, deadline: float):
+        self.deadline = deadline
+        self._ended = [threading.Event() for _ in range(parts)]
+
+    def wait_turn(self, j: int) -> bool:
+        """Wait for part ``j - 1``'s transfer to end; True if part ``j`` may start its own
+        now, False if the deadline (monotonic seconds) came first."""
+        if j > 0 and not self._ended[j - 1].wait(max(0.0, self.deadline - time.monotonic())):
+            return False
+        return time.monotonic() < self.deadline
+
+    def pass_turn(self, j: int) -> None:
+        """Part ``j``'s transfer has ended (or will not happen): the next part's turn."""
+        self._ended[j].set()
+
+
 class MooncakeCalls:
     """One Mooncake client (``MooncakeDistributedStore``) and bounded calls to it.
 

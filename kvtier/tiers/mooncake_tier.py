@@ -56,8 +56,8 @@ deadline never starts. Past the grace (a segment owner that stalls, not dies) th
 call returns a miss and counts ``late_transfers``.
 
 Batches are cut into ``parallel`` parts on idle workers whose transfers run one after
-another (:class:`TransferRelay`): one part's CPU work (xxh3 checksums of the records it
-puts or has just read, the removes before a put) overlaps the next part's transfer, so
+another (:class:`~kvtier.tiers.mooncake_calls.TransferRelay`): one part's CPU work (xxh3
+checksums of the records it puts or has just read) overlaps the next part's transfer, so
 only one part's checksums are not hidden behind a transfer.
 
 Zero-copy: with the raw codec a put hands Mooncake the header and the CPU slot
@@ -84,6 +84,7 @@ from kvtier.tiers.mooncake_calls import (
     OBJECT_HAS_LEASE,
     MooncakeCalls,
     TimedOut,
+    TransferRelay,
     Unavailable,
     codes_answered,
     is_failure,
@@ -94,36 +95,7 @@ from kvtier.tiers.mooncake_url import TIER_QUERY_OPTIONS, MooncakeTierOptions, p
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MooncakeTier", "MooncakeTierOptions", "TIER_QUERY_OPTIONS"]
-
-
-class TransferRelay:
-    """The transfers of one batch's parts, one at a time in part order.
-
-    Part ``j`` transfers once part ``j - 1``'s transfer has ended (or failed), so exactly
-    one transfer of the batch is in flight, as with one batched call, while the other
-    parts' CPU work (checksums of the records to put or just read, the removes before a
-    put) runs beside it on other workers. A part whose turn has not come by ``deadline``
-    moves nothing (the time bound of the module doc: no part starts after the deadline).
-
-    Invariant: ``pass_turn(j)`` runs exactly once per part, in a ``finally``, so a part
-    that failed or skipped never holds up its successors past the deadline.
-    """
-
-    def __init__(self, parts: int, deadline: float):
-        self.deadline = deadline
-        self._ended = [threading.Event() for _ in range(parts)]
-
-    def wait_turn(self, j: int) -> bool:
-        """Wait for part ``j - 1``'s transfer to end; True if part ``j`` may start its own
-        now, False if the deadline (monotonic seconds) came first."""
-        if j > 0 and not self._ended[j - 1].wait(max(0.0, self.deadline - time.monotonic())):
-            return False
-        return time.monotonic() < self.deadline
-
-    def pass_turn(self, j: int) -> None:
-        """Part ``j``'s transfer has ended (or will not happen): the next part's turn."""
-        self._ended[j].set()
+__all__ = ["MooncakeTier", "MooncakeTierOptions", "TIER_QUERY_OPTIONS", "TransferRelay"]
 
 
 class MooncakeTier(LowerTier):
@@ -446,7 +418,7 @@ class MooncakeTier(LowerTier):
             self._call(lambda s: list(s.batch_remove([mkeys[i] for i in drop], True)))
         return out
 
-    def _read_part(self, part: list[int], j: int, relay: "TransferRelay", plan: ReadPlan, mkeys: list[str],
+    def _read_part(self, part: list[int], j: int, relay: TransferRelay, plan: ReadPlan, mkeys: list[str],
                    keys: Sequence[bytes], views: list[memoryview], sizes: list[int]) -> Any:
         """A worker job: in part ``j``'s turn, move the part's values (direct ones into a header
         buffer + ``out``, whole ones into scratch), then verify each record there while the next

@@ -75,9 +75,9 @@ class MooncakeTierOptions:
         workers: Mooncake calls in flight at once (each on its own thread); a call that
             finds them all busy (a stalled store) is a miss at once.
         parallel: parts a batched put or get is split into, on idle workers; their transfers
-            run one after another, so one part's checksums (and a put's removes) overlap the
-            next part's transfer (1: one call per batch). Each part is one more Mooncake call
-            (a master round trip and the transfer engine's per-batch cost): on 2 cores, 16 x 5.9 MB
+            run one after another, so one part's checksums overlap the next part's transfer
+            (1: one call per batch). Each part is one more Mooncake call (a master round trip
+            and the transfer engine's per-batch cost): on 2 cores, 16 x 5.9 MB
             moved fastest with 1-2 parts and ~20% slower with 4 (``kvtier bench remote``).
         max_value_bytes: largest stored value a get reads (bounds what a store hands back).
         transfer_grace_s: how long a get waits past ``timeout_s`` for a transfer that had

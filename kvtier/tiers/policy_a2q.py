@@ -40,6 +40,7 @@ fingerprint probe); 1/16 of them also drive the four miniature caches (O(1) each
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections import OrderedDict
 from typing import Iterator, TypeVar
@@ -63,27 +64,33 @@ class GhostTable:
     of ``WAYS``-entry sets, each a FIFO ring (so an entry lives for about ``WAYS x sets``
     later additions, like one global FIFO), grown as the cache fills.
 
-    Memory: 8 bytes a slot plus 1 byte a set. A lookup reads one set; a false positive
-    needs two keys with the same 64-bit fingerprint.
+    Memory: 8 bytes a slot (little-endian, 0 = empty) plus 1 byte a set. A lookup reads one
+    set (a byte search of its 128 bytes, kept to slot boundaries); a false positive needs two
+    keys with the same 64-bit fingerprint.
     """
 
     WAYS = 16
+    _SET_BYTES = 8 * WAYS
 
     def __init__(self, slots: int = 1024) -> None:
         self._sets = 1
         while self._sets * self.WAYS < slots:
             self._sets *= 2
-        self._slots = array("Q", bytes(8 * self._sets * self.WAYS))
+        self._slots = bytearray(self._SET_BYTES * self._sets)
         self._next = bytearray(self._sets)
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return self._sets * self.WAYS
 
     def grow_to(self, slots: int) -> None:
         """Keep at least ``slots`` slots (entries move over oldest first, so their order stays)."""
-        if slots <= len(self._slots):
+        if slots <= len(self):
             return
-        old, old_next, old_sets = self._slots, self._next, self._sets
+        old = array("Q")
+        old.frombytes(bytes(self._slots))
+        if sys.byteorder != "little":
+            old.byteswap()
+        old_next, old_sets = self._next, self._sets
         self.__init__(slots)  # type: ignore[misc]
         w = self.WAYS
         for r in range(w):  # round r: the r-th oldest entry of every old set
@@ -95,17 +102,23 @@ class GhostTable:
     def add(self, f: int) -> None:
         s = f % self._sets
         i = self._next[s]
-        self._slots[s * self.WAYS + i] = f
+        at = s * self._SET_BYTES + 8 * i
+        self._slots[at : at + 8] = f.to_bytes(8, "little")
         self._next[s] = (i + 1) % self.WAYS
 
     def pop(self, f: int) -> bool:
         """True (and forget it) if ``f`` is held."""
-        base = (f % self._sets) * self.WAYS
-        ways = self._slots[base : base + self.WAYS]
-        if f not in ways:
-            return False
-        self._slots[base + ways.index(f)] = 0
-        return True
+        base = (f % self._sets) * self._SET_BYTES
+        end = base + self._SET_BYTES
+        fb = f.to_bytes(8, "little")
+        slots = self._slots
+        at = slots.find(fb, base, end)
+        while at >= 0:
+            if not (at - base) & 7:
+                slots[at : at + 8] = bytes(8)
+                return True
+            at = slots.find(fb, at + 1, end)
+        return False
 
 
 #: Modes the real cache can follow: ``"lru"`` or the share of the cache T1 may keep.
@@ -203,6 +216,10 @@ class MiniSims:
         self.switches = 0
         self._due = min_cache
         self._lo, self._hi = 0, min_cache << 1
+        #: ``2**shift - 1``: a key is sampled when ``f & mask`` is 0. ``observe`` changes
+        #: nothing for a key that is not sampled while ``_lo <= resident < _hi``, so the
+        #: policy's hot path skips the call then (:meth:`A2QPolicy._ref`).
+        self.mask = 0
 
     def _shift_for(self, resident: int) -> int:
         return max(0, min(self.max_shift, (resident // self.min_cache).bit_length() - 1))
@@ -216,9 +233,10 @@ class MiniSims:
             self._hi = self.min_cache << (shift + 1) if shift < self.max_shift else 1 << 62
             if shift != self.shift:
                 self.shift = shift
+                self.mask = (1 << shift) - 1
                 self.minis = [_Mini(m) for m in MODES]
         shift = self.shift
-        mask = (1 << shift) - 1
+        mask = self.mask
         if f & mask:
             return
         cap = max(1, resident >> shift)
@@ -267,28 +285,35 @@ class A2QPolicy(ChainAwarePolicy):
 
     def _ref(self, key: bytes) -> int:
         self._tick += 1
-        resident = len(self._parent)
+        parents = self._parent
+        resident = len(parents)
         if resident * self.HISTORY > self._ghost_slots:
             self._ghost.grow_to(resident * self.HISTORY)
             self._ghost_slots = len(self._ghost)
-        f = fingerprint(key)
-        self.mini.observe(f, self._parent.get(key), resident)
+        x = (int.from_bytes(key[:8], "little") * _GOLDEN) & _MASK64  # fingerprint(key), inlined
+        f = (x ^ (x >> 32)) or 1
+        mini = self.mini
+        if not f & mini.mask or not mini._lo <= resident < mini._hi:  # else observe is a no-op
+            mini.observe(f, parents.get(key), resident)
         return f
 
     def _add(self, key: bytes) -> None:
         f = self._ref(key)
-        if self._ghost.pop(f):
-            self._t2[key] = self._tick
-        else:
-            self._t1[key] = self._tick
+        (self._t2 if self._ghost.pop(f) else self._t1)[key] = self._tick
 
     def _use(self, key: bytes) -> None:
-        self._ref(key)
-        if key in self._t1:
-            del self._t1[key]
-        else:
-            self._t2.move_to_end(key)
-        self._t2[key] = self._tick
+        # _ref inlined (the hot path), less its ghost growth: a use does not change the
+        # resident count, which the last insert's _ref already grew the ghost for.
+        self._tick = tick = self._tick + 1
+        x = (int.from_bytes(key[:8], "little") * _GOLDEN) & _MASK64
+        f = (x ^ (x >> 32)) or 1
+        mini = self.mini
+        if not f & mini.mask or not mini._lo <= len(self._parent) < mini._hi:
+            mini.observe(f, self._parent.get(key), len(self._parent))
+        t2 = self._t2
+        if self._t1.pop(key, None) is None:  # values are ticks, never None
+            t2.move_to_end(key)
+        t2[key] = tick
 
     def _use_deferred(self, key: bytes) -> bool:
         self._ref(key)
@@ -319,7 +344,8 @@ class A2QPolicy(ChainAwarePolicy):
                 del self._t2[key]
         else:
             self._dseg.pop(key, None)
-        self._ghost.add(fingerprint(key))
+        x = (int.from_bytes(key[:8], "little") * _GOLDEN) & _MASK64  # fingerprint(key), inlined
+        self._ghost.add((x ^ (x >> 32)) or 1)
 
     def _members(self) -> set[bytes]:
         return set(self._t1) | set(self._t2)
@@ -327,6 +353,10 @@ class A2QPolicy(ChainAwarePolicy):
     def _order(self) -> Iterator[bytes]:
         t1, t2 = self._t1, self._t2
         mode = self.mini.mode
+        if not t2:
+            return iter(t1)
+        if not t1:
+            return iter(t2)
         if mode == "lru":
             return _merge_by_value(t1, t2)
         first, second = (t1, t2) if _victim_queue(mode, t1, t2, len(self._parent)) is t1 else (t2, t1)

@@ -198,3 +198,109 @@ def test_the_connector_copy_checks_a_client_verified_load_as_it_copies(
         wait_until(lambda: host.sums.corrupt == 1, what="the report reached the server")
         for c in (a, b):
             c.close()
+
+
+def test_the_helper_thread_hashes_each_chunk_while_the_connector_copies_it(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify_helper=True: load_handle hands each chunk to the helper as its copy starts, copies,
+    then waits for the verdict; a scribbled chunk's blocks are written but it raises, and the
+    server hears of it. The copying thread never hashes (load_blocks_checked is not called)."""
+    import threading
+
+    from kvtier.integrations import block_copy
+    from kvtier.service import load_verifier
+
+    def not_inline(*a: object, **k: object) -> bool:
+        raise AssertionError("the copying thread hashed the chunk itself")
+
+    monkeypatch.setattr(block_copy, "load_blocks_checked", not_inline)
+    hashed_on: list[str] = []
+    real_sum = load_verifier.chunk_sum_nogil
+
+    def recording_sum(buf: np.ndarray) -> int:
+        hashed_on.append(threading.current_thread().name)
+        return real_sum(buf)
+
+    monkeypatch.setattr(load_verifier, "chunk_sum_nogil", recording_sum)
+    real_copy = block_copy.load_blocks
+
+    def copy_once_the_helper_has_it(*args: object) -> None:
+        # Tiny test chunks copy in microseconds: let the helper pick the chunk up first, as it
+        # does beside a real chunk's copy (if it never does, the verdict wait hashes inline).
+        wait_until(lambda: not b._verifier._queue, what="the helper took the chunk")
+        real_copy(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(block_copy, "load_blocks", copy_once_the_helper_has_it)
+    with start_server(short_dir) as srv:
+        a = connect(short_dir / "s.sock", client_id="engine-a")
+        store(a, KEYS[:3])
+        _scribble(srv, short_dir, KEYS[1])
+        b = connect(short_dir / "s.sock", client_id="engine-b", verify="client", verify_helper=True)
+        assert b._verifier.helper
+        handles = b.open_read_many([(KEYS[0], None), (KEYS[1], KEYS[0]), (KEYS[2], KEYS[1])])
+        assert all(h is not None and h.verdict == 0 for h in handles)  # nothing hashed before the copies
+        kv = np.zeros((1, 4, b.chunk_bytes), dtype=np.uint8)
+
+        def view(flat: np.ndarray) -> np.ndarray:
+            return flat.reshape(1, 1, -1)
+
+        block_copy.load_handle(handles[0], view, kv, [0])
+        assert np.array_equal(kv[0, 0], payload_for(KEYS[0], b.chunk_bytes)) and handles[0].verdict == 1
+        with pytest.raises(ChunkUnavailable, match="commit checksum"):
+            block_copy.load_handle(handles[1], view, kv, [1])
+        block_copy.load_handle(handles[2], view, kv, [2])
+        assert np.array_equal(kv[0, 2], payload_for(KEYS[2], b.chunk_bytes))
+        assert [h.verdict for h in handles] == [1, 2, 1] and b._verifier.checked == 3
+        assert hashed_on == ["kvtier-load-verify"] * 3
+        for h in handles:
+            h.close()
+        host = srv.hosts()[0]
+        wait_until(lambda: host.sums.corrupt == 1, what="the report reached the server")
+        assert b.counters.corrupt_loads == 1
+        for c in (a, b):
+            c.close()
+
+
+def test_a_chunk_handed_to_a_helper_that_never_runs_is_checked_by_the_copier(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A helper that gets no CPU (here: one that never takes anything) never stalls a load: the
+    copier's wait for the verdict takes the chunk back and hashes it itself, same verdicts."""
+    from kvtier.integrations.block_copy import load_handle
+    from kvtier.service.load_verifier import LoadVerifier
+
+    monkeypatch.setattr(LoadVerifier, "_run", lambda self: None)
+    with start_server(short_dir) as srv:
+        a = connect(short_dir / "s.sock", client_id="engine-a")
+        store(a, KEYS[:2])
+        _scribble(srv, short_dir, KEYS[1])
+        b = connect(short_dir / "s.sock", client_id="engine-b", verify="client", verify_helper=True)
+        h0, h1 = b.open_read_many([(KEYS[0], None), (KEYS[1], KEYS[0])])
+        kv = np.zeros((1, 2, b.chunk_bytes), dtype=np.uint8)
+
+        def view(flat: np.ndarray) -> np.ndarray:
+            return flat.reshape(1, 1, -1)
+
+        load_handle(h0, view, kv, [0])
+        with pytest.raises(ChunkUnavailable):
+            load_handle(h1, view, kv, [1])
+        assert (h0.verdict, h1.verdict) == (1, 2) and not b._verifier._queue
+        for h in (h0, h1):
+            h.close()
+        for c in (a, b):
+            c.close()
+
+
+def test_the_helper_is_on_by_default_only_with_two_cpus(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.service import client as client_mod
+
+    with start_server(short_dir):
+        for cpus, want in ((1, False), (2, True), (64, True)):
+            monkeypatch.setattr(client_mod, "usable_cpus", lambda n=cpus: n)
+            c = connect(short_dir / "s.sock", client_id=f"engine-{cpus}", verify="client")
+            assert c._verifier.helper is want
+            c.close()
+        c = connect(short_dir / "s.sock", client_id="engine-off", verify="client", verify_helper=False)
+        assert not c._verifier.helper
+        c.close()

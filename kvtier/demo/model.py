@@ -87,6 +87,7 @@ def prepare_model(
 
     Raises:
         ModelPrepError: GGUF missing, or transformers failed to load or save it.
+        ModuleNotFoundError: transformers or gguf is not installed (the CLI names the extra).
     """
     root = (cache_dir or default_cache_dir()) / "models"
     target = root / MODEL_DIR_NAME
@@ -127,7 +128,7 @@ def prepare_model(
         except OSError:
             if not is_complete(target):  # another process finished first: keep its copy
                 raise
-    except ModelPrepError:
+    except (ModelPrepError, ModuleNotFoundError):  # a missing module: the CLI names the extra that installs it
         raise
     except Exception as exc:  # transformers/gguf errors: report clearly, keep nothing half-done
         raise ModelPrepError(f"converting {gguf} failed: {type(exc).__name__}: {exc}") from exc

@@ -88,12 +88,22 @@ def load_handle(
     """Copy a read handle's chunk into engine blocks ``block_ids`` (``view`` maps its flat slot to
     ``[num_layers, blocks_per_chunk, block_bytes]``). A handle that still carries a checksum to
     check (a ``kvtier server`` client with ``verify="client"``: ``claim()``) is checked as it is
-    copied (:func:`load_blocks_checked`); any other is copied as it is.
+    copied: by its client's helper thread beside the copy where it has one (``check_beside()``;
+    the copy then waits for the verdict), else in the copy itself (:func:`load_blocks_checked`);
+    any other is copied as it is (``buffer``: verified before, or nothing to verify).
 
     Raises:
         ChunkUnavailable: the chunk's bytes differ from its commit checksum (its blocks are unfilled).
         IndexError: a block id outside the KV cache.
     """
+    beside = getattr(handle, "check_beside", None)
+    if beside is not None and beside():
+        # The client's helper thread hashes this chunk while this thread copies it (two cores
+        # reading the slot at once), then the copy waits for the verdict. As in the checked copy,
+        # the blocks are written first and are unfilled if the verdict is bad.
+        load_blocks(view(handle.view), kv, block_ids, offset)
+        handle.buffer  # noqa: B018 - waits for the verdict; ChunkUnavailable on a mismatch
+        return
     claim = getattr(handle, "claim", None)
     want = claim() if claim is not None else None
     if want is None:

@@ -304,3 +304,6 @@ def test_the_helper_is_on_by_default_only_with_two_cpus(short_dir: Path, monkeyp
         c = connect(short_dir / "s.sock", client_id="engine-off", verify="client", verify_helper=False)
         assert not c._verifier.helper
         c.close()
+        for bad in ("yes", 1, 0.0):
+            with pytest.raises(ValueError, match="verify_helper"):
+                connect(short_dir / "s.sock", client_id="engine-bad", verify="client", verify_helper=bad)

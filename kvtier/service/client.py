@@ -174,7 +174,8 @@ class ServiceClient:
             (``os.sched_getaffinity``). Measured in ``kvtier bench server``.
 
     Raises:
-        ValueError: malformed address or non-positive timeouts, or a namespace the protocol
+        ValueError: malformed address or non-positive timeouts, a ``verify`` or ``verify_helper``
+            outside its values, or a namespace the protocol
             cannot carry (``ProtocolError``, e.g. a model name over 1,024 characters).
     """
 
@@ -198,6 +199,8 @@ class ServiceClient:
             raise ValueError("timeouts must be positive")
         if verify not in ("server", "client"):
             raise ValueError(f"verify must be 'server' or 'client', got {verify!r}")
+        if verify_helper is not None and not isinstance(verify_helper, bool):
+            raise ValueError(f"verify_helper must be True, False or None, got {verify_helper!r}")
         self.verify = verify
         self._verifier = LoadVerifier(helper=usable_cpus() >= 2 if verify_helper is None else verify_helper)
         self.address = address

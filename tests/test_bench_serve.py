@@ -568,6 +568,9 @@ def test_lmcache_client_runs_and_ratios(tmp_path: Any) -> None:
     assert r["ttft_mean_ratio_vs_vllm"] is None
     r = client_ratios(results, own={"ttft_mean_ratio_vs_lmcache": 1.5, "throughput_ratio_vs_lmcache": 0.9})["long-doc-qa"]
     assert r["same_ordering"] == {"ttft_mean_ratio_vs_lmcache": True, "throughput_ratio_vs_lmcache": False}
+    # a ratio within 2% of 1 on either side orders nothing (a fixed-rate workload's throughput)
+    r = client_ratios(results, own={"ttft_mean_ratio_vs_lmcache": 1.01, "throughput_ratio_vs_lmcache": 0.9})["long-doc-qa"]
+    assert r["same_ordering"] == {"ttft_mean_ratio_vs_lmcache": None, "throughput_ratio_vs_lmcache": False}
     bad = run_lmcache_bench(tmp_path / "missing", "http://kv", "m", "long-doc-qa", opts, 131, tmp_path / "bad")
     assert "error" in bad
 

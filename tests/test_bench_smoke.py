@@ -171,3 +171,23 @@ def test_demo_mooncake_refuses_a_document_count_that_is_not_1_to_4() -> None:
     for bad in (True, 0, 5, 2.5, "2"):
         with pytest.raises(ValueError, match="documents"):
             run(None, bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_server_bench_tiny_verifies_every_load_and_leaves_no_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvtier bench server` at 2 chunks: every figure positive, every client-verified load checked
+    (helper beside the copy and the inline copy), nothing corrupt, its socket folder removed."""
+    import tempfile
+
+    from kvtier.bench.server import run_bench_server
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    out = tmp_path / "server.json"
+    assert run_bench_server(json_path=out, chunks=2, reps=1, lookups=10) == 0
+    doc = json.loads(out.read_text())
+    for key in ("store_ratio", "load_ratio", "load_ratio_server_verify", "load_ratio_client_inline",
+                "lookup_rtt_us_median"):
+        assert doc[key] > 0 and math.isfinite(doc[key]), key
+    assert doc["client_corrupt_loads"] == 0 and doc["client_verified_chunks"] > 0
+    assert isinstance(doc["load_verify_helper"], bool)
+    assert [p.name for p in tmp_path.iterdir()] == ["server.json"]

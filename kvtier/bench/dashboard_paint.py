@@ -93,7 +93,13 @@ def _controller(chunks: int) -> tuple[str, Any, Any]:
     def snap() -> Any:
         return urllib.request.urlopen(url + "/dashboard/snapshot").read()
 
-    return url, snap, fleet.close
+    def close() -> None:
+        try:
+            fleet.close()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    return url, snap, close
 
 
 def run_controller(chunks: int, reps: int) -> dict[str, Any]:

@@ -32,6 +32,7 @@ lookup round trip on loopback).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -214,6 +215,8 @@ def run_bench_server(
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(timeout=20)
+        shutil.rmtree(tmp, ignore_errors=True)  # the socket's folder (each run left one behind)
 
     nbytes = chunks * cb
     res: dict[str, Any] = {

@@ -571,6 +571,12 @@ def test_lmcache_client_runs_and_ratios(tmp_path: Any) -> None:
     # a ratio within 2% of 1 on either side orders nothing (a fixed-rate workload's throughput)
     r = client_ratios(results, own={"ttft_mean_ratio_vs_lmcache": 1.01, "throughput_ratio_vs_lmcache": 0.9})["long-doc-qa"]
     assert r["same_ordering"] == {"ttft_mean_ratio_vs_lmcache": None, "throughput_ratio_vs_lmcache": False}
+    # hostile trial: NaN, inf, zero or negative figures order nothing; a config without results is skipped
+    for odd in (float("nan"), float("inf"), 0.0, -2.0):
+        r = client_ratios(results, own={"ttft_mean_ratio_vs_lmcache": odd})["long-doc-qa"]
+        assert r["same_ordering"] == {"ttft_mean_ratio_vs_lmcache": None}
+    weird = {"kvtier-cpu": None, "lmcache-mp": {"w": {"mean_ttft_ms": float("inf"), "request_throughput": 1.0}}}
+    assert client_ratios(weird)["w"]["ttft_mean_ratio_vs_lmcache"] is None
     bad = run_lmcache_bench(tmp_path / "missing", "http://kv", "m", "long-doc-qa", opts, 131, tmp_path / "bad")
     assert "error" in bad
 

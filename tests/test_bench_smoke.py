@@ -176,7 +176,7 @@ def test_demo_mooncake_refuses_a_document_count_that_is_not_1_to_4() -> None:
 @pytest.mark.slow
 def test_server_bench_tiny_verifies_every_load_and_leaves_no_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`kvtier bench server` at 2 chunks: every figure positive, every client-verified load checked
-    (helper beside the copy and the inline copy), nothing corrupt, its socket folder removed."""
+    (in the copy, and by the opt-in helper), nothing corrupt, its socket folder removed."""
     import tempfile
 
     from kvtier.bench.server import run_bench_server
@@ -185,9 +185,28 @@ def test_server_bench_tiny_verifies_every_load_and_leaves_no_folder(tmp_path: Pa
     out = tmp_path / "server.json"
     assert run_bench_server(json_path=out, chunks=2, reps=1, lookups=10) == 0
     doc = json.loads(out.read_text())
-    for key in ("store_ratio", "load_ratio", "load_ratio_server_verify", "load_ratio_client_inline",
+    for key in ("store_ratio", "load_ratio", "load_ratio_server_verify", "load_ratio_client_helper",
                 "lookup_rtt_us_median"):
         assert doc[key] > 0 and math.isfinite(doc[key]), key
     assert doc["client_corrupt_loads"] == 0 and doc["client_verified_chunks"] > 0
-    assert isinstance(doc["load_verify_helper"], bool)
     assert [p.name for p in tmp_path.iterdir()] == ["server.json"]
+
+
+@pytest.mark.slow
+def test_server_bench_with_a_server_that_cannot_start_says_so_at_once_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hostile trial (December 6): a socket path too long for AF_UNIX made the server exit at
+    once, yet the bench waited 3 minutes for three clients to connect."""
+    import tempfile
+    import time
+
+    from kvtier.bench.server import run_bench_server
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    t0 = time.monotonic()
+    assert run_bench_server(json_path=None, chunks=1, reps=1, lookups=10) == 1
+    assert time.monotonic() - t0 < 30
+    assert list(deep.iterdir()) == []

@@ -295,26 +295,35 @@ def test_a_port_in_use_names_the_flag_and_leaves_no_socket(tmp_path: Path) -> No
 @pytest.mark.parametrize("argv,module,extra", [
     (["bench", "serve", "--quick"], "httpx", "controller"),  # imported before the command's error handling
     (["demo", "--quick"], "transformers", "vllm-cpu"),
+    (["demo", "--quick"], "gguf", "demo"),  # transformers itself raised a bare ImportError for it
 ])
-def test_a_missing_extra_is_one_line_naming_it_never_a_traceback(argv, module, extra) -> None:
+def test_a_missing_extra_is_one_line_naming_it_never_a_traceback(argv, module, extra, tmp_path: Path) -> None:
     """Failing input (a fresh user's core-only install): `kvtier bench serve` ended in a traceback
-    (ModuleNotFoundError: httpx), and `kvtier demo` named no extra."""
+    (ModuleNotFoundError: httpx), and `kvtier demo` named no extra. The module is hidden from
+    imports and from ``find_spec`` (how transformers looks for gguf), under an empty HOME so the
+    demo converts the model rather than reuse a converted copy."""
+    import os
     import subprocess
     import sys
 
     code = (
-        "import builtins, sys\n"
+        "import builtins, importlib.util, sys\n"
         "real = builtins.__import__\n"
+        "real_find = importlib.util.find_spec\n"
         f"def fake(name, *a, **k):\n"
         f"    if name.split('.')[0] == {module!r}:\n"
         f"        raise ModuleNotFoundError('No module named ' + repr(name), name={module!r})\n"
         "    return real(name, *a, **k)\n"
+        "def fake_find(name, *a, **k):\n"
+        f"    return None if name.split('.')[0] == {module!r} else real_find(name, *a, **k)\n"
         "builtins.__import__ = fake\n"
+        "importlib.util.find_spec = fake_find\n"
         f"sys.argv = ['kvtier', *{argv!r}]\n"
         "from kvtier.cli import main\n"
         "main()\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "Traceback" not in out.stderr and f"kvtier[{extra}]" in out.stderr and repr(module) in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -102,6 +102,9 @@ def prepare_model(
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+        if importlib.util.find_spec("gguf") is None:  # transformers would raise a bare ImportError later
+            raise ModuleNotFoundError("No module named 'gguf'", name="gguf")
+
         step("reading tokenizer from GGUF")
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         step("dequantizing Q4_1 weights to bf16")

@@ -34,7 +34,7 @@ from kvtier.protocol.messages import KVRegister
 from kvtier.protocol.replies import LoadManyReply, LookupReply, ReserveManyReply
 from kvtier.service.client_blocks import EngineBlockCopies
 from kvtier.service.connection import ClientCounters, Conn, ServiceConnection
-from kvtier.service.load_verifier import BAD, GOOD, PENDING, LoadVerifier, usable_cpus
+from kvtier.service.load_verifier import BAD, GOOD, PENDING, LoadVerifier
 from kvtier.service.reply_checks import check_loaded, check_reserved, write_skip
 from kvtier.service.request_split import fits_one_frame, request_or_none
 from kvtier.storage.types import ChunkUnavailable, LookupResult, WriteSkip
@@ -92,7 +92,9 @@ class ServiceReadHandle:
             client = self._client
             verdict = client._verifier.wait(self) if client is not None else self.verdict
             if verdict != GOOD:
-                why = "differ from its commit checksum" if verdict == BAD else "could not be verified in time"
+                why = ("differ from its commit checksum" if verdict == BAD else
+                       "were not verified: the client is closed" if client is not None and client._verifier.closed
+                       else "could not be verified in time")
                 raise ChunkUnavailable(f"kvtier: the bytes of chunk {self.key.hex()[:16]} {why}; a miss")
         return self.view
 
@@ -168,10 +170,12 @@ class ServiceClient:
             the caller's copies, :mod:`kvtier.service.load_verifier`; a
             handle's ``buffer`` then raises ``ChunkUnavailable`` for a chunk that fails,
             so use it where the caller treats that as a miss, as the vLLM connector does).
-        verify_helper: with ``verify="client"``, hash chunks on a helper thread beside the
-            caller's copies (True), or only in the caller's own copy (False: one core does both).
-            Default None: a helper when this process may run on at least 2 CPUs
-            (``os.sched_getaffinity``). Measured in ``kvtier bench server``.
+        verify_helper: with ``verify="client"``, hash each chunk on a helper thread while the
+            caller copies it (True: faster where a second core is free, but the hash and the copy
+            are two reads of the slot, so a scribble between them passes, as with the server's
+            check), or in the caller's own copy, each run right after it is read (False, the
+            default: a scribble before a run is copied is always seen). Measured in
+            ``kvtier bench server``.
 
     Raises:
         ValueError: malformed address or non-positive timeouts, a ``verify`` or ``verify_helper``
@@ -193,16 +197,16 @@ class ServiceClient:
         wait_connected_s: float = 0.0,
         sync_commit: bool = False,
         verify: str = "server",
-        verify_helper: bool | None = None,
+        verify_helper: bool = False,
     ):
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
         if verify not in ("server", "client"):
             raise ValueError(f"verify must be 'server' or 'client', got {verify!r}")
-        if verify_helper is not None and not isinstance(verify_helper, bool):
-            raise ValueError(f"verify_helper must be True, False or None, got {verify_helper!r}")
+        if not isinstance(verify_helper, bool):
+            raise ValueError(f"verify_helper must be True or False, got {verify_helper!r}")
         self.verify = verify
-        self._verifier = LoadVerifier(helper=usable_cpus() >= 2 if verify_helper is None else verify_helper)
+        self._verifier = LoadVerifier(helper=verify_helper)
         self.address = address
         family, addr = parse_address(address)
         self.namespace = namespace

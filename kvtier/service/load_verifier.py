@@ -11,19 +11,23 @@ Here the server answers at once with each chunk's commit checksum and the client
 checks the chunk while it copies it, in one of two ways (the vLLM worker's copy,
 :func:`kvtier.integrations.block_copy.load_handle`):
 
-- with a helper thread (``LoadVerifier(helper=True)``; the client's default where the
-  process may run on 2 CPUs or more): as each chunk's copy starts the copier hands the
-  chunk to the helper (:meth:`ServiceReadHandle.check_beside`), which hashes the whole
-  slot without the GIL while the copier copies it; both passes read the same slot at
-  once, so it comes from memory about once; the copy then waits for the verdict;
-- without one: the copy takes the checksum (:meth:`ServiceReadHandle.claim`) and hashes
-  each run of the slot right after it copied it, while it is in the CPU cache
-  (:func:`~kvtier.integrations.block_copy.load_blocks_checked`).
+- by default (``verify_helper=False``) the copy takes the checksum
+  (:meth:`ServiceReadHandle.claim`) and hashes each run of the slot right after it copied
+  it, while it is in the CPU cache (:func:`~kvtier.integrations.block_copy.load_blocks_checked`):
+  the hash reads every byte after the copy read it, so a byte scribbled before it was
+  copied is always in the hash;
+- with a helper thread (``verify_helper=True``, opt-in): as each chunk's copy starts the
+  copier hands the chunk to the helper (:meth:`ServiceReadHandle.check_beside`), which
+  hashes the whole slot without the GIL while the copier copies it, then the copy waits
+  for the verdict. Faster where a core is free, but the hash may read a region before the
+  copy does (the copier descheduled), so a scribble landing between the two reads passes:
+  the guarantee of the server-side check, not of the default. Not the connector's default
+  for that reason (the hostile trial of December 6 showed it with a delayed copier).
 
 Measured side by side in ``kvtier bench server`` on 2 vCPUs (16 x 5.9 MB, medians of 9):
-the helper beside the copy 0.74-0.76x of an embedded load, the copy alone 0.69-0.70x,
-the server checking first 0.55-0.59x; handing every chunk to the helper at once, so
-that it hashes ahead of the copies (another pass over memory), measured 0.60-0.69x. A
+the default (hashed in the copy) 0.69-0.70x of an embedded load, the helper beside the copy
+0.74-0.76x, the server checking first 0.55-0.59x; handing every chunk to the helper at once,
+so that it hashes ahead of the copies (another pass over memory), measured 0.60-0.69x. A
 caller that reads ``buffer`` instead gets the chunk checked just before, in its own thread.
 
 Safety argument (every load is still verified, against the same checksum):
@@ -33,11 +37,10 @@ Safety argument (every load is still verified, against the same checksum):
   the fused copy writes the engine's blocks first and raises ``ChunkUnavailable`` when the
   whole slot does not match, and the vLLM worker then reports that chunk's blocks and
   every later one of the request for recompute, as for any failed load;
-- the bytes checked are the bytes copied, read from the same mapping at about the same
-  time: right after the copy read each run, or (with the helper) during the chunk's
-  copy; a scribble that lands within that window, between the two reads, can pass (the
-  server-side check left a round trip between check and copy). Runs the load does not
-  need are hashed too, since the checksum covers the whole slot;
+- the bytes checked are the bytes copied: by default each run is hashed from the same
+  mapping right after the copy read it (the server-side check, and the opt-in helper,
+  read the slot apart from the copy, so a scribble between the two reads can pass). Runs
+  the load does not need are hashed too, since the checksum covers the whole slot;
 - the server stays the authority on its cache: a mismatch is reported on ``unload``
   (``corrupt``), the server checks the slot again itself and drops the chunk if it
   differs; a client that lies can only make the server re-hash one of its own
@@ -45,13 +48,13 @@ Safety argument (every load is still verified, against the same checksum):
   client that scribbles could do anyway. Write-behind stays checked by the server.
 
 Measured side by side in ``kvtier bench server`` (``load_ratio``: the connector's way;
-``load_ratio_server_verify``: the server checks first; ``load_ratio_client_inline``: no
-helper thread).
+``load_ratio_server_verify``: the server checks first; ``load_ratio_client_helper``: the
+opt-in helper thread).
 """
 
 from __future__ import annotations
 
-import os
+import logging
 import threading
 from collections import deque
 from typing import Protocol
@@ -60,18 +63,12 @@ import numpy as np
 
 from kvtier.service.integrity import chunk_sum_nogil
 
+log = logging.getLogger(__name__)
+
 #: Verdicts of one handle.
 PENDING, GOOD, BAD = 0, 1, 2
 #: Most seconds ``buffer`` waits for a verdict before it gives up (the chunk is then a miss).
 VERDICT_TIMEOUT_S = 10.0
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 class Checked(Protocol):
@@ -118,8 +115,12 @@ class LoadVerifier:
         if not self.helper:
             return False
         with self._cv:
-            if self._closed:
+            if self._closed or (self._thread is not None and not self._thread.is_alive()):
+                return False  # no helper left to hash it: the caller checks it in its copy
+            if handle.taken or handle.verdict != PENDING:
                 return False
+            if any(h is handle for h in self._queue):  # handed over already (a retried copy)
+                return True
             self._queue.appendleft(handle)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvtier-load-verify", daemon=True)
@@ -158,8 +159,11 @@ class LoadVerifier:
             return True
 
     def settle(self, handle: Checked, ok: bool) -> None:
-        """Record the verdict of a check made by the caller after :meth:`claim`."""
+        """Record the verdict of a check made by the caller after :meth:`claim` (a handle's first
+        verdict stands: it is never overwritten by a later one)."""
         with self._cv:
+            if handle.verdict != PENDING:
+                return
             self.checked += 1
             if not ok:
                 self.mismatches += 1
@@ -167,7 +171,12 @@ class LoadVerifier:
             self._cv.notify_all()
 
     def _check(self, h: Checked) -> None:
-        self.settle(h, chunk_sum_nogil(h.view) == h.expected)
+        try:
+            ok = chunk_sum_nogil(h.view) == h.expected
+        except Exception:  # noqa: BLE001 - an unhashable slot is unverified: a miss, never a stuck helper
+            log.exception("kvtier: hashing a loaded chunk failed; it is treated as a mismatch")
+            ok = False
+        self.settle(h, ok)
 
     def _run(self) -> None:
         while True:
@@ -181,6 +190,11 @@ class LoadVerifier:
             if h.closed:  # closed unread: its slot may already hold another chunk
                 continue
             self._check(h)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (pending handles stay unverified)."""
+        return self._closed
 
     def close(self) -> None:
         with self._cv:

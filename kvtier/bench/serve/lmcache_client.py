@@ -139,9 +139,10 @@ TIE = 0.02
 
 
 def _get(results: Mapping[str, Any], config: str, workload: str, key: str) -> float | None:
-    v = (results.get(config) or {}).get(workload) or {}
-    x = v.get(key) if isinstance(v, dict) else None
-    return float(x) if isinstance(x, (int, float)) and x > 0 else None
+    per = results.get(config)
+    v = per.get(workload) if isinstance(per, Mapping) else None
+    x = v.get(key) if isinstance(v, Mapping) else None
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) and x > 0 else None
 
 
 def client_ratios(results: Mapping[str, Mapping[str, Any]], kv: str = "kvtier-cpu",
@@ -160,7 +161,7 @@ def client_ratios(results: Mapping[str, Mapping[str, Any]], kv: str = "kvtier-cp
         return a / b if a is not None and b else None
 
     out: dict[str, dict[str, Any]] = {}
-    workloads = {w for per in results.values() for w in per}
+    workloads = {w for per in results.values() if isinstance(per, Mapping) for w in per}
     for w in sorted(workloads):
         out[w] = {
             "ttft_mean_ratio_vs_lmcache": ratio(_get(results, "lmcache-mp", w, "mean_ttft_ms"), _get(results, kv, w, "mean_ttft_ms")),
@@ -175,6 +176,8 @@ def client_ratios(results: Mapping[str, Mapping[str, Any]], kv: str = "kvtier-cp
             for k, v in list(out[w].items()):
                 theirs = own.get(k)
                 if isinstance(v, float) and isinstance(theirs, (int, float)):
-                    same[k] = None if abs(v - 1) <= TIE or abs(theirs - 1) <= TIE else (v > 1) == (theirs > 1)
+                    # a ratio that is not a finite positive number orders nothing either
+                    unordered = not all(math.isfinite(r) and r > 0 and abs(r - 1) > TIE for r in (v, theirs))
+                    same[k] = None if unordered else (v > 1) == (theirs > 1)
             out[w]["same_ordering"] = same
     return out

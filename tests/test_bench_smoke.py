@@ -210,3 +210,26 @@ def test_server_bench_with_a_server_that_cannot_start_says_so_at_once_and_leaves
     assert run_bench_server(json_path=None, chunks=1, reps=1, lookups=10) == 1
     assert time.monotonic() - t0 < 30
     assert list(deep.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_server_bench_with_a_server_that_dies_after_making_its_socket_ends_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hostile re-check (December 6): a server that bound its socket and then exited was waited
+    for by each of the three clients in turn (180 s)."""
+    import subprocess
+    import sys
+    import time
+
+    import kvtier.bench.server as bench_server
+
+    def dying_server(sock: str, cpu_capacity: int, extra: object = None) -> subprocess.Popen:
+        code = ("import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); "
+                "s.listen(); time.sleep(0.3)")
+        return subprocess.Popen([sys.executable, "-c", code, sock], stderr=subprocess.PIPE)
+
+    monkeypatch.setattr(bench_server, "start_server_process", dying_server)
+    t0 = time.monotonic()
+    assert bench_server.run_bench_server(json_path=None, chunks=1, reps=1, lookups=10) == 1
+    assert time.monotonic() - t0 < 20

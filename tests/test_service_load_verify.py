@@ -400,3 +400,53 @@ def test_a_retried_copy_hands_its_chunk_over_once_and_the_first_verdict_stands(s
     assert BAD != GOOD and not v.closed
     v.close()
     assert v.closed
+
+
+def test_a_copy_that_raises_gives_its_claim_back_and_the_next_read_checks_at_once(short_dir: Path) -> None:
+    """Hostile re-check: load_handle claimed the chunk, then its copy raised (a bad block id), and
+    the handle stayed taken with no verdict: the next read waited the full 10 s timeout."""
+    import time
+
+    from kvtier.integrations.block_copy import load_handle
+
+    with start_server(short_dir):
+        a = connect(short_dir / "s.sock", client_id="engine-a")
+        store(a, KEYS[:1])
+        b = connect(short_dir / "s.sock", client_id="engine-b", verify="client")
+        (h,) = b.open_read_many([(KEYS[0], None)])
+        kv = np.zeros((1, 2, b.chunk_bytes), dtype=np.uint8)
+
+        def view(flat: np.ndarray) -> np.ndarray:
+            return flat.reshape(1, 1, -1)
+
+        with pytest.raises(IndexError):
+            load_handle(h, view, kv, [7])
+        assert not h.taken and h.verdict == 0
+        t0 = time.monotonic()
+        load_handle(h, view, kv, [1])
+        assert time.monotonic() - t0 < 5 and h.verdict == 1
+        assert np.array_equal(kv[0, 1], payload_for(KEYS[0], b.chunk_bytes))
+        h.close()
+        for c in (a, b):
+            c.close()
+
+
+def test_the_checked_copy_hashes_what_the_engine_received(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hostile re-check: a scribble written before a run's copy and undone before its hash passed,
+    since both read the slot. The copied runs are hashed from their destination now."""
+    from kvtier.integrations import block_copy
+
+    rng = np.random.default_rng(9)
+    chunk = rng.integers(0, 256, (2, 2, 64), dtype=np.uint8)
+    want = chunk_sum(chunk)
+    kv = np.zeros((2, 4, 64), dtype=np.uint8)
+    real_copyto = np.copyto
+
+    def scribble_then_undo(dst: np.ndarray, src: np.ndarray) -> None:
+        saved = src.copy()
+        src[...] = 0xEE  # another client writes just before the copy reads ...
+        real_copyto(dst, src)
+        src[...] = saved  # ... and puts the bytes back before the hash would read the slot
+
+    monkeypatch.setattr(block_copy.np, "copyto", scribble_then_undo)
+    assert not block_copy.load_blocks_checked(chunk, kv, [3, 1], 0, want)

@@ -57,7 +57,7 @@ from kvtier.bench.common import (
 from kvtier.integrations.block_copy import load_handle
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import chain_parents
-from kvtier.service.client import ServiceClient
+from kvtier.service.client import ServiceClient, ServiceUnavailable
 from kvtier.storage.backend import KVStore
 from kvtier.storage.manager import StorageManager
 
@@ -109,19 +109,29 @@ def run_bench_server(
             print(f"kvtier server did not come up: {err[-2000:]}")
             return 1
         embedded = StorageManager(KVTierConfig(chunk_size=ns.chunk_size, cpu_capacity=capacity), ns)
+
+        def connect(name: str, **kw: Any) -> ServiceClient:
+            # Short waits, the server's exit checked between them: a server that dies after making
+            # its socket ends the run within a second, not after each client's own timeout.
+            c = ServiceClient(sock, ns, name, timeout_s=5.0, wait_connected_s=0.5, **kw)
+            clients.append(c)
+            while not c.connected and proc is not None and proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    c.wait_connected(0.5)
+                except ServiceUnavailable:
+                    pass
+            return c
+
+        deadline = time.monotonic() + 60.0
         # As the vLLM connector's client (kvtier.integrations.vllm.modes.service_client): verified by
         # the client, each run hashed in the copy right after it is read.
-        client = ServiceClient(sock, ns, "bench", timeout_s=5.0, wait_connected_s=60.0, verify="client")
-        clients.append(client)
-        server_checks = ServiceClient(sock, ns, "bench-sv", timeout_s=5.0, wait_connected_s=60.0, verify="server")
-        clients.append(server_checks)
+        client = connect("bench", verify="client")
+        server_checks = connect("bench-sv", verify="server")
         # Diagnostic: the opt-in helper thread, hashing each chunk while the caller copies it.
-        helper_checks = ServiceClient(sock, ns, "bench-helper", timeout_s=5.0, wait_connected_s=60.0,
-                                      verify="client", verify_helper=True)
-        clients.append(helper_checks)
+        helper_checks = connect("bench-helper", verify="client", verify_helper=True)
         if not all(c.connected for c in clients):
-            err = proc.stderr.read().decode() if proc.poll() is not None and proc.stderr else ""
-            print(f"kvtier server did not come up: {err[-2000:]}")
+            err = proc.stderr.read().decode() if proc.poll() is not None and proc.stderr else "no connection in 60 s"
+            print(f"kvtier server did not come up: {err[-2000:] or f'it exited with code {proc.returncode}'}")
             return 1
         stores: dict[str, KVStore] = {"embedded": embedded, "server": client}
 

@@ -55,9 +55,10 @@ def load_blocks_checked(
     chunk: np.ndarray, kv: PagedKV, block_ids: Sequence[int], offset: int, expected: int
 ) -> bool:
     """:func:`load_blocks`, checking the chunk against ``expected`` (the xxh3-64 of its whole slot)
-    as it copies: in slot order (layer, then block), each run is hashed right after its copy
-    read it, while it is still in the CPU cache, so the check adds no pass over memory (runs
-    the load does not need are hashed too: the checksum covers the whole slot). The blocks are
+    as it copies: in slot order (layer, then block), each copied run is hashed from its
+    destination right after the copy wrote it, while it is still in the CPU cache, so the check
+    adds no pass over memory and covers exactly the bytes the engine received (runs the load
+    does not need are hashed from the slot: the checksum covers the whole slot). The blocks are
     written before the verdict: on False the caller treats them as unfilled (recomputed).
 
     Returns:
@@ -75,8 +76,11 @@ def load_blocks_checked(
         for j in range(src.shape[0]):
             b = to.get(j)
             if b is not None:
-                np.copyto(layer[b], src[j])
-            h.update(src[j])
+                dst = layer[b]
+                np.copyto(dst, src[j])
+                h.update(dst)  # the bytes the engine got: a scribble undone after the copy is still seen
+            else:
+                h.update(src[j])
     for src in chunk[len(layers):]:  # (a slot with more layers than the KV: hashed, not copied)
         h.update(src)
     return h.intdigest() == expected
@@ -109,7 +113,11 @@ def load_handle(
     if want is None:
         load_blocks(view(handle.buffer), kv, block_ids, offset)
         return
-    ok = load_blocks_checked(view(handle.view), kv, block_ids, offset, want)
+    try:
+        ok = load_blocks_checked(view(handle.view), kv, block_ids, offset, want)
+    except BaseException:
+        handle.unclaim()  # no verdict: a later reader checks it (never a 10 s wait for this one)
+        raise
     handle.settle(ok)
     if not ok:
         raise ChunkUnavailable(f"kvtier: the bytes of chunk {handle.key.hex()[:16]} differ from its commit checksum")

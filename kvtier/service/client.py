@@ -118,6 +118,13 @@ class ServiceReadHandle:
             return None
         return self.expected if client._verifier.claim(self) else None
 
+    def unclaim(self) -> None:
+        """Give back a :meth:`claim` whose check did not finish (the copy raised): the chunk is
+        pending again, for the next reader to check."""
+        client = self._client
+        if client is not None:
+            client._verifier.unclaim(self)
+
     def settle(self, ok: bool) -> None:
         """Record the verdict of a check made by the caller after :meth:`claim` (a mismatch is
         reported to the server when the handle closes)."""

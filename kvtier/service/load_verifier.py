@@ -12,10 +12,12 @@ checks the chunk while it copies it, in one of two ways (the vLLM worker's copy,
 :func:`kvtier.integrations.block_copy.load_handle`):
 
 - by default (``verify_helper=False``) the copy takes the checksum
-  (:meth:`ServiceReadHandle.claim`) and hashes each run of the slot right after it copied
-  it, while it is in the CPU cache (:func:`~kvtier.integrations.block_copy.load_blocks_checked`):
-  the hash reads every byte after the copy read it, so a byte scribbled before it was
-  copied is always in the hash;
+  (:meth:`ServiceReadHandle.claim`) and hashes each copied run from its destination right
+  after writing it, while it is in the CPU cache (:func:`~kvtier.integrations.block_copy.load_blocks_checked`):
+  the hash covers exactly the bytes the engine received. This is the vLLM worker's copy for
+  one KV cache group on the CPU backend; its hybrid-model (grouped) and CUDA copies read
+  :attr:`ServiceReadHandle.buffer`, checked just before they copy, which leaves the window
+  of the server-side check between the two reads;
 - with a helper thread (``verify_helper=True``, opt-in): as each chunk's copy starts the
   copier hands the chunk to the helper (:meth:`ServiceReadHandle.check_beside`), which
   hashes the whole slot without the GIL while the copier copies it, then the copy waits
@@ -157,6 +159,12 @@ class LoadVerifier:
             except ValueError:
                 pass
             return True
+
+    def unclaim(self, handle: Checked) -> None:
+        """Undo :meth:`claim` for a check that did not finish (no verdict was reached)."""
+        with self._cv:
+            if handle.verdict == PENDING:
+                handle.taken = False
 
     def settle(self, handle: Checked, ok: bool) -> None:
         """Record the verdict of a check made by the caller after :meth:`claim` (a handle's first

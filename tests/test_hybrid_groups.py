@@ -194,6 +194,51 @@ def test_grouped_copies_use_each_layers_own_block_ids_and_skip_null_blocks() -> 
         save_blocks_grouped(layers, groups, chunk, [(3,), (7, 8)])
 
 
+def test_the_checked_grouped_copy_is_the_grouped_copy_plus_the_whole_slot_checksum() -> None:
+    """Hybrid models' loads through a client that verifies (hostile re-check, December 6: the
+    grouped copy read the checked ``buffer`` and copied later, leaving a window between the two
+    reads); the checked grouped copy hashes what each engine block received."""
+    from kvtier.integrations.block_copy import load_blocks_grouped_checked, load_handle_grouped
+    from kvtier.service.integrity import chunk_sum
+    from kvtier.storage.types import ChunkUnavailable
+
+    rng = np.random.default_rng(1)
+    chunk = rng.integers(0, 255, (3, 2, 8), dtype=np.uint8)
+    groups, ids = [0, 1, 0], [(-1, 9), (5, 6)]
+    plain = [np.zeros((12, 8), dtype=np.uint8) for _ in range(3)]
+    load_blocks_grouped(chunk, plain, groups, ids, skip=-1)
+    checked = [np.zeros((12, 8), dtype=np.uint8) for _ in range(3)]
+    assert load_blocks_grouped_checked(chunk, checked, groups, ids, 0, -1, chunk_sum(chunk))
+    assert all((a == b).all() for a, b in zip(plain, checked))
+    bad = chunk.copy()
+    bad[0, 0, 0] ^= 1  # a run no block of this load takes (the null slot): still in the checksum
+    assert not load_blocks_grouped_checked(bad, checked, groups, ids, 0, -1, chunk_sum(chunk))
+    with pytest.raises(IndexError):
+        load_blocks_grouped_checked(chunk, checked, groups, [(-1, 12), (5, 6)], 0, -1, chunk_sum(chunk))
+
+    class Handle:  # a client-verified read handle, as kvtier.service.client.ServiceReadHandle
+        def __init__(self, view: np.ndarray, want: int) -> None:
+            self.view, self.want, self.key, self.verdict, self.taken = view, want, b"k" * 32, 0, False
+
+        def claim(self) -> int | None:
+            self.taken = True
+            return self.want
+
+        def unclaim(self) -> None:
+            self.taken = False
+
+        def settle(self, ok: bool) -> None:
+            self.verdict = 1 if ok else 2
+
+    h = Handle(bad.reshape(-1), chunk_sum(chunk))
+    with pytest.raises(ChunkUnavailable):
+        load_handle_grouped(h, lambda flat: flat.reshape(3, 2, 8), checked, groups, ids, 0, skip=-1)
+    assert h.verdict == 2
+    h = Handle(chunk.reshape(-1), chunk_sum(chunk))
+    load_handle_grouped(h, lambda flat: flat.reshape(3, 2, 8), checked, groups, ids, 0, skip=-1)
+    assert h.verdict == 1 and all((a == b).all() for a, b in zip(plain, checked))
+
+
 def test_a_chunk_prefilled_across_steps_past_its_window_is_not_saved() -> None:
     """Window 8 tokens, chunks of 32 (2 blocks): chunk 0 prefilled as 24 then 8 tokens. Before the
     second step vLLM may free the window group's tokens < 24 - 8 + 1 = 17 (block 0): chunk 0 can no

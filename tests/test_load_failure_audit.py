@@ -261,7 +261,7 @@ def _item2(e: Engine) -> None:
 def test_audit_catches_loads_made_a_noop(engines, monkeypatch) -> None:
     """Loads that copy nothing and report success: the audit must see the wrong chunks stored."""
     # Every copy the worker makes into engine blocks (one group: load_handle; hybrid: grouped).
-    for name in ("load_handle", "load_blocks", "load_blocks_grouped"):
+    for name in ("load_handle", "load_blocks", "load_handle_grouped"):
         monkeypatch.setattr(f"kvtier.integrations.vllm.worker.{name}", lambda *a, **kw: None)
     e = engines(max_num_batched_tokens=16)
     prompt = tokens(9, 80)

@@ -51,6 +51,26 @@ def save_blocks(kv: PagedKV, chunk: np.ndarray, block_ids: Sequence[int]) -> Non
             np.copyto(out[j], layer[b])
 
 
+def _copy_checked(chunk: np.ndarray, layers: Sequence[np.ndarray], maps: Sequence[dict[int, int]],
+                  expected: int) -> bool:
+    """Copy ``chunk[l, j]`` into ``layers[l][maps[l][j]]`` for every mapped run, hashing the whole
+    slot in slot order (layer, then block) as it goes: a copied run from its destination right
+    after the copy wrote it, an unmapped one from the slot. True if the hash is ``expected``."""
+    h = xxhash.xxh3_64()
+    for src, layer, to in zip(chunk, layers, maps):
+        for j in range(src.shape[0]):
+            b = to.get(j)
+            if b is not None:
+                dst = layer[b]
+                np.copyto(dst, src[j])
+                h.update(dst)  # the bytes the engine got: a scribble undone after the copy is still seen
+            else:
+                h.update(src[j])
+    for src in chunk[len(layers):]:  # (a slot with more layers than the KV: hashed, not copied)
+        h.update(src)
+    return h.intdigest() == expected
+
+
 def load_blocks_checked(
     chunk: np.ndarray, kv: PagedKV, block_ids: Sequence[int], offset: int, expected: int
 ) -> bool:
@@ -67,23 +87,56 @@ def load_blocks_checked(
     Raises:
         IndexError: a block id outside the KV cache.
     """
-    layers = [kv[i] for i in range(kv.shape[0])] if isinstance(kv, np.ndarray) and kv.ndim == 3 else kv
+    layers: Sequence[np.ndarray] = [kv[i] for i in range(kv.shape[0])] if isinstance(kv, np.ndarray) and kv.ndim == 3 \
+        else list(kv)
     if layers:
         _check(block_ids, layers[0].shape[0])
     to = {offset + j: b for j, b in enumerate(block_ids)}
-    h = xxhash.xxh3_64()
-    for src, layer in zip(chunk, layers):
-        for j in range(src.shape[0]):
-            b = to.get(j)
-            if b is not None:
-                dst = layer[b]
-                np.copyto(dst, src[j])
-                h.update(dst)  # the bytes the engine got: a scribble undone after the copy is still seen
-            else:
-                h.update(src[j])
-    for src in chunk[len(layers):]:  # (a slot with more layers than the KV: hashed, not copied)
-        h.update(src)
-    return h.intdigest() == expected
+    return _copy_checked(chunk, layers, [to] * len(layers), expected)
+
+
+def load_blocks_grouped_checked(chunk: np.ndarray, layers: Sequence[np.ndarray], layer_groups: Sequence[int],
+                                ids_by_group: Sequence[Sequence[int]], offset: int, skip: int | None,
+                                expected: int) -> bool:
+    """:func:`load_blocks_grouped`, checked as :func:`load_blocks_checked` checks (hybrid models).
+
+    Returns:
+        True if the slot's bytes matched ``expected``.
+
+    Raises:
+        IndexError: a block id outside the KV cache.
+    """
+    if layers:
+        for ids in ids_by_group:
+            _check([b for b in ids if b != skip], layers[0].shape[0])
+    by_group = [{offset + j: b for j, b in enumerate(ids) if b != skip} for ids in ids_by_group]
+    return _copy_checked(chunk, layers, [by_group[g] for g in layer_groups[: len(layers)]], expected)
+
+
+def _load_verified(handle: Any, view: Callable[[np.ndarray], np.ndarray], plain: Callable[[np.ndarray], None],
+                   checked: Callable[[np.ndarray, int], bool]) -> None:
+    """The verification choice of :func:`load_handle` and :func:`load_handle_grouped`."""
+    beside = getattr(handle, "check_beside", None)
+    if beside is not None and beside():
+        # The client's helper thread hashes this chunk while this thread copies it (two cores
+        # reading the slot at once), then the copy waits for the verdict. As in the checked copy,
+        # the blocks are written first and are unfilled if the verdict is bad.
+        plain(view(handle.view))
+        handle.buffer  # noqa: B018 - waits for the verdict; ChunkUnavailable on a mismatch
+        return
+    claim = getattr(handle, "claim", None)
+    want = claim() if claim is not None else None
+    if want is None:
+        plain(view(handle.buffer))
+        return
+    try:
+        ok = checked(view(handle.view), want)
+    except BaseException:
+        handle.unclaim()  # no verdict: a later reader checks it (never a 10 s wait for this one)
+        raise
+    handle.settle(ok)
+    if not ok:
+        raise ChunkUnavailable(f"kvtier: the bytes of chunk {handle.key.hex()[:16]} differ from its commit checksum")
 
 
 def load_handle(
@@ -92,35 +145,31 @@ def load_handle(
     """Copy a read handle's chunk into engine blocks ``block_ids`` (``view`` maps its flat slot to
     ``[num_layers, blocks_per_chunk, block_bytes]``). A handle that still carries a checksum to
     check (a ``kvtier server`` client with ``verify="client"``: ``claim()``) is checked as it is
-    copied: by its client's helper thread beside the copy where it has one (``check_beside()``;
-    the copy then waits for the verdict), else in the copy itself (:func:`load_blocks_checked`);
-    any other is copied as it is (``buffer``: verified before, or nothing to verify).
+    copied: in the copy itself (:func:`load_blocks_checked`), or by its client's opt-in helper
+    thread beside the copy (``check_beside()``; the copy then waits for the verdict); any other
+    is copied as it is (``buffer``: verified before, or nothing to verify).
 
     Raises:
         ChunkUnavailable: the chunk's bytes differ from its commit checksum (its blocks are unfilled).
         IndexError: a block id outside the KV cache.
     """
-    beside = getattr(handle, "check_beside", None)
-    if beside is not None and beside():
-        # The client's helper thread hashes this chunk while this thread copies it (two cores
-        # reading the slot at once), then the copy waits for the verdict. As in the checked copy,
-        # the blocks are written first and are unfilled if the verdict is bad.
-        load_blocks(view(handle.view), kv, block_ids, offset)
-        handle.buffer  # noqa: B018 - waits for the verdict; ChunkUnavailable on a mismatch
-        return
-    claim = getattr(handle, "claim", None)
-    want = claim() if claim is not None else None
-    if want is None:
-        load_blocks(view(handle.buffer), kv, block_ids, offset)
-        return
-    try:
-        ok = load_blocks_checked(view(handle.view), kv, block_ids, offset, want)
-    except BaseException:
-        handle.unclaim()  # no verdict: a later reader checks it (never a 10 s wait for this one)
-        raise
-    handle.settle(ok)
-    if not ok:
-        raise ChunkUnavailable(f"kvtier: the bytes of chunk {handle.key.hex()[:16]} differ from its commit checksum")
+    _load_verified(handle, view, lambda c: load_blocks(c, kv, block_ids, offset),
+                   lambda c, want: load_blocks_checked(c, kv, block_ids, offset, want))
+
+
+def load_handle_grouped(handle: Any, view: Callable[[np.ndarray], np.ndarray], layers: Sequence[np.ndarray],
+                        layer_groups: Sequence[int], ids_by_group: Sequence[Sequence[int]], offset: int = 0,
+                        skip: int | None = None) -> None:
+    """:func:`load_handle` for hybrid models: :func:`load_blocks_grouped`, checked as it copies
+    (:func:`load_blocks_grouped_checked`) where the handle carries a checksum.
+
+    Raises:
+        ChunkUnavailable: the chunk's bytes differ from its commit checksum (its blocks are unfilled).
+        IndexError: a block id outside the KV cache.
+    """
+    _load_verified(handle, view, lambda c: load_blocks_grouped(c, layers, layer_groups, ids_by_group, offset, skip),
+                   lambda c, want: load_blocks_grouped_checked(c, layers, layer_groups, ids_by_group, offset, skip,
+                                                               want))
 
 
 def load_blocks(chunk: np.ndarray, kv: PagedKV, block_ids: Sequence[int], offset: int = 0) -> None:

@@ -14,10 +14,10 @@ checks the chunk while it copies it, in one of two ways (the vLLM worker's copy,
 - by default (``verify_helper=False``) the copy takes the checksum
   (:meth:`ServiceReadHandle.claim`) and hashes each copied run from its destination right
   after writing it, while it is in the CPU cache (:func:`~kvtier.integrations.block_copy.load_blocks_checked`):
-  the hash covers exactly the bytes the engine received. This is the vLLM worker's copy for
-  one KV cache group on the CPU backend; its hybrid-model (grouped) and CUDA copies read
-  :attr:`ServiceReadHandle.buffer`, checked just before they copy, which leaves the window
-  of the server-side check between the two reads;
+  the hash covers exactly the bytes the engine received. This is the vLLM worker's copy on
+  the CPU backend, hybrid models included (:func:`~kvtier.integrations.block_copy.load_handle_grouped`);
+  its CUDA copies read :attr:`ServiceReadHandle.buffer`, checked just before they copy, which
+  leaves the window of the server-side check between the two reads;
 - with a helper thread (``verify_helper=True``, opt-in): as each chunk's copy starts the
   copier hands the chunk to the helper (:meth:`ServiceReadHandle.check_beside`), which
   hashes the whole slot without the GIL while the copier copies it, then the copy waits

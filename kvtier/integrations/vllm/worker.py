@@ -31,7 +31,7 @@ import numpy as np
 
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import KeyNamespace
-from kvtier.integrations.block_copy import load_blocks, load_blocks_grouped, load_handle, save_blocks, save_blocks_grouped
+from kvtier.integrations.block_copy import load_blocks, load_handle, load_handle_grouped, save_blocks, save_blocks_grouped
 from kvtier.integrations.vllm.groups import KVGroups
 from kvtier.integrations.vllm.kv_events import TierChanges, WorkerTierFeed
 from kvtier.integrations.vllm.modes import close_worker_store, open_worker_store
@@ -300,7 +300,7 @@ class KVTierWorker:
                     if self._torch is not None:
                         self._torch.copy_chunk_in(handle.buffer, tuple(ch.block_ids), ch.offset)
                     elif self.groups.multi:
-                        load_blocks_grouped(self._chunk_view(handle.buffer), self._layers, self._layer_groups,
+                        load_handle_grouped(handle, self._chunk_view, self._layers, self._layer_groups,
                                             (ch.block_ids, *ch.more_blocks), ch.offset, skip=-1)
                     else:
                         load_handle(handle, self._chunk_view, self._kv, ch.block_ids, ch.offset)

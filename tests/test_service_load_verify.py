@@ -29,6 +29,11 @@ def test_the_gil_free_hash_is_the_same_xxh3() -> None:
     assert chunk_sum_nogil(strided) == chunk_sum(np.ascontiguousarray(strided))
 
 
+def _flat_view(flat: np.ndarray) -> np.ndarray:
+    """A test namespace's flat slot as one layer of one block ``[1, 1, chunk_bytes]``."""
+    return flat.reshape(1, 1, -1)
+
+
 def _scribble(srv: object, short_dir: Path, key: bytes) -> None:
     """Overwrite ``key``'s committed slot through another client's read-write mapping."""
     host = srv.hosts()[0]  # type: ignore[attr-defined]
@@ -184,13 +189,10 @@ def test_the_connector_copy_checks_a_client_verified_load_as_it_copies(
         h0, h1 = b.open_read_many([(KEYS[0], None), (KEYS[1], KEYS[0])])
         kv = np.zeros((1, 4, b.chunk_bytes), dtype=np.uint8)
 
-        def view(flat: np.ndarray) -> np.ndarray:
-            return flat.reshape(1, 1, -1)
-
-        load_handle(h0, view, kv, [2])
+        load_handle(h0, _flat_view, kv, [2])
         assert np.array_equal(kv[0, 2], payload_for(KEYS[0], b.chunk_bytes)) and h0.verdict == 1
         with pytest.raises(ChunkUnavailable):
-            load_handle(h1, view, kv, [3])
+            load_handle(h1, _flat_view, kv, [3])
         assert b._verifier.checked == 2 and h1.claim() is None  # settled: nothing left to check
         for h in (h0, h1):
             h.close()
@@ -242,14 +244,11 @@ def test_the_helper_thread_hashes_each_chunk_while_the_connector_copies_it(
         assert all(h is not None and h.verdict == 0 for h in handles)  # nothing hashed before the copies
         kv = np.zeros((1, 4, b.chunk_bytes), dtype=np.uint8)
 
-        def view(flat: np.ndarray) -> np.ndarray:
-            return flat.reshape(1, 1, -1)
-
-        block_copy.load_handle(handles[0], view, kv, [0])
+        block_copy.load_handle(handles[0], _flat_view, kv, [0])
         assert np.array_equal(kv[0, 0], payload_for(KEYS[0], b.chunk_bytes)) and handles[0].verdict == 1
         with pytest.raises(ChunkUnavailable, match="commit checksum"):
-            block_copy.load_handle(handles[1], view, kv, [1])
-        block_copy.load_handle(handles[2], view, kv, [2])
+            block_copy.load_handle(handles[1], _flat_view, kv, [1])
+        block_copy.load_handle(handles[2], _flat_view, kv, [2])
         assert np.array_equal(kv[0, 2], payload_for(KEYS[2], b.chunk_bytes))
         assert [h.verdict for h in handles] == [1, 2, 1] and b._verifier.checked == 3
         assert hashed_on == ["kvtier-load-verify"] * 3
@@ -279,12 +278,9 @@ def test_a_chunk_handed_to_a_helper_that_never_runs_is_checked_by_the_copier(
         h0, h1 = b.open_read_many([(KEYS[0], None), (KEYS[1], KEYS[0])])
         kv = np.zeros((1, 2, b.chunk_bytes), dtype=np.uint8)
 
-        def view(flat: np.ndarray) -> np.ndarray:
-            return flat.reshape(1, 1, -1)
-
-        load_handle(h0, view, kv, [0])
+        load_handle(h0, _flat_view, kv, [0])
         with pytest.raises(ChunkUnavailable):
-            load_handle(h1, view, kv, [1])
+            load_handle(h1, _flat_view, kv, [1])
         assert (h0.verdict, h1.verdict) == (1, 2) and not b._verifier._queue
         for h in (h0, h1):
             h.close()
@@ -323,7 +319,7 @@ def test_the_default_copy_sees_a_scribble_that_lands_after_a_helper_would_have_h
         _scribble(srv, short_dir, KEYS[0])  # after the handle was handed out, before the copy
         kv = np.zeros((1, 2, b.chunk_bytes), dtype=np.uint8)
         with pytest.raises(ChunkUnavailable):
-            block_copy.load_handle(h, lambda flat: flat.reshape(1, 1, -1), kv, [1])
+            block_copy.load_handle(h, _flat_view, kv, [1])
         h.close()
         for c in (a, b):
             c.close()
@@ -353,12 +349,9 @@ def test_a_failing_hash_is_a_miss_and_the_helper_lives_on(short_dir: Path, monke
         h0, h1 = b.open_read_many([(KEYS[0], None), (KEYS[1], KEYS[0])])
         kv = np.zeros((1, 2, b.chunk_bytes), dtype=np.uint8)
 
-        def view(flat: np.ndarray) -> np.ndarray:
-            return flat.reshape(1, 1, -1)
-
         for h, blk in ((h0, 0), (h1, 1)):  # whichever thread hashes first meets the failure
             try:
-                load_handle(h, view, kv, [blk])
+                load_handle(h, _flat_view, kv, [blk])
             except ChunkUnavailable:
                 pass
         assert sorted((h0.verdict, h1.verdict)) == [1, 2], "one failed hash is one miss, the other chunk good"
@@ -382,14 +375,11 @@ def test_a_retried_copy_hands_its_chunk_over_once_and_the_first_verdict_stands(s
         (h,) = b.open_read_many([(KEYS[0], None)])
         kv = np.zeros((1, 2, b.chunk_bytes), dtype=np.uint8)
 
-        def view(flat: np.ndarray) -> np.ndarray:
-            return flat.reshape(1, 1, -1)
-
         with pytest.raises(IndexError):
-            load_handle(h, view, kv, [5])
+            load_handle(h, _flat_view, kv, [5])
         assert b._verifier.submit_now(h) in (True, False)  # handed over at most once
         assert sum(1 for x in b._verifier._queue if x is h) <= 1
-        load_handle(h, view, kv, [1])
+        load_handle(h, _flat_view, kv, [1])
         assert h.verdict == GOOD and b._verifier.checked == 1
         b._verifier.settle(h, False)  # a late second verdict is ignored
         assert h.verdict == GOOD and b._verifier.checked == 1
@@ -416,14 +406,11 @@ def test_a_copy_that_raises_gives_its_claim_back_and_the_next_read_checks_at_onc
         (h,) = b.open_read_many([(KEYS[0], None)])
         kv = np.zeros((1, 2, b.chunk_bytes), dtype=np.uint8)
 
-        def view(flat: np.ndarray) -> np.ndarray:
-            return flat.reshape(1, 1, -1)
-
         with pytest.raises(IndexError):
-            load_handle(h, view, kv, [7])
+            load_handle(h, _flat_view, kv, [7])
         assert not h.taken and h.verdict == 0
         t0 = time.monotonic()
-        load_handle(h, view, kv, [1])
+        load_handle(h, _flat_view, kv, [1])
         assert time.monotonic() - t0 < 5 and h.verdict == 1
         assert np.array_equal(kv[0, 1], payload_for(KEYS[0], b.chunk_bytes))
         h.close()

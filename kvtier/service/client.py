@@ -180,8 +180,8 @@ class ServiceClient:
         verify_helper: with ``verify="client"``, hash each chunk on a helper thread while the
             caller copies it (True: faster where a second core is free, but the hash and the copy
             are two reads of the slot, so a scribble between them passes, as with the server's
-            check), or in the caller's own copy, each run right after it is read (False, the
-            default: a scribble before a run is copied is always seen). Measured in
+            check), or in the caller's own copy, each copied run hashed from its destination (False,
+            the default: the hash covers exactly the bytes the engine received). Measured in
             ``kvtier bench server``.
 
     Raises:

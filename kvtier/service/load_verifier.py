@@ -39,10 +39,10 @@ Safety argument (every load is still verified, against the same checksum):
   the fused copy writes the engine's blocks first and raises ``ChunkUnavailable`` when the
   whole slot does not match, and the vLLM worker then reports that chunk's blocks and
   every later one of the request for recompute, as for any failed load;
-- the bytes checked are the bytes copied: by default each run is hashed from the same
-  mapping right after the copy read it (the server-side check, and the opt-in helper,
+- the bytes checked are the bytes copied: by default each copied run is hashed from its
+  destination right after the copy wrote it (the server-side check, and the opt-in helper,
   read the slot apart from the copy, so a scribble between the two reads can pass). Runs
-  the load does not need are hashed too, since the checksum covers the whole slot;
+  the load does not need are hashed from the slot, since the checksum covers the whole slot;
 - the server stays the authority on its cache: a mismatch is reported on ``unload``
   (``corrupt``), the server checks the slot again itself and drops the chunk if it
   differs; a client that lies can only make the server re-hash one of its own

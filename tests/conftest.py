@@ -7,7 +7,9 @@ in float16 is 64 bytes per token, so a 32-token chunk is 2 KiB and a disk file
 
 from __future__ import annotations
 
+import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -173,3 +175,32 @@ def fleet(tmp_path: Path):
     from kvtier.testing.fleet_keys import make_fleet
 
     return make_fleet(tmp_path / "fleet-keys", ["a", "b", "c"])
+
+
+def _ignored_signals() -> int:
+    """This process's ignored-signal mask as the kernel holds it (``SigIgn`` of /proc/self/status;
+    0 where that is not readable): a handler set from C is seen too, unlike ``signal.getsignal``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("SigIgn:"):
+                    return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return 0
+
+
+@pytest.fixture(autouse=True)
+def _terminal_signals_kept(request: pytest.FixtureRequest):
+    """A test (or a library it starts in-process) that leaves SIGINT or SIGTERM ignored changes every
+    later child of this process (an ignored signal survives exec: a Ctrl-C test hung on it). Such a
+    change is undone after the test, with a warning naming it."""
+    watched = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+    before = _ignored_signals() & watched
+    yield
+    added = (_ignored_signals() & watched) & ~before
+    if added:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if added & (1 << (sig - 1)):
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        warnings.warn(f"{request.node.nodeid} left signal mask {added:#x} ignored; restored", stacklevel=1)

@@ -153,6 +153,7 @@ def owner_on_server(client_id: str, owner: str) -> str:
     return f"{len(client_id)}:{client_id}/{owner}"
 
 
+@pytest.mark.slow  # its "slow" case waits out a server timeout (1.5 s)
 @pytest.mark.parametrize("how", ["bad_tier", "raise", "slow"])
 def test_no_lease_outlives_a_failed_server_lookup(short_dir: Path, how: str) -> None:
     with start_server(short_dir) as srv:

@@ -85,6 +85,7 @@ def _harness(url: str, holder: Holder, **extra) -> TierHarness:
     return TierHarness(make=make, read_raw=holder.read, write_raw=holder.write, recovery_s=20.0, **extra)
 
 
+@pytest.mark.slow  # each test opens a Mooncake client; its close unmounts a segment at the master (~1 s)
 class TestMooncakeContract(TierContract):
     @pytest.fixture(scope="class")
     @classmethod
@@ -226,6 +227,7 @@ def test_transfer_relay_orders_parts_and_starts_none_after_the_deadline():
     assert relay.wait_turn(0) is False
 
 
+@pytest.mark.slow  # opens a Mooncake client (its close: ~1 s)
 def test_a_batch_in_parts_moves_one_part_at_a_time_and_every_byte_right(ci_tier):
     """parallel=4: the four parts' transfers never overlap (the checksums run beside them);
     every chunk comes back byte-exact."""
@@ -353,6 +355,7 @@ def _chunks(n, size=64 << 10):
     return keys, vals, [ChunkWrite(k, None, v) for k, v in zip(keys, vals)]
 
 
+@pytest.mark.slow  # opens a Mooncake client (its close: ~1 s)
 def test_a_part_that_fails_before_its_body_holds_up_no_other_part(ci_tier):
     import itertools
     import time
@@ -385,6 +388,7 @@ def test_a_part_that_fails_before_its_body_holds_up_no_other_part(ci_tier):
     assert got[2:] == [True] * 6 and all(np.array_equal(a, b) for a, b in zip(dst[2:], vals[2:]))
 
 
+@pytest.mark.slow  # opens a Mooncake client (its close: ~1 s)
 def test_a_chunk_the_codec_refuses_keeps_its_stored_record(ci_tier):
     from kvtier.serde.registry import make_codec
 
@@ -395,6 +399,7 @@ def test_a_chunk_the_codec_refuses_keeps_its_stored_record(ci_tier):
     assert tier.contains_many(keys) == [True] * 4
 
 
+@pytest.mark.slow  # opens a Mooncake client (its close: ~1 s)
 def test_a_key_asked_twice_in_one_get_is_read_once_and_kept(ci_tier):
     import numpy as np
 

@@ -292,6 +292,7 @@ def test_a_port_in_use_names_the_flag_and_leaves_no_socket(tmp_path: Path) -> No
     assert not (tmp_path / "run" / "s.sock").exists()
 
 
+@pytest.mark.slow  # each case starts a CLI with an extra hidden (~1-3 s)
 @pytest.mark.parametrize("argv,module,extra", [
     (["bench", "serve", "--quick"], "httpx", "controller"),  # imported before the command's error handling
     (["demo", "--quick"], "transformers", "vllm-cpu"),

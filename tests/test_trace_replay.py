@@ -131,6 +131,7 @@ def test_replay_of_the_excerpt_matches_a_direct_lru_and_stays_under_the_ceilings
     json.dumps(rep.as_dict())
 
 
+@pytest.mark.slow  # a CLI process and a matplotlib plot (~1.3 s)
 def test_cli_replays_a_trace_file_with_json_and_plot(tmp_path: Path) -> None:
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     res = CliRunner().invoke(app, ["simulate", "--trace-file", str(EXCERPT), "--capacity-tokens", "20k,100k",

@@ -301,6 +301,9 @@ def test_the_helper_is_opt_in_and_its_flag_is_checked(short_dir: Path) -> None:
         for bad in ("yes", 1, 0.0, None):
             with pytest.raises(ValueError, match="verify_helper"):
                 connect(short_dir / "s.sock", client_id="engine-bad", verify="client", verify_helper=bad)
+        # With the server checking, a helper would never run: refused, not silently unused.
+        with pytest.raises(ValueError, match="verify='client'"):
+            connect(short_dir / "s.sock", client_id="engine-bad", verify="server", verify_helper=True)
 
 
 def test_the_default_copy_sees_a_scribble_that_lands_after_a_helper_would_have_hashed(

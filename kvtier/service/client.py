@@ -186,7 +186,7 @@ class ServiceClient:
 
     Raises:
         ValueError: malformed address or non-positive timeouts, a ``verify`` or ``verify_helper``
-            outside its values, or a namespace the protocol
+            outside its values, ``verify_helper=True`` without ``verify="client"``, or a namespace the protocol
             cannot carry (``ProtocolError``, e.g. a model name over 1,024 characters).
     """
 
@@ -212,6 +212,8 @@ class ServiceClient:
             raise ValueError(f"verify must be 'server' or 'client', got {verify!r}")
         if not isinstance(verify_helper, bool):
             raise ValueError(f"verify_helper must be True or False, got {verify_helper!r}")
+        if verify_helper and verify != "client":  # it would be silently unused: the server checks
+            raise ValueError("verify_helper=True needs verify='client' (with verify='server' the server checks every load)")
         self.verify = verify
         self._verifier = LoadVerifier(helper=verify_helper)
         self.address = address

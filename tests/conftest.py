@@ -177,30 +177,44 @@ def fleet(tmp_path: Path):
     return make_fleet(tmp_path / "fleet-keys", ["a", "b", "c"])
 
 
-def _ignored_signals() -> int:
-    """This process's ignored-signal mask as the kernel holds it (``SigIgn`` of /proc/self/status;
-    0 where that is not readable): a handler set from C is seen too, unlike ``signal.getsignal``."""
+def _signal_masks() -> tuple[int, int]:
+    """This process's ignored and blocked signal masks as the kernel holds them (``SigIgn`` and
+    ``SigBlk`` of /proc/self/status; 0 where not readable): changes made from C are seen too,
+    unlike ``signal.getsignal``. Both survive exec, so both reach every later child."""
+    masks = {"SigIgn:": 0, "SigBlk:": 0}
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("SigIgn:"):
-                    return int(line.split()[1], 16)
+                head = line[:7]
+                if head in masks:
+                    masks[head] = int(line.split()[1], 16)
     except OSError:
         pass
-    return 0
+    return masks["SigIgn:"], masks["SigBlk:"]
+
+
+_WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_WATCHED = sum(1 << (s - 1) for s in _WATCHED_SIGNALS)
+#: The masks this test process started with: a change by a module- or session-scoped fixture is
+#: seen at the end of the first test after it, not taken as the state to keep.
+_SESSION_IGNORED, _SESSION_BLOCKED = (m & _WATCHED for m in _signal_masks())
 
 
 @pytest.fixture(autouse=True)
 def _terminal_signals_kept(request: pytest.FixtureRequest):
-    """A test (or a library it starts in-process) that leaves SIGINT or SIGTERM ignored changes every
-    later child of this process (an ignored signal survives exec: a Ctrl-C test hung on it). Such a
-    change is undone after the test, with a warning naming it."""
-    watched = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
-    before = _ignored_signals() & watched
+    """A test (or a fixture, or a library it starts in-process) that leaves SIGINT or SIGTERM
+    ignored or blocked changes every later child of this process (both survive exec: a Ctrl-C test
+    hung on an ignored SIGINT). Such a change is undone after the test, with a warning naming it."""
     yield
-    added = (_ignored_signals() & watched) & ~before
-    if added:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            if added & (1 << (sig - 1)):
+    ignored, blocked = _signal_masks()
+    new_ignored = ignored & _WATCHED & ~_SESSION_IGNORED
+    new_blocked = blocked & _WATCHED & ~_SESSION_BLOCKED
+    if new_ignored or new_blocked:
+        for sig in _WATCHED_SIGNALS:
+            if new_ignored & (1 << (sig - 1)):
                 signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-        warnings.warn(f"{request.node.nodeid} left signal mask {added:#x} ignored; restored", stacklevel=1)
+        unblock = [sig for sig in _WATCHED_SIGNALS if new_blocked & (1 << (sig - 1))]
+        if unblock:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, unblock)
+        warnings.warn(f"{request.node.nodeid} (or a fixture before it) left signals ignored {new_ignored:#x}, "
+                      f"blocked {new_blocked:#x}; restored", stacklevel=1)

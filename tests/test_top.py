@@ -31,11 +31,12 @@ def run_in_pty(args: list[str], until: bytes | None = None, timeout_s: float = 6
     pid, fd = pty.fork()
     if pid == 0:  # child: the pty is its controlling terminal
         os.environ["COLUMNS"], os.environ["LINES"] = "120", "40"
-        # A terminal's signals as a user's shell gives them: an ignored signal survives exec, and
+        # A terminal's signals as a user's shell gives them: an ignored or blocked signal survives exec, and
         # something earlier in this test process (a library of another test) may have set SIGINT
         # to SIG_IGN, so Ctrl-C was ignored and the full suite's run of the Ctrl-C test hung.
         for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])  # a blocked mask survives exec too
         os.execv(sys.executable, [sys.executable, "-m", "kvtier.cli", *args])
     out = b""
     sent = False

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 
 from kvtier.controller.operations import BadRequest, UnknownInstance
 from kvtier.protocol.decoding import decode
+from kvtier.controller.body_gate import BodyGate
 from kvtier.protocol.fleet import MAX_LOCATE_KEYS
 from kvtier.storage.types import TIER_KINDS
 
@@ -55,6 +56,11 @@ class ServedController(Protocol):
 
 #: Most tokens one request may carry (a 4M-token prompt).
 MAX_TOKENS = 1 << 22
+#: The token routes that take a body: their body is read only from a client with the token.
+API_BODY_ROUTES = ("/lookup", "/locate", "/clear", "/pin", "/unpin", "/move", "/compress", "/decompress")
+#: Largest request body of those routes, bytes: a JSON ``/lookup`` of ``MAX_TOKENS`` token ids
+#: (up to 10 digits and a separator each; a binary body is 4 bytes a token). Larger: 413.
+MAX_BODY_BYTES = 12 * MAX_TOKENS + (64 << 10)
 
 Token = Annotated[StrictInt, Field(ge=0, lt=2**32)]
 HexKey = Annotated[str, Field(pattern=r"^[0-9a-fA-F]{64}$")]
@@ -284,6 +290,8 @@ def create_app(controller: ServedController) -> FastAPI:
 
     access = DashboardAccess(lambda: controller.token, controller.http_host, lambda: controller.http_port)
     app.add_middleware(LoopbackHostOnly, access=access)  # tokenless: loopback Host names only (DNS rebinding)
+    # Outermost: no body is read for a token route without the token, and every body is bounded.
+    app.add_middleware(BodyGate, token=lambda: controller.token, protected=API_BODY_ROUTES, max_body=MAX_BODY_BYTES)
     dash = mount_dashboard(app, controller, registry, access)
 
     def _answer(rec_json: dict[str, Any] | None, event_id: str, wait: bool) -> dict[str, Any]:

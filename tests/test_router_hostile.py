@@ -603,3 +603,55 @@ def test_a_tokenizer_that_chokes_routes_on_load_never_500(fleet) -> None:
         assert _complete(c, "any text").status_code == 200
         assert c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}).status_code == 200
         assert 'kvtier_router_untokenized_total 2.0' in c.get("/metrics").text
+
+
+def _stalled_bodies(url: str, n: int, declared: int, sent: int) -> list[Any]:
+    """``n`` connections that each declare ``declared`` body bytes, send ``sent`` of them and stall."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection((u.hostname, u.port), timeout=10)
+        s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {declared}\r\n\r\n").encode() + b" " * sent)
+        socks.append(s)
+    return socks
+
+
+def _status_of(s: Any, timeout_s: float = 10.0) -> int:
+    s.settimeout(timeout_s)
+    data = b""
+    while b"\r\n" not in data:
+        chunk = s.recv(4096)
+        if not chunk:
+            return 0
+        data += chunk
+    return int(data.split(b" ", 2)[1])
+
+
+def test_stalled_large_bodies_hold_a_bounded_total_and_time_out(fleet) -> None:
+    """Hostile trial (December 7): connections declaring 16 MB that stall before the last bytes held
+    ~15.6 MB each without end (60: RSS 79 -> 1,022 MB). Bodies still arriving hold at most
+    ``max_reading_bytes`` together (beyond: 503), and each must arrive within ``body_timeout_s`` (408)."""
+    backs, _, _ = fleet
+    with contextlib.closing(_router(backs, None, max_body_bytes=4 << 20)) as r, \
+            httpx.Client(base_url=r.url, timeout=10) as c:
+        adm = r.router.admission
+        adm.max_reading_bytes = 3 << 20  # three 1 MiB stalled bodies fit
+        adm.body_timeout_s = 2.0
+        held = _stalled_bodies(r.url, 3, 4 << 20, 1 << 20)
+        try:
+            wait_until(lambda: adm.reading_bytes >= 3 << 20, 10, "three stalled bodies counted")
+            late = _stalled_bodies(r.url, 1, 4 << 20, 1 << 20)[0]
+            assert _status_of(late) == 503  # the fourth would pass the total: refused, not held
+            late.close()
+            assert adm.reading_bytes <= adm.max_reading_bytes
+            assert _complete(c, [1, 2, 3]).status_code == 200  # a small request is never counted
+            assert [_status_of(s) for s in held] == [408] * 3  # the stalled ones time out
+            wait_until(lambda: adm.reading_bytes == 0, 10, "every stalled body released")
+        finally:
+            for s in held:
+                s.close()
+        assert len(backs[0].requests) + len(backs[1].requests) == 1  # only the small completion

@@ -5,6 +5,11 @@ stay free for everyone else, and a few huge prompts must not make ordinary ones 
 
 * The body is read with a bound (:attr:`Admission.max_body_bytes`): a ``Content-Length``
   beyond it, or a chunked upload that grows beyond it, is answered 413 before more is read.
+  Bodies still arriving may hold at most :attr:`Admission.max_reading_bytes` together (bodies
+  over ``small_bytes`` count; beyond it: 503 with ``Retry-After``), and a body must arrive
+  within :attr:`Admission.body_timeout_s` (else 408). Hostile trial, December 7: connections
+  that declared 16 MB and stalled before the last bytes held ~15.6 MB each, without end
+  (60 of them: router RSS 79 -> 1,022 MB; the PD proxy the same).
 * Parsing the JSON (msgspec) and tokenizing run off the event loop, on the router's own
   threads, in two lanes: bodies up to :attr:`Admission.small_bytes` (an 8 KiB chat turn) on
   one pool, larger ones on another, so small prompts never queue behind large ones.
@@ -34,6 +39,10 @@ T = TypeVar("T")
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 #: Bodies up to this size (bytes) take the small lane (their parse and tokenization: ~10 ms at most).
 SMALL_BYTES = 64 << 10
+#: Bytes of large bodies still arriving, all clients together, by default (4 largest bodies).
+DEFAULT_MAX_READING_BYTES = 4 * DEFAULT_MAX_BODY_BYTES
+#: Seconds a request's body may take to arrive, by default.
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 class Refused(Exception):
@@ -112,16 +121,24 @@ class Admission:
         small_queue / large_queue: jobs of one client waiting in the small / large lane before 429
             (>= 0).
         threads: threads of each lane (>= 1).
+        max_reading_bytes: bytes of bodies over ``small_bytes`` still arriving, all clients
+            together (default: 4 x the default ``max_body_bytes``, at least ``max_body_bytes``).
+        body_timeout_s: seconds one body may take to arrive (> 0).
 
     Raises:
         ValueError: a bound that cannot work.
     """
 
     def __init__(self, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, small_bytes: int = SMALL_BYTES,
-                 per_client: int = 2, small_queue: int = 1024, large_queue: int = 64, threads: int = 2) -> None:
+                 per_client: int = 2, small_queue: int = 1024, large_queue: int = 64, threads: int = 2,
+                 max_reading_bytes: int | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         if (max_body_bytes < 1 or small_bytes < 0 or per_client < 1 or small_queue < 0 or large_queue < 0
-                or threads < 1):
+                or threads < 1 or not body_timeout_s > 0 or (max_reading_bytes is not None and max_reading_bytes < 1)):
             raise ValueError("admission bounds must be positive")
+        self.max_reading_bytes = max(max_body_bytes, DEFAULT_MAX_READING_BYTES) if max_reading_bytes is None \
+            else max_reading_bytes
+        self.body_timeout_s = body_timeout_s
+        self.reading_bytes = 0  # large bodies' bytes received so far, of bodies still arriving
         self.max_body_bytes = max_body_bytes
         self.small_bytes = small_bytes
         self._small = _Lane("small", threads, per_client, small_queue)
@@ -139,12 +156,25 @@ class Admission:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_big
         parts: list[bytes] = []
-        n = 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                raise too_big
-            parts.append(chunk)
+        n = held = 0
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.stream():
+                    n += len(chunk)
+                    if n > limit:
+                        raise too_big
+                    if n > self.small_bytes:  # event loop only: no await between check and update
+                        grow = n - held
+                        if self.reading_bytes + grow > self.max_reading_bytes:
+                            raise Refused(503, "too many large request bodies arriving at once; retry",
+                                          {"Retry-After": "1"})
+                        self.reading_bytes += grow
+                        held += grow
+                    parts.append(chunk)
+        except TimeoutError:
+            raise Refused(408, f"request body not received within {self.body_timeout_s:g} s") from None
+        finally:
+            self.reading_bytes -= held
         return b"".join(parts)
 
     async def run(self, request: Request, nbytes: int, fn: Callable[[], T]) -> T:
@@ -158,7 +188,7 @@ class Admission:
         return await lane.run(client, fn)
 
     def stats(self) -> dict[str, Any]:
-        return {"max_body_bytes": self.max_body_bytes, "refused_429": self._small.refused + self._large.refused,
+        return {"max_body_bytes": self.max_body_bytes, "reading_bytes": self.reading_bytes, "refused_429": self._small.refused + self._large.refused,
                 "clients_working": len(self._small.clients) + len(self._large.clients)}
 
     def close(self) -> None:

@@ -285,8 +285,9 @@ class Router:
             prep = await self.admission.run(request, len(body), lambda: prepare(body, chat, self.tokenizer, limit))
         except Refused as exc:
             self.metrics.refused.labels(str(exc.status)).inc()
-            return _error(exc.status, exc.message, "TooManyRequests" if exc.status == 429 else "PayloadTooLarge",
-                          exc.headers)
+            kind = {429: "TooManyRequests", 408: "RequestTimeout", 503: "ServiceUnavailable"}.get(exc.status,
+                                                                                                 "PayloadTooLarge")
+            return _error(exc.status, exc.message, kind, exc.headers)
         except BadBody as exc:
             self.metrics.refused.labels("400").inc()
             return _error(400, str(exc), "BadRequestError")

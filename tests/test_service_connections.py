@@ -386,6 +386,29 @@ def test_idle_http_sockets_do_not_block_a_scrape(short_dir: Path) -> None:
                 s.close()
 
 
+def test_http_sockets_dripping_their_headers_do_not_block_a_scrape(short_dir: Path) -> None:
+    """Hostile trial (December 7): connections that sent a request line and then one header byte
+    at a time counted as busy (not evictable), so 40 of them filled the connections and 8 of 10
+    real scrapes failed. They are evictable until their whole request head is in."""
+    with start_server(short_dir, metrics_port=0, http_max_connections=8, http_timeout_s=30) as srv:
+        port = srv.metrics_port
+        assert port is not None
+        drips = []
+        for _ in range(12):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nX-Slow: a")  # request line, then a header never ended
+            drips.append(s)
+        try:
+            wait_until(lambda: srv._http is not None and srv._http.open_connections == 8, 10, "connections full")
+            for _ in range(5):
+                code, h = http_get(port, "/health")
+                assert code == 200 and h["status"] == "ok"  # type: ignore[index]
+            assert srv._http.open_connections <= 8
+        finally:
+            for s in drips:
+                s.close()
+
+
 def test_idle_http_socket_closed_after_request_timeout(short_dir: Path) -> None:
     with start_server(short_dir, metrics_port=0, http_timeout_s=0.3) as srv:
         assert srv.metrics_port is not None

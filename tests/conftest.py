@@ -8,6 +8,7 @@ in float16 is 64 bytes per token, so a 32-token chunk is 2 KiB and a disk file
 from __future__ import annotations
 
 import signal
+import socket
 import time
 import warnings
 from pathlib import Path
@@ -55,6 +56,18 @@ def wait_until(pred: Callable[[], object], timeout_s: float = 30.0, what: str = 
         if time.monotonic() - t0 > timeout_s:
             raise AssertionError(f"{what} not reached within {timeout_s} s")
         time.sleep(step_s)
+
+
+def http_status(sock: socket.socket, timeout_s: float = 10.0) -> int:
+    """The status code of the HTTP answer arriving on ``sock`` (0 if it closes first)."""
+    sock.settimeout(timeout_s)
+    data = b""
+    while b"\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return 0
+        data += chunk
+    return int(data.split(b" ", 2)[1])
 
 
 def require_redis(cluster: bool = False) -> tuple[str, int]:

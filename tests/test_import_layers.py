@@ -32,7 +32,7 @@ PACKAGE = ROOT / "kvtier"
 #: Layer name -> the module prefixes in it, lowest layer first.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("kvtier.sizes", "kvtier.config_base", "kvtier.version", "kvtier.urls", "kvtier.ports", "kvtier.hosts",
-              "kvtier.malloc_arenas",
+              "kvtier.malloc_arenas", "kvtier.processes",
               "kvtier.errors")),
     ("index", ("kvtier.index",)),
     ("memory", ("kvtier.memory",)),

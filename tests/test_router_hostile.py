@@ -15,7 +15,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from conftest import free_port, wait_until
+from conftest import free_port, http_status, wait_until
 from test_router import BS, DOC, FakeBackend, _blocks, _complete, _router, _stored
 
 from kvtier.events.codec import make_batch
@@ -620,17 +620,6 @@ def _stalled_bodies(url: str, n: int, declared: int, sent: int) -> list[Any]:
     return socks
 
 
-def _status_of(s: Any, timeout_s: float = 10.0) -> int:
-    s.settimeout(timeout_s)
-    data = b""
-    while b"\r\n" not in data:
-        chunk = s.recv(4096)
-        if not chunk:
-            return 0
-        data += chunk
-    return int(data.split(b" ", 2)[1])
-
-
 def test_stalled_large_bodies_hold_a_bounded_total_and_time_out(fleet) -> None:
     """Hostile trial (December 7): connections declaring 16 MB that stall before the last bytes held
     ~15.6 MB each without end (60: RSS 79 -> 1,022 MB). Bodies still arriving hold at most
@@ -645,11 +634,11 @@ def test_stalled_large_bodies_hold_a_bounded_total_and_time_out(fleet) -> None:
         try:
             wait_until(lambda: adm.reading_bytes >= 3 << 20, 10, "three stalled bodies counted")
             late = _stalled_bodies(r.url, 1, 4 << 20, 1 << 20)[0]
-            assert _status_of(late) == 503  # the fourth would pass the total: refused, not held
+            assert http_status(late) == 503  # the fourth would pass the total: refused, not held
             late.close()
             assert adm.reading_bytes <= adm.max_reading_bytes
             assert _complete(c, [1, 2, 3]).status_code == 200  # a small request is never counted
-            assert [_status_of(s) for s in held] == [408] * 3  # the stalled ones time out
+            assert [http_status(s) for s in held] == [408] * 3  # the stalled ones time out
             wait_until(lambda: adm.reading_bytes == 0, 10, "every stalled body released")
         finally:
             for s in held:

@@ -57,6 +57,7 @@ from kvtier.bench.common import (
 from kvtier.integrations.block_copy import load_handle
 from kvtier.config import KVTierConfig
 from kvtier.index.keys import chain_parents
+from kvtier.processes import stop_processes
 from kvtier.service.client import ServiceClient, ServiceUnavailable
 from kvtier.storage.backend import KVStore
 from kvtier.storage.manager import StorageManager
@@ -232,12 +233,7 @@ def run_bench_server(
         if embedded is not None:
             embedded.close()
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=20)
+            stop_processes([proc], 20.0)
         shutil.rmtree(tmp, ignore_errors=True)  # the socket's folder (each run left one behind)
 
     nbytes = chunks * cb

@@ -39,6 +39,7 @@ from kvtier.bench.common import write_json
 from kvtier.bench.soak_options import MiB, SoakOptions
 from kvtier.bench.soak_report import build_report, pct
 from kvtier.ports import PortPicker
+from kvtier.processes import stop_processes
 
 #: Seconds allowed for the server to answer /health and for clients to connect.
 STARTUP_S = 90.0
@@ -62,20 +63,6 @@ def _spawn(args: Sequence[str], log: Path) -> subprocess.Popen:
             [sys.executable, "-m", *args], env=env, stdout=f, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
         )
-
-
-def _stop(procs: Sequence[subprocess.Popen], timeout_s: float) -> None:
-    """SIGTERM each live process, wait up to ``timeout_s`` seconds in all, then SIGKILL."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def _rss_bytes(pid: int) -> int | None:
@@ -207,16 +194,16 @@ def _run(opts: SoakOptions, seconds: float) -> tuple[int, dict[str, Any]]:
                 pass
         final_metrics = _metric_values(_http(metrics_port, "/metrics")[1])
         server_alive = server.poll() is None
-        _stop(workers, 5.0)
-        _stop([server], 20.0)
+        stop_processes(workers, 5.0)
+        stop_processes([server], 20.0)
         results = [_read_json(tmp / f"client-{i}.json") or {"index": i, "error": "no result"} for i in range(opts.clients)]
         hostile = _read_json(tmp / "hostile.json") or {}
         report = build_report(opts, seconds, samples, results, hostile, final_metrics, server_alive,
                               server.returncode, not Path(sock).exists(), _log_summary(tmp / "server.log"))
     finally:
-        _stop(workers, 5.0)
+        stop_processes(workers, 5.0)
         if server is not None:
-            _stop([server], 20.0)
+            stop_processes([server], 20.0)
         shutil.rmtree(tmp, ignore_errors=True)
     return (0 if report["passed"] else 1), report
 

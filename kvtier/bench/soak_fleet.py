@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.common import write_json
-from kvtier.bench.soak import _interrupt, _log_summary, _metric_values, _read_json, _rss_bytes, _stop
+from kvtier.bench.soak import _interrupt, _log_summary, _metric_values, _read_json, _rss_bytes
+from kvtier.processes import stop_processes
 from kvtier.bench.soak_fleet_procs import SoakFleet, get, spawn
 from kvtier.bench.soak_fleet_report import build_report
 
@@ -199,7 +200,7 @@ def _run(opts: FleetSoakOptions) -> tuple[int, dict[str, Any]]:
         ctl_counters = {k.removeprefix("kvtier_controller_").removesuffix("_total"): v
                         for k, v in _metric_values(body.decode() if code == 200 else "").items()
                         if k.startswith("kvtier_controller_") and "{" not in k}
-        _stop(list(workers.values()), 5.0)
+        stop_processes(list(workers.values()), 5.0)
         exits = fleet.stop()
         clients = [_read_json(tmp / f"client-{i}.json") or {"index": i, "error": "no result"} for i in range(opts.clients)]
         lookups = _read_json(tmp / "lookups.json") or {}
@@ -212,7 +213,7 @@ def _run(opts: FleetSoakOptions) -> tuple[int, dict[str, Any]]:
         report = build_report(opts, opts.duration_s, clients, lookups, monitor, hostile, rss, seen_pd, dead,
                               exits, logs, fleet.secrets(), p2p, ctl_counters, _read_json(tmp / "floor.json"))
     finally:
-        _stop(list(workers.values()), 5.0)
+        stop_processes(list(workers.values()), 5.0)
         fleet.stop()
         if opts.keep_logs:
             keep = Path(opts.keep_logs)

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvtier.bench.soak import _die_with_parent, _stop, _tail
+from kvtier.bench.soak import _die_with_parent, _tail
+from kvtier.processes import stop_processes
 from kvtier.ports import PortPicker
 from kvtier.testing.fleet_keys import FleetKeys, make_fleet
 
@@ -255,5 +256,5 @@ class SoakFleet:
 
     def stop(self) -> dict[str, int | None]:
         """Stop every process (SIGTERM, then SIGKILL after 20 s); their exit codes."""
-        _stop(list(self.procs.values()), 20.0)
+        stop_processes(list(self.procs.values()), 20.0)
         return {name: p.returncode for name, p in self.procs.items()}

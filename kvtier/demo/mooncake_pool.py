@@ -37,6 +37,7 @@ from typing import Any
 
 from kvtier.demo.two_engines import _run_engine
 from kvtier.ports import PortPicker
+from kvtier.processes import stop_processes
 
 POOL_BYTES = 1 << 30
 
@@ -68,15 +69,6 @@ def _start_server(sock: str, metrics_port: int, remote_url: str) -> subprocess.P
             time.sleep(0.2)
     proc.kill()
     raise RuntimeError("kvtier server did not start")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
 
 
 def _wait_written(port: int, limit_s: float = 120.0) -> float:
@@ -133,7 +125,7 @@ def run(json_path: Path | None = None, documents: int = 4) -> int:
         print(f"server A wrote {written:.0f} chunks to the Mooncake pool")
         for n, eid, label in [("B", "engine-2", "engine 2 on B (B's tiers cleared)"),
                               ("A", "engine-3", "engine 3 on A (A's tiers cleared)")]:
-            _stop(servers[n])  # a restart empties the server's own tiers; the pool keeps its chunks
+            stop_processes([servers[n]], 60.0)  # a restart empties the server's own tiers; the pool keeps its chunks
             servers[n] = _start_server(socks[n], ports[n], url)
             # What "cleared" means, measured: the restarted server's own tiers hold nothing. (Its hits
             # may still name ``cpu``: a chunk the engine loaded from the pool is promoted into the
@@ -145,7 +137,7 @@ def run(json_path: Path | None = None, documents: int = 4) -> int:
                          "equal_to_cold": sum(a == c for a, c in zip(answers, cold))})
     finally:
         for proc in servers.values():
-            _stop(proc)
+            stop_processes([proc], 60.0)
         owner.stop()
         master.stop()
         shutil.rmtree(work, ignore_errors=True)
